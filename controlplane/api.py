@@ -1,0 +1,302 @@
+"""The admin API (its own listener; the only write path). Routes are thin: they authenticate,
+read the body within limits, and hand over to the write path or a query. One error mapping:
+every RudderError becomes ``{"error": {...}}`` with its class's status, here and nowhere else.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+import uuid
+from collections.abc import Awaitable, Callable
+from datetime import datetime
+from typing import TYPE_CHECKING, Any
+
+from fastapi import FastAPI, Request, Response
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, PlainTextResponse
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from controlplane.auth import Action, Principal
+from controlplane.protocol.errors import (
+    Forbidden,
+    InvalidRequest,
+    NotFound,
+    PayloadTooLarge,
+    RudderError,
+    ServiceUnavailable,
+    Unauthenticated,
+    UnsupportedMediaType,
+)
+from controlplane.protocol.policy import PolicyKind, PolicyOp, parse_kind
+from controlplane.writepath import Attempt, RequestContext
+
+if TYPE_CHECKING:
+    from controlplane.server import ControlPlane
+
+log = logging.getLogger(__name__)
+
+
+def error_response(exc: RudderError, request_id: str | None = None) -> JSONResponse:
+    headers = {}
+    if isinstance(exc, ServiceUnavailable):
+        headers["Retry-After"] = str(exc.retry_after)
+    if isinstance(exc, Unauthenticated):
+        headers["WWW-Authenticate"] = "Bearer"
+    if request_id:
+        headers["X-Request-Id"] = request_id
+    return JSONResponse({"error": exc.to_dict()}, status_code=exc.status_code, headers=headers)
+
+
+class Metrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        self.requests = Counter("rudder_admin_requests", "Admin API requests", ["method", "route", "status"],
+                                registry=self.registry)
+        self.latency = Histogram("rudder_admin_request_seconds", "Admin API latency", ["method", "route"],
+                                 registry=self.registry,
+                                 buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5))
+        self.writes = Counter("rudder_policy_writes", "Policy write decisions", ["decision", "code"],
+                              registry=self.registry)
+
+
+def build_app(cp: ControlPlane, *, lifespan: Any = None) -> FastAPI:
+    app = FastAPI(title="Rudder admin API", version="1", lifespan=lifespan,
+                  description="The only write path for router policy. See docs/api.md.")
+    metrics = Metrics()
+    max_body = cp.settings.max_body_bytes
+
+    # ---- edges ---------------------------------------------------------------------------
+
+    @app.middleware("http")
+    async def observe(request: Request, call_next: Callable[[Request], Awaitable[Response]]) -> Response:
+        request.state.request_id = request.headers.get("x-request-id") or uuid.uuid4().hex
+        start = time.perf_counter()
+        response = await call_next(request)
+        route = request.scope.get("route")
+        path = getattr(route, "path", "unmatched")
+        metrics.requests.labels(request.method, path, str(response.status_code)).inc()
+        metrics.latency.labels(request.method, path).observe(time.perf_counter() - start)
+        response.headers["X-Request-Id"] = request.state.request_id
+        return response
+
+    @app.exception_handler(RudderError)
+    async def on_rudder_error(request: Request, exc: RudderError) -> JSONResponse:
+        return error_response(exc, getattr(request.state, "request_id", None))
+
+    @app.exception_handler(RequestValidationError)
+    async def on_validation(request: Request, exc: RequestValidationError) -> JSONResponse:
+        first = exc.errors()[0] if exc.errors() else {"loc": ["query"], "msg": "invalid"}
+        field = ".".join(str(p) for p in first["loc"][1:]) or "query"
+        return error_response(InvalidRequest(f"{field}: {first['msg']}", field=field))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def on_http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        err = NotFound(str(exc.detail)) if exc.status_code == 404 else RudderError(str(exc.detail))
+        err.status_code = exc.status_code
+        return error_response(err)
+
+    @app.exception_handler(Exception)
+    async def on_bug(request: Request, exc: Exception) -> JSONResponse:
+        log.exception("unhandled error on %s %s", request.method, request.url.path)
+        return error_response(RudderError("internal error (a bug); see the control-plane log"))
+
+    async def principal_of(request: Request) -> Principal:
+        header = request.headers.get("authorization", "")
+        scheme, _, token = header.partition(" ")
+        if scheme.lower() != "bearer" or not token.strip():
+            raise Unauthenticated("missing bearer token")
+        principal = await cp.tokens.authenticate(token.strip())
+        if principal is None:
+            raise Unauthenticated("unknown or revoked token")
+        return principal
+
+    async def require(request: Request, action: Action) -> Principal:
+        principal = await principal_of(request)
+        if not principal.can(action):
+            raise Forbidden(f"role {principal.role.value} may not {action.value}", required=action.value)
+        return principal
+
+    async def write_context(request: Request) -> RequestContext:
+        principal: Principal | None = None
+        auth_error: RudderError | None = None
+        try:
+            principal = await principal_of(request)
+        except Unauthenticated as exc:
+            auth_error = exc
+        client = request.client
+        return RequestContext(
+            request_id=request.state.request_id, principal=principal, auth_error=auth_error,
+            auth_method="bearer" if request.headers.get("authorization") else None,
+            source_ip=client.host if client else None, user_agent=request.headers.get("user-agent"),
+        )
+
+    async def read_json(request: Request, ctx: RequestContext, op: PolicyOp, kind: PolicyKind | None) -> Any:
+        """Body within limits, as JSON. Refusals here are audited like any other."""
+        try:
+            ctype = request.headers.get("content-type", "").split(";")[0].strip().lower()
+            if ctype != "application/json":
+                raise UnsupportedMediaType(f"content-type must be application/json, got {ctype or 'none'!r}",
+                                           field="content-type")
+            declared = request.headers.get("content-length")
+            if declared is not None and declared.isdigit() and int(declared) > max_body:
+                raise PayloadTooLarge(f"body is {declared} bytes; the limit is {max_body}", field="body",
+                                      limit=max_body)
+            chunks, size = [], 0
+            async for chunk in request.stream():
+                size += len(chunk)
+                if size > max_body:
+                    raise PayloadTooLarge(f"body exceeds the limit of {max_body} bytes", field="body",
+                                          limit=max_body)
+                chunks.append(chunk)
+            try:
+                return json.loads(b"".join(chunks))  # NaN/Infinity parse, then fail validation by name
+            except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+                raise InvalidRequest(f"body is not valid JSON: {exc}", field="body") from exc
+        except RudderError as exc:
+            a = Attempt(op=op, kind=kind)
+            if ctx.auth_error is None and ctx.principal is not None and not ctx.principal.can(Action.WRITE_POLICY):
+                exc = Forbidden(f"role {ctx.principal.role.value} may not write_policy")
+            elif ctx.auth_error is not None:
+                exc = ctx.auth_error
+            raise await cp.writes._guarded(ctx, a, exc) from None
+
+    def count(decision: str, code: str) -> None:
+        metrics.writes.labels(decision, code).inc()
+
+    async def counted(fn: Awaitable[Any]) -> Any:
+        try:
+            result = await fn
+        except RudderError as exc:
+            count("rejected", exc.code)
+            raise
+        count("accepted", "ok")
+        return result
+
+    # ---- policy --------------------------------------------------------------------------
+
+    @app.get("/router_policy")
+    async def list_policy(request: Request, model: str | None = None) -> dict[str, Any]:
+        await require(request, Action.READ_POLICY)
+        return {"documents": await cp.queries.documents(model)}
+
+    @app.patch("/router_policy")
+    async def patch_policy(request: Request) -> dict[str, Any]:
+        ctx = await write_context(request)
+        body = await read_json(request, ctx, PolicyOp.PATCH, None)
+        result = await counted(cp.writes.patch(ctx, body))
+        return dict(result.to_dict())
+
+    @app.get("/router_policy/history")
+    async def history(request: Request, model: str, kind: str = "selection", limit: int = 64) -> dict[str, Any]:
+        await require(request, Action.READ_POLICY)
+        k = parse_kind(kind)
+        return {"model": model, "kind": k.value, "revisions": await cp.queries.history(model, k, limit)}
+
+    @app.post("/router_policy/rollback")
+    async def rollback(request: Request) -> dict[str, Any]:
+        ctx = await write_context(request)
+        body = await read_json(request, ctx, PolicyOp.ROLLBACK, None)
+        result = await counted(cp.writes.rollback(ctx, body))
+        return dict(result.to_dict())
+
+    async def get_thresholds(request: Request, model: str) -> dict[str, Any]:
+        await require(request, Action.READ_POLICY)
+        return await cp.queries.thresholds(model)
+
+    async def post_thresholds(request: Request) -> dict[str, Any]:
+        ctx = await write_context(request)
+        body = await read_json(request, ctx, PolicyOp.PATCH, PolicyKind.BUSY_THRESHOLD)
+        result = await counted(cp.writes.set_thresholds(ctx, body))
+        if result is None:  # all null: a read
+            if ctx.auth_error is not None:
+                raise ctx.auth_error
+            model = body.get("model") if isinstance(body, dict) else None
+            if not isinstance(model, str):
+                raise InvalidRequest("model is required", field="model")
+            return await cp.queries.thresholds(model)
+        return {"model": result.model, "revision": result.revision, "thresholds": result.document,
+                "changed": result.changed, "event_id": str(result.event_id) if result.event_id else None,
+                "dry_run": result.dry_run}
+
+    for path in ("/router_policy/busy_threshold", "/busy_threshold"):
+        app.add_api_route(path, get_thresholds, methods=["GET"])
+        app.add_api_route(path, post_thresholds, methods=["POST"])
+
+    # ---- fleet ---------------------------------------------------------------------------
+
+    @app.get("/routers")
+    async def routers(request: Request, model: str | None = None) -> dict[str, Any]:
+        await require(request, Action.READ_POLICY)
+        return await cp.queries.routers(model)
+
+    @app.get("/workers")
+    async def workers(request: Request, model: str | None = None) -> dict[str, Any]:
+        await require(request, Action.READ_POLICY)
+        return {"workers": cp.queries.workers(model)}
+
+    @app.get("/routers/acks")
+    async def acks(request: Request, router_id: str | None = None, model: str | None = None,
+                   kind: str | None = None, at: datetime | None = None, limit: int = 100) -> dict[str, Any]:
+        await require(request, Action.READ_AUDIT)
+        k = parse_kind(kind).value if kind else None
+        return {"acks": await cp.audit.acks(router_id=router_id, model=model, kind=k, at=at, limit=limit)}
+
+    # ---- audit ---------------------------------------------------------------------------
+
+    @app.get("/audit")
+    async def audit_log(request: Request, model: str | None = None, kind: str | None = None,
+                        actor: str | None = None, decision: str | None = None,
+                        since: datetime | None = None, until: datetime | None = None,
+                        event_id: uuid.UUID | None = None, cursor: str | None = None,
+                        limit: int = 100) -> dict[str, Any]:
+        await require(request, Action.READ_AUDIT)
+        if decision is not None and decision not in ("accepted", "rejected", "pending"):
+            raise InvalidRequest("decision must be accepted, rejected or pending", field="decision")
+        if not 1 <= limit <= 1000:
+            raise InvalidRequest("limit must be in 1..1000", field="limit")
+        rows, next_cursor = await cp.audit.query(
+            model=model, kind=kind, actor=actor, decision=decision, since=since, until=until,
+            event_id=event_id, cursor=cursor, limit=limit)
+        return {"items": [r.to_dict() for r in rows], "next_cursor": next_cursor}
+
+    @app.get("/audit/verify")
+    async def audit_verify(request: Request) -> dict[str, Any]:
+        await require(request, Action.READ_AUDIT)
+        result = await cp.audit.verify()
+        return {"ok": result.ok, "checked": result.checked, "first_broken_id": result.first_broken_id,
+                "reason": result.reason}
+
+    @app.post("/audit/reconcile")
+    async def audit_reconcile(request: Request) -> dict[str, Any]:
+        await require(request, Action.READ_AUDIT)
+        report = await cp.reconciler.check()
+        return report.to_dict()
+
+    @app.get("/audit/{audit_id}")
+    async def audit_show(request: Request, audit_id: int) -> dict[str, Any]:
+        await require(request, Action.READ_AUDIT)
+        row = await cp.audit.get(audit_id)
+        if row is None:
+            raise NotFound(f"no audit record {audit_id}", field="id")
+        return dict(row.to_dict())
+
+    # ---- health --------------------------------------------------------------------------
+
+    @app.get("/healthz")
+    async def healthz() -> dict[str, str]:
+        return {"status": "ok"}
+
+    @app.get("/readyz")
+    async def readyz() -> JSONResponse:
+        checks = await cp.readiness()
+        ok = all(v == "ok" for v in checks.values())
+        return JSONResponse({"ready": ok, "checks": checks}, status_code=200 if ok else 503)
+
+    @app.get("/metrics")
+    async def prom() -> PlainTextResponse:
+        return PlainTextResponse(generate_latest(metrics.registry).decode(), media_type=CONTENT_TYPE_LATEST)
+
+    return app

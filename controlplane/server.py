@@ -1,0 +1,146 @@
+"""Wires one control-plane process: NATS, the audit store, the fleet view, the write path, the
+reconciler and the admin API, all opened in the lifespan and closed in reverse order."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+import uvicorn
+from fastapi import FastAPI
+from nats.aio.client import Client as NATS
+
+from controlplane.api import build_app
+from controlplane.audit.store import AuditStore
+from controlplane.auth import TokenStore
+from controlplane.eventlog import PolicyLog, connect
+from controlplane.failpoints import Failpoints
+from controlplane.fleet import FleetView
+from controlplane.protocol.errors import RudderError
+from controlplane.queries import Queries
+from controlplane.reconcile import Reconciler
+from controlplane.settings import ControlPlaneSettings
+from controlplane.writepath import WritePath
+
+log = logging.getLogger(__name__)
+
+
+class ControlPlane:
+    """The process's services. ``start`` opens them; ``stop`` closes them in reverse."""
+
+    def __init__(self, settings: ControlPlaneSettings, *, failpoints: Failpoints | None = None) -> None:
+        self.settings = settings
+        armed = [f for f in os.environ.get("RUDDER_FAILPOINTS", "").split(",") if f]
+        self.failpoints = failpoints or Failpoints(armed)
+        self._tasks: list[asyncio.Task[None]] = []
+
+    async def start(self) -> None:
+        s = self.settings
+        self.nc: NATS = await connect(s.nats_url)
+        self.log = PolicyLog(self.nc)
+        await self.log.ensure(history_depth=s.history_depth, replicas=s.policy_replicas,
+                              worker_ttl_s=s.worker_ttl_s, router_heartbeat_s=s.router_heartbeat_s)
+        self.audit = AuditStore.from_url(s.database_url.get_secret_value())
+        self.tokens = TokenStore(self.audit.engine)
+        self.fleet = FleetView(self.nc, worker_ttl_s=s.worker_ttl_s, router_heartbeat_s=s.router_heartbeat_s)
+        await self.fleet.start(ack_sink=self.audit.record_ack)
+        self.writes = WritePath(self.log, self.audit, self.fleet,
+                                busy_threshold_retries=s.busy_threshold_retries, failpoints=self.failpoints)
+        self.queries = Queries(self.log, self.fleet)
+        self.reconciler = Reconciler(self.log, self.audit, grace_s=s.reconcile_grace_s)
+        self._tasks.append(asyncio.create_task(
+            self.reconciler.run_periodically(s.reconcile_interval_s), name="reconciler"))
+        log.info("control plane ready: nats=%s admin=%s:%d", s.nats_url, s.admin_host, s.admin_port)
+
+    async def stop(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        for task in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task
+        self._tasks.clear()
+        with contextlib.suppress(Exception):
+            await self.fleet.stop()
+        with contextlib.suppress(Exception):
+            await self.nc.drain()
+        with contextlib.suppress(Exception):
+            await self.audit.close()
+
+    async def readiness(self) -> dict[str, str]:
+        checks: dict[str, str] = {}
+        checks["nats"] = "ok" if self.nc.is_connected else "disconnected"
+        try:
+            await self.audit.ping()
+            checks["postgres"] = "ok"
+        except RudderError as exc:
+            checks["postgres"] = exc.message
+        return checks
+
+
+def create_app(settings: ControlPlaneSettings, *, failpoints: Failpoints | None = None) -> FastAPI:
+    cp = ControlPlane(settings, failpoints=failpoints)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        await cp.start()
+        try:
+            yield
+        finally:
+            await cp.stop()
+
+    app = build_app(cp, lifespan=lifespan)
+    app.state.controlplane = cp
+    return app
+
+
+@dataclass
+class Running:
+    url: str
+    app: FastAPI
+    server: uvicorn.Server
+
+    @property
+    def controlplane(self) -> ControlPlane:
+        cp: ControlPlane = self.app.state.controlplane
+        return cp
+
+
+@contextlib.asynccontextmanager
+async def serving(settings: ControlPlaneSettings, *, failpoints: Failpoints | None = None) -> AsyncIterator[Running]:
+    """Run a control plane inside this event loop (tests, embedding); yields once it listens."""
+    app = create_app(settings, failpoints=failpoints)
+    config = uvicorn.Config(app, host=settings.admin_host, port=settings.admin_port, log_level="warning",
+                            lifespan="on", access_log=False)
+    server = uvicorn.Server(config)
+    task = asyncio.create_task(server.serve(), name="admin-api")
+    while not server.started:
+        if task.done():
+            task.result()
+            raise RuntimeError("control plane did not start")
+        await asyncio.sleep(0.01)
+    port = server.servers[0].sockets[0].getsockname()[1]
+    try:
+        yield Running(url=f"http://{settings.admin_host}:{port}", app=app, server=server)
+    finally:
+        server.should_exit = True
+        await task
+
+
+async def serve(settings: ControlPlaneSettings) -> None:
+    config = uvicorn.Config(create_app(settings), host=settings.admin_host, port=settings.admin_port,
+                            log_level=settings.log_level.lower(), lifespan="on", access_log=False)
+    await uvicorn.Server(config).serve()
+
+
+def run(settings: ControlPlaneSettings | None = None) -> None:
+    settings = settings or ControlPlaneSettings()
+    logging.basicConfig(level=settings.log_level.upper(),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    asyncio.run(serve(settings))
+
+

@@ -1,0 +1,447 @@
+"""The control plane's write path (DESIGN §4): authenticate, validate, read the head, check
+capabilities, record "received", publish with compare-and-set, record the decision.
+
+Fail closed: if the audit store cannot record, nothing is published and the answer is 503.
+Every rejection of steps 1–4, and a 409 at publish, is itself recorded. A publish whose outcome is
+unknown leaves its "received" row without a decision; the reconciler settles it from the stream.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+import uuid
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field, replace
+from datetime import UTC, datetime
+from typing import Any
+
+from controlplane.audit.records import AuditEntry, AuditStage, Decision
+from controlplane.audit.store import AuditStore
+from controlplane.auth import Action, Principal
+from controlplane.eventlog import Ambiguous, PolicyLog
+from controlplane.failpoints import Failpoints
+from controlplane.fleet import FleetView
+from controlplane.protocol.errors import (
+    AuditUnavailable,
+    CapabilityMismatch,
+    Forbidden,
+    InvalidRequest,
+    LogUnavailable,
+    NotFound,
+    RevisionConflict,
+    RudderError,
+    ValidationFailed,
+)
+from controlplane.protocol.events import PolicyEvent
+from controlplane.protocol.policy import (
+    Document,
+    PolicyKind,
+    PolicyOp,
+    apply_patch,
+    diff_documents,
+    merge_thresholds,
+    parse_kind,
+    require_revision,
+    validate_changes,
+    validate_unset,
+)
+from controlplane.protocol.subjects import encode_model_key
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, kw_only=True)
+class RequestContext:
+    """Who is asking, decided at the HTTP edge (the auth outcome is passed in, not raised there,
+    so that a refused write is audited here like every other rejection)."""
+
+    request_id: str
+    principal: Principal | None = None
+    auth_error: RudderError | None = None
+    auth_method: str | None = "bearer"
+    source_ip: str | None = None
+    user_agent: str | None = None
+
+    @property
+    def actor(self) -> str | None:
+        return self.principal.name if self.principal else None
+
+    @property
+    def roles(self) -> list[str]:
+        return [self.principal.role.value] if self.principal else []
+
+
+@dataclass(kw_only=True)
+class Attempt:
+    """What is known of a write attempt so far; filled in as the steps pass."""
+
+    event_id: uuid.UUID = field(default_factory=uuid.uuid4)
+    op: PolicyOp | None = None
+    model: str | None = None
+    kind: PolicyKind | None = None
+    expected_revision: int | None = None
+    head_revision: int | None = None
+    changes: dict[str, Any] | None = None
+    before: Document | None = None
+    after: Document | None = None
+    rollback_to: int | None = None
+    dry_run: bool = False
+
+
+@dataclass(frozen=True, kw_only=True)
+class WriteResult:
+    model: str
+    kind: PolicyKind
+    op: PolicyOp
+    revision: int
+    previous_revision: int
+    before: Document
+    document: Document
+    changes: dict[str, Any]
+    event_id: uuid.UUID | None
+    dry_run: bool
+    changed: bool = True
+    recovered: bool = False
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "model": self.model, "kind": self.kind.value, "op": self.op.value,
+            "revision": self.revision, "previous_revision": self.previous_revision,
+            "document": self.document, "changes": self.changes,
+            "diff": diff_documents(self.before, self.document),
+            "event_id": str(self.event_id) if self.event_id else None,
+            "dry_run": self.dry_run, "changed": self.changed,
+        }
+
+
+# ---------------------------------------------------------------------------------------------
+# Request parsing (pure)
+
+
+def _obj(body: Any) -> Mapping[str, Any]:
+    if not isinstance(body, Mapping):
+        raise InvalidRequest("request body must be a JSON object", field="body")
+    return body
+
+
+def _check_keys(body: Mapping[str, Any], allowed: set[str]) -> None:
+    for key in body:
+        if key not in allowed:
+            raise ValidationFailed(f"unknown field {key!r}; allowed: {', '.join(sorted(allowed))}", field=key)
+
+
+def _model(body: Mapping[str, Any]) -> str:
+    model = body.get("model")
+    if not isinstance(model, str) or not model.strip():
+        raise InvalidRequest("model is required and must be a non-empty string", field="model")
+    encode_model_key(model)  # raises for an unusable name
+    return model
+
+
+def _bool(body: Mapping[str, Any], name: str) -> bool:
+    value = body.get(name, False)
+    if not isinstance(value, bool):
+        raise InvalidRequest(f"{name} must be true or false", field=name)
+    return value
+
+
+THRESHOLD_FIELDS = {"active_decode_blocks_threshold", "active_prefill_tokens_threshold",
+                    "active_prefill_tokens_threshold_frac"}
+
+
+class WritePath:
+    def __init__(
+        self, log_: PolicyLog, audit: AuditStore, fleet: FleetView, *,
+        busy_threshold_retries: int = 20, failpoints: Failpoints | None = None,
+        clock: Callable[[], datetime] = lambda: datetime.now(UTC),
+    ) -> None:
+        self.log = log_
+        self.audit = audit
+        self.fleet = fleet
+        self.retries = busy_threshold_retries
+        self.failpoints = failpoints or Failpoints()
+        self.clock = clock
+
+    # ---- audit records -------------------------------------------------------------------
+
+    def _entry(self, ctx: RequestContext, a: Attempt, *, stage: AuditStage, decision: Decision,
+               reason_code: str | None = None, reason: str | None = None,
+               new_revision: int | None = None) -> AuditEntry:
+        return AuditEntry(
+            event_id=a.event_id, stage=stage, decision=decision, reason_code=reason_code,
+            reason=reason, actor=ctx.actor, roles=ctx.roles, auth_method=ctx.auth_method,
+            source_ip=ctx.source_ip, user_agent=ctx.user_agent, request_id=ctx.request_id,
+            model=a.model, kind=a.kind.value if a.kind else None, op=a.op.value if a.op else None,
+            expected_revision=a.expected_revision, head_revision=a.head_revision,
+            new_revision=new_revision, changes=a.changes, before=a.before, after=a.after,
+            dry_run=a.dry_run, at=self.clock(),
+        )
+
+    async def record_rejection(self, ctx: RequestContext, a: Attempt, error: RudderError) -> None:
+        """Record a refused attempt. If that fails, the caller gets 503 instead of ``error``."""
+        await self.audit.append(self._entry(
+            ctx, a, stage=AuditStage.DECISION, decision=Decision.REJECTED,
+            reason_code=error.code, reason=error.message,
+        ))
+        log.info("rejected request_id=%s model=%s kind=%s code=%s: %s", ctx.request_id, a.model,
+                 a.kind, error.code, error.message)
+
+    async def _guarded(self, ctx: RequestContext, a: Attempt, error: RudderError) -> RudderError:
+        try:
+            await self.record_rejection(ctx, a, error)
+        except AuditUnavailable as exc:
+            return exc
+        return error
+
+    def _authorize(self, ctx: RequestContext, action: Action) -> None:
+        if ctx.auth_error is not None:
+            raise ctx.auth_error
+        if ctx.principal is None or not ctx.principal.can(action):
+            role = ctx.principal.role.value if ctx.principal else "none"
+            raise Forbidden(f"role {role} may not {action.value}", required=action.value)
+
+    # ---- the commit (steps 5–7) ----------------------------------------------------------
+
+    async def _commit(self, ctx: RequestContext, a: Attempt, event: PolicyEvent) -> tuple[int, bool]:
+        await self.audit.append(self._entry(ctx, a, stage=AuditStage.RECEIVED, decision=Decision.PENDING))
+        self.failpoints.hit("after_received")
+        try:
+            result = await self.log.publish(event)
+        except RevisionConflict as exc:
+            a.head_revision = exc.head_revision
+            await self.record_rejection(ctx, a, exc)
+            raise
+        except Ambiguous:
+            log.warning("publish outcome unknown event_id=%s; left to the reconciler", a.event_id)
+            raise
+        except LogUnavailable as exc:
+            await self.record_rejection(ctx, a, exc)
+            raise
+        self.failpoints.hit("after_publish")
+        self.failpoints.hit("before_decision")
+        await self.audit.append(self._entry(
+            ctx, a, stage=AuditStage.DECISION, decision=Decision.ACCEPTED,
+            reason_code="recovered" if result.recovered else None, new_revision=result.revision,
+        ))
+        log.info("accepted request_id=%s event_id=%s model=%s kind=%s revision=%d actor=%s",
+                 ctx.request_id, a.event_id, a.model, a.kind, result.revision, ctx.actor)
+        return result.revision, result.recovered
+
+    def _event(self, ctx: RequestContext, a: Attempt) -> PolicyEvent:
+        assert a.model is not None and a.kind is not None and a.op is not None
+        assert a.expected_revision is not None and a.after is not None
+        return PolicyEvent(
+            event_id=a.event_id, model=a.model, kind=a.kind, op=a.op,
+            expected_revision=a.expected_revision, changes=a.changes or {}, document=a.after,
+            actor=ctx.actor or "unknown", request_id=ctx.request_id, at=self.clock(),
+            rollback_to=a.rollback_to,
+        )
+
+    async def _head(self, a: Attempt) -> Document:
+        assert a.model is not None and a.kind is not None
+        head = await self.log.head(a.model, a.kind)
+        a.head_revision = head.revision if head else 0
+        if head is not None and head.event is None:
+            # The newest message is not a valid event (written around the control plane):
+            # refuse to build on it rather than guess.
+            raise LogUnavailable(
+                f"head revision {head.revision} of {a.model}/{a.kind.value} is not a valid policy "
+                f"event ({head.error}); repair it by writing a full document", retry_after=0,
+            )
+        return dict(head.event.document) if head and head.event else {}
+
+    def _check_capabilities(self, a: Attempt) -> None:
+        assert a.model is not None and a.kind is not None and a.after is not None
+        violations = self.fleet.capability_violations(a.model, a.kind, a.after)
+        if violations:
+            weights = sorted({w for ws in violations.values() for w in ws})
+            routers = sorted(violations)
+            raise CapabilityMismatch(
+                f"{', '.join(weights)} cannot be nonzero: live router(s) {', '.join(routers)} serving "
+                f"{a.model} lack the cache input", field=f"parameters.{weights[0]}",
+                weights=weights, routers=routers,
+            )
+
+    async def _run(self, ctx: RequestContext, a: Attempt, prepare: Any) -> WriteResult:
+        """Steps 1–4 in ``prepare`` (audited on rejection), then dry-run or commit."""
+        try:
+            await prepare()
+        except AuditUnavailable:
+            raise
+        except RudderError as exc:
+            raise await self._guarded(ctx, a, exc) from exc
+        assert a.model is not None and a.kind is not None and a.op is not None and a.after is not None
+        assert a.before is not None and a.head_revision is not None
+        result = WriteResult(
+            model=a.model, kind=a.kind, op=a.op, revision=a.head_revision,
+            previous_revision=a.head_revision, before=a.before, document=a.after,
+            changes=a.changes or {}, event_id=a.event_id, dry_run=a.dry_run,
+        )
+        if a.dry_run:
+            await self.audit.append(self._entry(ctx, a, stage=AuditStage.DECISION, decision=Decision.ACCEPTED,
+                                                reason_code="dry_run"))
+            return result
+        revision, recovered = await self._commit(ctx, a, self._event(ctx, a))
+        return replace(result, revision=revision, recovered=recovered)
+
+    # ---- operations ----------------------------------------------------------------------
+
+    async def patch(self, ctx: RequestContext, body: Any) -> WriteResult:
+        a = Attempt(op=PolicyOp.PATCH)
+
+        async def prepare() -> None:
+            self._authorize(ctx, Action.WRITE_POLICY)
+            b = _obj(body)
+            if isinstance(b.get("model"), str):
+                a.model = b["model"]
+            _check_keys(b, {"model", "kind", "expected_revision", "parameters", "reset", "dry_run"})
+            a.model = _model(b)
+            a.kind = parse_kind(b.get("kind", PolicyKind.SELECTION.value))
+            if "expected_revision" not in b:
+                raise InvalidRequest("expected_revision is required (use the current revision, or 0 "
+                                     "for a new document)", field="expected_revision")
+            a.expected_revision = require_revision(b["expected_revision"])
+            a.dry_run = _bool(b, "dry_run")
+            reset = _bool(b, "reset")
+            if reset == ("parameters" in b):
+                raise InvalidRequest("give either parameters or reset: true", field="parameters")
+            if reset:
+                a.op = PolicyOp.RESET
+                a.changes = {}
+            else:
+                a.changes = validate_changes(a.kind, b["parameters"])
+            a.before = await self._head(a)
+            if a.expected_revision != a.head_revision:
+                raise RevisionConflict(
+                    f"expected revision {a.expected_revision} but the head is {a.head_revision}",
+                    expected_revision=a.expected_revision, head_revision=a.head_revision,
+                )
+            if reset:
+                a.changes = {name: None for name in a.before}
+            a.after = {} if reset else apply_patch(a.before, a.changes)
+            self._check_capabilities(a)
+
+        return await self._run(ctx, a, prepare)
+
+    async def rollback(self, ctx: RequestContext, body: Any) -> WriteResult:
+        a = Attempt(op=PolicyOp.ROLLBACK)
+
+        async def prepare() -> None:
+            self._authorize(ctx, Action.WRITE_POLICY)
+            b = _obj(body)
+            if isinstance(b.get("model"), str):
+                a.model = b["model"]
+            _check_keys(b, {"model", "kind", "to_revision", "expected_revision", "dry_run"})
+            a.model = _model(b)
+            a.kind = parse_kind(b.get("kind", PolicyKind.SELECTION.value))
+            target_rev = require_revision(b.get("to_revision"), field="to_revision")
+            if "expected_revision" not in b:
+                raise InvalidRequest("expected_revision is required", field="expected_revision")
+            a.expected_revision = require_revision(b["expected_revision"])
+            a.dry_run = _bool(b, "dry_run")
+            if target_rev == 0:
+                target_doc: Document = {}
+            else:
+                target = await self.log.get(a.model, a.kind, target_rev)
+                if target is None or target.event is None:
+                    raise NotFound(
+                        f"revision {target_rev} is not in the retained history of {a.model}/{a.kind.value}",
+                        field="to_revision",
+                    )
+                target_doc = dict(target.event.document)
+            a.before = await self._head(a)
+            if a.expected_revision != a.head_revision:
+                raise RevisionConflict(
+                    f"expected revision {a.expected_revision} but the head is {a.head_revision}",
+                    expected_revision=a.expected_revision, head_revision=a.head_revision,
+                )
+            a.after = dict(sorted(target_doc.items()))
+            a.changes = {k: v["after"] for k, v in diff_documents(a.before, a.after).items()}
+            a.rollback_to = target_rev
+            self._check_capabilities(a)
+
+        result = await self._run(ctx, a, prepare)
+        return result
+
+    async def set_thresholds(self, ctx: RequestContext, body: Any) -> WriteResult | None:
+        """Compatible busy-threshold write. Returns None when the body asks for nothing (a read).
+
+        Without ``expected_revision`` it reads the head, merges, and publishes with CAS, retrying
+        on conflict, so concurrent partial updates never lose each other.
+        """
+        b0 = body if isinstance(body, Mapping) else {}
+        if (isinstance(body, Mapping) and all(body.get(k) is None for k in THRESHOLD_FIELDS)
+                and not body.get("unset")):
+            return None  # all null: the compatible API treats it as a read
+        kind = PolicyKind.BUSY_THRESHOLD
+        conflicts = 0
+        while True:
+            a = Attempt(op=PolicyOp.PATCH, kind=kind)
+            if isinstance(b0.get("model"), str):
+                a.model = b0["model"]
+            explicit = "expected_revision" in b0 and b0["expected_revision"] is not None
+
+            async def prepare(a: Attempt = a) -> None:
+                self._authorize(ctx, Action.WRITE_POLICY)
+                b = _obj(body)
+                _check_keys(b, {"model", "expected_revision", "unset", "create", "dry_run"} | THRESHOLD_FIELDS)
+                a.model = _model(b)
+                changes = validate_changes(kind, {k: b[k] for k in THRESHOLD_FIELDS if k in b}, prefix="body")
+                unset = validate_unset(kind, b.get("unset"))
+                a.dry_run = _bool(b, "dry_run")
+                create = _bool(b, "create")
+                a.changes = {k: v for k, v in changes.items() if v is not None}
+                a.changes.update({name: None for name in unset})
+                a.before = await self._head(a)
+                if a.head_revision == 0 and not create and not self.fleet.serves(a.model):
+                    raise NotFound(f"model {a.model!r} is not served by any live worker or router and "
+                                   "has no policy; pass create: true to create it", field="model")
+                a.expected_revision = (require_revision(b["expected_revision"]) if explicit
+                                       else a.head_revision)
+                if a.expected_revision != a.head_revision:
+                    raise RevisionConflict(
+                        f"expected revision {a.expected_revision} but the head is {a.head_revision}",
+                        expected_revision=a.expected_revision, head_revision=a.head_revision,
+                    )
+                a.after = merge_thresholds(a.before, changes, unset)
+
+            try:
+                result = await self._run_thresholds(ctx, a, prepare)
+                return result
+            except RevisionConflict:
+                conflicts += 1
+                if explicit or conflicts >= self.retries:
+                    raise
+                await asyncio.sleep(random.uniform(0, 0.005 * min(conflicts, 10)))
+
+    async def _run_thresholds(self, ctx: RequestContext, a: Attempt, prepare: Any) -> WriteResult:
+        """Like ``_run``, but a merge that changes nothing publishes nothing (recorded as
+        accepted with reason ``unchanged`` and no revision, so reconcile expects no event)."""
+        unchanged = False
+
+        async def prepare_and_compare() -> None:
+            nonlocal unchanged
+            await prepare()
+            unchanged = a.after == a.before
+
+        try:
+            await prepare_and_compare()
+        except AuditUnavailable:
+            raise
+        except RudderError as exc:
+            raise await self._guarded(ctx, a, exc) from exc
+        assert a.model is not None and a.kind is not None and a.op is not None
+        assert a.after is not None and a.before is not None and a.head_revision is not None
+        if unchanged and not a.dry_run:
+            await self.audit.append(self._entry(ctx, a, stage=AuditStage.DECISION,
+                                                decision=Decision.ACCEPTED, reason_code="unchanged"))
+            return WriteResult(model=a.model, kind=a.kind, op=a.op, revision=a.head_revision,
+                               previous_revision=a.head_revision, before=a.before, document=a.after,
+                               changes=a.changes or {}, event_id=None, dry_run=False, changed=False)
+
+        async def already_prepared() -> None:
+            return None
+
+        return await self._run(ctx, a, already_prepared)

@@ -1,0 +1,59 @@
+"""Helpers for control-plane integration tests: a real control plane on real NATS and Postgres."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+from pydantic import SecretStr
+
+from controlplane.audit.store import AuditStore
+from controlplane.auth import Role, TokenStore
+from controlplane.failpoints import Failpoints
+from controlplane.server import Running, serving
+from controlplane.settings import ControlPlaneSettings
+
+
+def settings_for(nats_url: str, database_url: str, **overrides: Any) -> ControlPlaneSettings:
+    values: dict[str, Any] = {
+        "nats_url": nats_url, "database_url": SecretStr(database_url), "admin_port": 0,
+        "reconcile_interval_s": 3600.0, "router_heartbeat_s": 1.0,
+    }
+    values.update(overrides)
+    return ControlPlaneSettings(**values)
+
+
+@dataclass
+class Tokens:
+    admin: str
+    operator: str
+    viewer: str
+    auditor: str
+
+
+async def make_tokens(database_url: str) -> Tokens:
+    store = AuditStore.from_url(database_url)
+    try:
+        tokens = TokenStore(store.engine)
+        out = {}
+        for role in Role:
+            plaintext, _ = await tokens.create(f"test-{role.value}", role)
+            out[role.value] = plaintext
+        return Tokens(**out)
+    finally:
+        await store.close()
+
+
+@contextlib.asynccontextmanager
+async def controlplane(nats_url: str, database_url: str, *, failpoints: Failpoints | None = None,
+                       **overrides: Any) -> AsyncIterator[Running]:
+    async with serving(settings_for(nats_url, database_url, **overrides), failpoints=failpoints) as running:
+        yield running
+
+
+def client(running: Running, token: str | None) -> httpx.AsyncClient:
+    headers = {"Authorization": f"Bearer {token}"} if token else {}
+    return httpx.AsyncClient(base_url=running.url, headers=headers, timeout=30)
