@@ -161,7 +161,7 @@ def build_app(cp: ControlPlane, *, lifespan: Any = None) -> FastAPI:
                 exc = Forbidden(f"role {ctx.principal.role.value} may not write_policy")
             elif ctx.auth_error is not None:
                 exc = ctx.auth_error
-            raise await cp.writes._guarded(ctx, a, exc) from None
+            raise await cp.writes.refusal(ctx, a, exc) from None
 
     def count(decision: str, code: str) -> None:
         metrics.writes.labels(decision, code).inc()

@@ -86,7 +86,7 @@ async def ensure_stream(js: JetStreamContext, config: dict[str, Any]) -> None:
     except NotFoundError:
         pass
     try:
-        await js.add_stream(StreamConfig.from_response(dict(config)))
+        await js.add_stream(StreamConfig(**config))
     except BadRequestError as exc:  # raced with another creator
         if exc.err_code != 10058:
             raise

@@ -147,6 +147,17 @@ def _bool(body: Mapping[str, Any], name: str) -> bool:
     return value
 
 
+def _hint(a: Attempt, body: Any) -> None:
+    """Note which document an attempt targets before anything is checked, so that even a refused
+    attempt (401, 403, a bad field) is recorded against its model and kind."""
+    if not isinstance(body, Mapping):
+        return
+    if isinstance(body.get("model"), str):
+        a.model = body["model"][:512]
+    if a.kind is None and body.get("kind", "selection") in (k.value for k in PolicyKind):
+        a.kind = PolicyKind(body.get("kind", "selection"))
+
+
 THRESHOLD_FIELDS = {"active_decode_blocks_threshold", "active_prefill_tokens_threshold",
                     "active_prefill_tokens_threshold_frac"}
 
@@ -188,7 +199,8 @@ class WritePath:
         log.info("rejected request_id=%s model=%s kind=%s code=%s: %s", ctx.request_id, a.model,
                  a.kind, error.code, error.message)
 
-    async def _guarded(self, ctx: RequestContext, a: Attempt, error: RudderError) -> RudderError:
+    async def refusal(self, ctx: RequestContext, a: Attempt, error: RudderError) -> RudderError:
+        """Record ``error`` as a refusal; return what to raise (503 if it could not be recorded)."""
         try:
             await self.record_rejection(ctx, a, error)
         except AuditUnavailable as exc:
@@ -271,7 +283,7 @@ class WritePath:
         except AuditUnavailable:
             raise
         except RudderError as exc:
-            raise await self._guarded(ctx, a, exc) from exc
+            raise await self.refusal(ctx, a, exc) from exc
         assert a.model is not None and a.kind is not None and a.op is not None and a.after is not None
         assert a.before is not None and a.head_revision is not None
         result = WriteResult(
@@ -292,10 +304,9 @@ class WritePath:
         a = Attempt(op=PolicyOp.PATCH)
 
         async def prepare() -> None:
+            _hint(a, body)
             self._authorize(ctx, Action.WRITE_POLICY)
             b = _obj(body)
-            if isinstance(b.get("model"), str):
-                a.model = b["model"]
             _check_keys(b, {"model", "kind", "expected_revision", "parameters", "reset", "dry_run"})
             a.model = _model(b)
             a.kind = parse_kind(b.get("kind", PolicyKind.SELECTION.value))
@@ -329,10 +340,9 @@ class WritePath:
         a = Attempt(op=PolicyOp.ROLLBACK)
 
         async def prepare() -> None:
+            _hint(a, body)
             self._authorize(ctx, Action.WRITE_POLICY)
             b = _obj(body)
-            if isinstance(b.get("model"), str):
-                a.model = b["model"]
             _check_keys(b, {"model", "kind", "to_revision", "expected_revision", "dry_run"})
             a.model = _model(b)
             a.kind = parse_kind(b.get("kind", PolicyKind.SELECTION.value))
@@ -379,8 +389,7 @@ class WritePath:
         conflicts = 0
         while True:
             a = Attempt(op=PolicyOp.PATCH, kind=kind)
-            if isinstance(b0.get("model"), str):
-                a.model = b0["model"]
+            _hint(a, body)
             explicit = "expected_revision" in b0 and b0["expected_revision"] is not None
 
             async def prepare(a: Attempt = a) -> None:
@@ -431,7 +440,7 @@ class WritePath:
         except AuditUnavailable:
             raise
         except RudderError as exc:
-            raise await self._guarded(ctx, a, exc) from exc
+            raise await self.refusal(ctx, a, exc) from exc
         assert a.model is not None and a.kind is not None and a.op is not None
         assert a.after is not None and a.before is not None and a.head_revision is not None
         if unchanged and not a.dry_run:

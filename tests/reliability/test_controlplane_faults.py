@@ -98,9 +98,12 @@ async def test_nats_down_means_503_and_no_accepted_decision_without_event(
         await store.close()
 
 
-async def test_crash_between_publish_and_decision_is_reconciled(nats_url: str, database_url: str) -> None:
+async def test_crash_between_publish_and_decision_is_reconciled(own_nats: EmbeddedNats,
+                                                                own_postgres: EmbeddedPostgres) -> None:
     from datetime import timedelta
 
+    nats_url = own_nats.url
+    database_url = own_postgres.create_database("rudder")
     await upgrade_async(database_url)
     tokens = await make_tokens(database_url)
     model = model_name()
