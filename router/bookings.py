@@ -1,0 +1,97 @@
+"""Bookings: load this router has put on each worker rank and not yet seen finish. Pure.
+
+A request is booked with its selection (prefill tokens still to compute + its blocks), its prefill
+tokens are released at the first token, and it is freed at completion, error or cancel (DESIGN §5).
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+WorkerKey = tuple[int, int]
+
+
+@dataclass(slots=True)
+class Booking:
+    request_id: str
+    key: WorkerKey
+    model: str
+    prefill_tokens: int
+    hashes: tuple[int, ...]
+    prefill_released: bool = False
+
+
+@dataclass(slots=True)
+class RankBookings:
+    prefill_tokens: int = 0
+    requests: int = 0
+    blocks: Counter[int] = field(default_factory=Counter)
+
+    @property
+    def active_blocks(self) -> int:
+        return len(self.blocks)
+
+
+class Bookings:
+    def __init__(self) -> None:
+        self._by_request: dict[str, Booking] = {}
+        self._by_key: dict[WorkerKey, RankBookings] = {}
+
+    def __len__(self) -> int:
+        return len(self._by_request)
+
+    def __contains__(self, request_id: str) -> bool:
+        return request_id in self._by_request
+
+    def book(
+        self, request_id: str, key: WorkerKey, *, model: str, prefill_tokens: int,
+        hashes: Sequence[int],
+    ) -> Booking:
+        """Raises ValueError if the request id is already booked (a bug in the caller)."""
+        if request_id in self._by_request:
+            raise ValueError(f"request {request_id} is already booked")
+        booking = Booking(request_id, key, model, prefill_tokens, tuple(hashes))
+        self._by_request[request_id] = booking
+        rank = self._by_key.setdefault(key, RankBookings())
+        rank.prefill_tokens += prefill_tokens
+        rank.requests += 1
+        rank.blocks.update(booking.hashes)
+        return booking
+
+    def first_token(self, request_id: str) -> Booking | None:
+        booking = self._by_request.get(request_id)
+        if booking is None or booking.prefill_released:
+            return None
+        booking.prefill_released = True
+        self._by_key[booking.key].prefill_tokens -= booking.prefill_tokens
+        return booking
+
+    def free(self, request_id: str) -> Booking | None:
+        booking = self._by_request.pop(request_id, None)
+        if booking is None:
+            return None
+        rank = self._by_key[booking.key]
+        if not booking.prefill_released:
+            rank.prefill_tokens -= booking.prefill_tokens
+        rank.requests -= 1
+        rank.blocks.subtract(booking.hashes)
+        for h in booking.hashes:
+            if rank.blocks[h] <= 0:
+                del rank.blocks[h]
+        if rank.requests == 0:
+            del self._by_key[booking.key]
+        return booking
+
+    def drop_worker(self, instance_id: int) -> list[Booking]:
+        dropped = [b for b in self._by_request.values() if b.key[0] == instance_id]
+        for b in dropped:
+            self.free(b.request_id)
+        return dropped
+
+    def rank(self, key: WorkerKey) -> RankBookings | None:
+        return self._by_key.get(key)
+
+    def keys(self) -> list[WorkerKey]:
+        return list(self._by_key)

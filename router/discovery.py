@@ -1,0 +1,118 @@
+"""The discovery snapshot: live workers from membership events (DESIGN §5). Pure.
+
+A worker is *live* while its last heartbeat is younger than ``stale_s``, *stale* after that (not a
+candidate; a pin to it is 503), and *gone* after ``ttl_s`` or a ``leave`` event (removed; a pin to
+it is 400). A connection failure marks it *unreachable* until its next heartbeat. The age of an
+event is taken from its ``at`` stamp, so a replayed heartbeat of a dead worker is not mistaken for
+a live one; both clocks are passed in.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from datetime import datetime
+
+from controlplane.protocol.events import (
+    MembershipEvent,
+    MembershipOp,
+    RankLoad,
+    WorkerRecord,
+    WorkerRole,
+)
+
+
+class Health(enum.Enum):
+    LIVE = "live"
+    STALE = "stale"
+    UNREACHABLE = "unreachable"
+
+
+class Change(enum.Enum):
+    JOINED = "joined"
+    UPDATED = "updated"
+    LEFT = "left"
+    IGNORED = "ignored"
+
+
+@dataclass(slots=True)
+class WorkerState:
+    record: WorkerRecord
+    last_seen: float  # monotonic seconds
+    at: datetime  # the worker's stamp on its last event
+    load: dict[int, RankLoad] = field(default_factory=dict)
+    unreachable: bool = False
+
+    @property
+    def instance_id(self) -> int:
+        return self.record.instance_id
+
+
+class Discovery:
+    def __init__(self, *, ttl_s: float, stale_s: float, models: frozenset[str] | None = None) -> None:
+        self.ttl_s = ttl_s
+        self.stale_s = min(stale_s, ttl_s)
+        self.models = models
+        self.workers: dict[int, WorkerState] = {}
+
+    def apply(self, event: MembershipEvent, *, now: float, wall_now: datetime) -> Change:
+        rec = event.worker
+        wid = rec.instance_id
+        if self.models is not None and rec.model not in self.models:
+            return Change.IGNORED
+        state = self.workers.get(wid)
+        if state is not None and event.at < state.at:
+            return Change.IGNORED  # older than what we know
+        if event.op is MembershipOp.LEAVE:
+            if state is None:
+                return Change.IGNORED
+            del self.workers[wid]
+            return Change.LEFT
+        age = max(0.0, (wall_now - event.at).total_seconds())
+        if age >= self.ttl_s:
+            return Change.IGNORED  # a replayed record of a worker that is already gone
+        last_seen = now - age
+        load = {r.dp_rank: r for r in event.load}
+        if state is None:
+            self.workers[wid] = WorkerState(rec, last_seen, event.at, load)
+            return Change.JOINED
+        state.record = rec
+        state.last_seen = max(state.last_seen, last_seen)
+        state.at = event.at
+        if load:
+            state.load = load
+        state.unreachable = False
+        return Change.UPDATED
+
+    def expire(self, now: float) -> list[int]:
+        """Remove workers whose heartbeat is older than the TTL; return their ids."""
+        gone = [wid for wid, s in self.workers.items() if now - s.last_seen >= self.ttl_s]
+        for wid in gone:
+            del self.workers[wid]
+        return gone
+
+    def remove(self, instance_id: int) -> bool:
+        return self.workers.pop(instance_id, None) is not None
+
+    def get(self, instance_id: int) -> WorkerState | None:
+        return self.workers.get(instance_id)
+
+    def health(self, state: WorkerState, now: float) -> Health:
+        if state.unreachable:
+            return Health.UNREACHABLE
+        if now - state.last_seen >= self.stale_s:
+            return Health.STALE
+        return Health.LIVE
+
+    def mark_unreachable(self, instance_id: int) -> bool:
+        state = self.workers.get(instance_id)
+        if state is None or state.unreachable:
+            return False
+        state.unreachable = True
+        return True
+
+    def of_model(self, model: str, role: WorkerRole | None = None) -> list[WorkerState]:
+        return [
+            s for s in self.workers.values()
+            if s.record.model == model and (role is None or s.record.role is role)
+        ]

@@ -1,0 +1,214 @@
+"""The prefix index: which worker dp rank holds which block, in which storage tier. Pure.
+
+Fed by ``stored``/``removed``/``cleared`` KV events (DESIGN §5), or, in approximate mode, by the
+router's own decisions with a TTL. Keys are chain hashes, so "worker holds block i" implies it
+held the whole prefix when the block was stored; the overlap of a request is the run of leading
+blocks a worker holds, counted per tier (a block held in several tiers counts in the fastest).
+
+Event ids are checked per worker: a jump is a gap and a worker heard of for the first time needs
+its full state; both answer :class:`KvApplied` values that tell the caller to request a dump.
+Events arriving while a dump is pending are buffered and replayed after it.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Iterable, Sequence
+
+from controlplane.protocol.events import KvCleared, KvDumpReply, KvEvent, KvRemoved, KvStored
+from controlplane.protocol.policy import CacheInput
+from router.selection import Overlap
+
+WorkerKey = tuple[int, int]  # (instance_id, dp_rank)
+
+_TIERS: tuple[CacheInput, ...] = (
+    CacheInput.DEVICE, CacheInput.HOST, CacheInput.DISK, CacheInput.SHARED,
+)
+_BIT: dict[CacheInput, int] = {t: 1 << i for i, t in enumerate(_TIERS)}
+# Fastest tier of a bit mask → its position in Overlap.
+_BEST: list[int] = [0] * 16
+for _mask in range(1, 16):
+    _BEST[_mask] = (_mask & -_mask).bit_length() - 1
+
+
+class KvApplied(enum.Enum):
+    APPLIED = "applied"
+    DUPLICATE = "duplicate"  # event id already seen: ignored
+    GAP = "gap"  # applied, but events were missed: request a dump
+    NEW_WORKER = "new_worker"  # first event of this worker: request a dump
+    BUFFERED = "buffered"  # a dump is pending: replayed after it
+
+
+class PrefixIndex:
+    def __init__(self) -> None:
+        self._holders: dict[int, dict[WorkerKey, int]] = {}
+        self._by_key: dict[WorkerKey, set[int]] = {}
+        self._last_event: dict[int, int] = {}
+        self._pending_dump: dict[int, list[KvEvent]] = {}
+        # Approximate mode: (key, hash) → expiry, in expiry order (constant TTL).
+        self._expiry: dict[tuple[WorkerKey, int], float] = {}
+        self.gaps = 0
+
+    # -- queries -------------------------------------------------------------------------------
+
+    def overlaps(self, hashes: Sequence[int]) -> dict[WorkerKey, Overlap]:
+        """Leading blocks of ``hashes`` each worker rank holds, by tier."""
+        holders_of = self._holders
+        counts: dict[WorkerKey, list[int]] = {}
+        active: list[WorkerKey] = []
+        for i, h in enumerate(hashes):
+            holders = holders_of.get(h)
+            if not holders:
+                break
+            if i == 0:
+                active = list(holders)
+                counts = {k: [0, 0, 0, 0] for k in active}
+            else:
+                active = [k for k in active if k in holders]
+                if not active:
+                    break
+            for k in active:
+                counts[k][_BEST[holders[k]]] += 1
+        return {k: Overlap(*v) for k, v in counts.items()}
+
+    def blocks_of(self, key: WorkerKey) -> int:
+        return len(self._by_key.get(key, ()))
+
+    def __len__(self) -> int:
+        return len(self._holders)
+
+    def workers(self) -> set[int]:
+        return {k[0] for k in self._by_key}
+
+    def dump_pending(self, instance_id: int) -> bool:
+        return instance_id in self._pending_dump
+
+    # -- mutations -----------------------------------------------------------------------------
+
+    def store(self, key: WorkerKey, hashes: Iterable[int], tier: CacheInput = CacheInput.DEVICE) -> None:
+        bit = _BIT[tier]
+        mine = self._by_key.setdefault(key, set())
+        holders_of = self._holders
+        for h in hashes:
+            holders = holders_of.get(h)
+            if holders is None:
+                holders_of[h] = {key: bit}
+            else:
+                holders[key] = holders.get(key, 0) | bit
+            mine.add(h)
+
+    def remove(self, key: WorkerKey, hashes: Iterable[int], tier: CacheInput = CacheInput.DEVICE) -> None:
+        bit = _BIT[tier]
+        mine = self._by_key.get(key)
+        if mine is None:
+            return
+        for h in hashes:
+            holders = self._holders.get(h)
+            if holders is None or key not in holders:
+                continue
+            mask = holders[key] & ~bit
+            if mask:
+                holders[key] = mask
+            else:
+                del holders[key]
+                mine.discard(h)
+                if not holders:
+                    del self._holders[h]
+
+    def clear(self, key: WorkerKey, tier: CacheInput | None = None) -> None:
+        """Forget a worker rank's blocks (one tier, or all)."""
+        mine = self._by_key.get(key)
+        if not mine:
+            return
+        if tier is not None:
+            self.remove(key, list(mine), tier)
+            return
+        for h in mine:
+            holders = self._holders.get(h)
+            if holders is not None:
+                holders.pop(key, None)
+                if not holders:
+                    del self._holders[h]
+        del self._by_key[key]
+
+    def remove_worker(self, instance_id: int) -> None:
+        for key in [k for k in self._by_key if k[0] == instance_id]:
+            self.clear(key)
+        self._last_event.pop(instance_id, None)
+        self._pending_dump.pop(instance_id, None)
+
+    # -- KV events -----------------------------------------------------------------------------
+
+    def apply(self, event: KvEvent) -> KvApplied:
+        wid = event.instance_id
+        pending = self._pending_dump.get(wid)
+        if pending is not None:
+            pending.append(event)
+            return KvApplied.BUFFERED
+        last = self._last_event.get(wid)
+        if last is not None and event.event_id <= last:
+            return KvApplied.DUPLICATE
+        self._apply_data(event)
+        self._last_event[wid] = event.event_id
+        if last is None:
+            return KvApplied.NEW_WORKER
+        if event.event_id != last + 1:
+            self.gaps += 1
+            return KvApplied.GAP
+        return KvApplied.APPLIED
+
+    def _apply_data(self, event: KvEvent) -> None:
+        key = (event.instance_id, event.dp_rank)
+        data = event.data
+        if isinstance(data, KvStored):
+            self.store(key, (b.block_hash for b in data.blocks), event.tier)
+        elif isinstance(data, KvRemoved):
+            self.remove(key, data.block_hashes, event.tier)
+        elif isinstance(data, KvCleared):
+            self.clear(key, event.tier)
+
+    def begin_dump(self, instance_id: int) -> bool:
+        """Start buffering a worker's events until its dump arrives. False if already pending."""
+        if instance_id in self._pending_dump:
+            return False
+        self._pending_dump[instance_id] = []
+        return True
+
+    def load_dump(self, reply: KvDumpReply) -> list[KvApplied]:
+        """Replace a worker's blocks with its full state, then replay events newer than it."""
+        wid = reply.instance_id
+        buffered = self._pending_dump.pop(wid, [])
+        for key in [k for k in self._by_key if k[0] == wid]:
+            self.clear(key)
+        for rank in reply.ranks:
+            self.store((wid, rank.dp_rank), (b[1] for b in rank.blocks), rank.tier)
+        self._last_event[wid] = reply.last_event_id
+        return [self.apply(e) for e in buffered if e.event_id > reply.last_event_id]
+
+    def abandon_dump(self, instance_id: int) -> list[KvApplied]:
+        """The dump did not come: apply what was buffered as it is (best effort)."""
+        buffered = self._pending_dump.pop(instance_id, [])
+        return [self.apply(e) for e in buffered]
+
+    # -- approximate mode ----------------------------------------------------------------------
+
+    def record(self, key: WorkerKey, hashes: Sequence[int], *, now: float, ttl: float) -> None:
+        """Index a routing decision as if the worker had stored the prompt's blocks."""
+        self.store(key, hashes)
+        expires = now + ttl
+        for h in hashes:
+            k = (key, h)
+            self._expiry.pop(k, None)
+            self._expiry[k] = expires
+
+    def expire(self, now: float) -> int:
+        """Drop decision entries older than their TTL. Returns how many were dropped."""
+        dropped: list[tuple[WorkerKey, int]] = []
+        for k, expires in self._expiry.items():
+            if expires > now:
+                break
+            dropped.append(k)
+        for k in dropped:
+            del self._expiry[k]
+            self.remove(k[0], (k[1],))
+        return len(dropped)

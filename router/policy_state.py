@@ -1,0 +1,145 @@
+"""Applying policy events to this router's effective parameters (DESIGN §2, §3, §5). Pure.
+
+For each served (model, kind) document the router keeps its startup values, the revision it
+applied last, the override document of that revision, and the last NACK. :meth:`PolicyState.apply`
+is idempotent (a revision ≤ the last one seen is skipped) and never leaves a document half
+applied: an event that does not decode, names another document, fails validation, or turns on a
+weight whose cache input this router lacks is refused (NACK) and the last good values stay.
+
+A gap is reported when an event's ``expected_revision`` is not the revision seen last for its
+document (after the first one: a router starts from the last message per subject on purpose);
+the consumer then re-reads the document's head.
+"""
+
+from __future__ import annotations
+
+import enum
+import uuid
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+from controlplane.protocol.errors import InvalidRequest
+from controlplane.protocol.events import AppliedDocument, decode_policy_event, doc_key
+from controlplane.protocol.policy import (
+    SELECTION_PARAMETERS,
+    CacheInput,
+    Document,
+    Number,
+    PolicyKind,
+    effective_values,
+    missing_cache_inputs,
+    validate_document,
+)
+
+
+class Outcome(enum.Enum):
+    ACK = "ACK"
+    NACK = "NACK"
+    SKIP = "SKIP"  # already seen (redelivery, or the re-read of a head we applied)
+
+
+@dataclass(frozen=True, slots=True)
+class ApplyResult:
+    outcome: Outcome
+    model: str
+    kind: PolicyKind
+    revision: int
+    detail: str = ""
+    gap: bool = False
+    event_id: uuid.UUID | None = None
+    effective: dict[str, Number | None] = field(default_factory=dict)
+
+
+@dataclass(slots=True)
+class DocumentState:
+    model: str
+    kind: PolicyKind
+    startup: dict[str, Number | None]
+    revision: int = 0  # last applied (0 = no document / startup values)
+    seen: int = 0  # last applied or refused
+    document: Document = field(default_factory=dict)
+    effective: dict[str, Number | None] = field(default_factory=dict)
+    last_nack: str | None = None
+    last_nack_revision: int | None = None
+
+    def __post_init__(self) -> None:
+        self.effective = dict(self.startup)
+
+
+class PolicyState:
+    def __init__(
+        self, *, router_id: str, models: Iterable[str],
+        startup: dict[PolicyKind, dict[str, Number | None]], cache_inputs: frozenset[CacheInput],
+    ) -> None:
+        self.router_id = router_id
+        self.cache_inputs = cache_inputs
+        self.docs: dict[tuple[str, PolicyKind], DocumentState] = {
+            (m, k): DocumentState(m, k, dict(startup[k])) for m in models for k in PolicyKind
+        }
+
+    def get(self, model: str, kind: PolicyKind) -> DocumentState:
+        return self.docs[(model, kind)]
+
+    def apply(self, model: str, kind: PolicyKind, revision: int, payload: bytes) -> ApplyResult:
+        """Apply the event stored at ``revision`` on the (model, kind) subject."""
+        doc = self.docs.get((model, kind))
+        if doc is None:
+            return ApplyResult(Outcome.SKIP, model, kind, revision, "not a document this router serves")
+        if revision <= doc.seen:
+            return ApplyResult(Outcome.SKIP, model, kind, revision, f"revision {revision} already seen")
+        try:
+            event = decode_policy_event(payload)
+        except InvalidRequest as exc:
+            return self._nack(doc, revision, f"malformed policy event: {exc.message}", None, False)
+        gap = doc.seen > 0 and event.expected_revision != doc.seen
+        if event.model != model or event.kind is not kind:
+            return self._nack(
+                doc, revision,
+                f"event is for {event.model}|{event.kind.value} but was stored on the subject "
+                f"of {model}|{kind.value}",
+                event.event_id, gap,
+            )
+        try:
+            document = validate_document(kind, event.document)
+        except InvalidRequest as exc:
+            return self._nack(doc, revision, f"invalid document: {exc.message}", event.event_id, gap)
+        missing = missing_cache_inputs(kind, document, self.cache_inputs)
+        if missing:
+            needs = ", ".join(
+                f"{n} needs the {SELECTION_PARAMETERS[n].cache_input} cache input" for n in missing
+            )
+            have = ", ".join(sorted(self.cache_inputs)) or "none"
+            return self._nack(
+                doc, revision,
+                f"capability mismatch: {needs}, which router {self.router_id} lacks "
+                f"(its cache inputs: {have})",
+                event.event_id, gap,
+            )
+        doc.document = document
+        doc.revision = revision
+        doc.seen = revision
+        doc.effective = effective_values(doc.startup, document)
+        return ApplyResult(
+            Outcome.ACK, model, kind, revision, "gap: re-read head" if gap else "", gap,
+            event.event_id, dict(doc.effective),
+        )
+
+    def _nack(
+        self, doc: DocumentState, revision: int, detail: str, event_id: uuid.UUID | None, gap: bool
+    ) -> ApplyResult:
+        doc.seen = revision
+        doc.last_nack = detail
+        doc.last_nack_revision = revision
+        return ApplyResult(
+            Outcome.NACK, doc.model, doc.kind, revision, detail, gap, event_id, dict(doc.effective)
+        )
+
+    def applied(self) -> dict[str, AppliedDocument]:
+        """Status per document, as the ``RUDDER_ROUTERS`` bucket shows it."""
+        return {
+            doc_key(d.model, d.kind): AppliedDocument(
+                revision=d.revision, effective=dict(d.effective), last_nack=d.last_nack,
+                last_nack_revision=d.last_nack_revision,
+            )
+            for d in self.docs.values()
+        }

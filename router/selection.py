@@ -1,0 +1,210 @@
+"""Worker selection: the cost function of DESIGN §5 and the comparison modes. Pure.
+
+Per candidate (one worker dp rank), with B its block size, P the prompt tokens, R = ⌈P/B⌉:
+
+    decay  = 1 / (1 + overlap_score_credit_decay · excess / R),
+             excess = (active prefill tokens - least active prefill tokens among candidates) / B
+    credit = overlap_score_credit·decay·device + host_cache_hit_weight·host
+             + disk_cache_hit_weight·disk + shared_cache_multiplier·shared        (in blocks)
+    cost   = prefill_load_scale · max((active_prefill_tokens + P)/B - credit, 0)
+             + decode_blocks + decode_active_request_weight · active_requests
+
+Temperature 0 picks the argmin, ties uniformly at random; T > 0 samples with
+p ∝ exp(-(c - c_min) / ((c_max - c_min)·T)) (all equal → uniform). The random source is passed
+in, so tests and benchmarks are reproducible.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import NamedTuple
+
+from controlplane.protocol.policy import SELECTION_PARAMETERS, Number
+
+_TIE_EPS = 1e-9
+
+
+class Overlap(NamedTuple):
+    """Blocks of the request's prefix a candidate holds, by storage tier."""
+
+    device: int = 0
+    host: int = 0
+    disk: int = 0
+    shared: int = 0
+
+    @property
+    def total(self) -> int:
+        return self.device + self.host + self.disk + self.shared
+
+
+NO_OVERLAP = Overlap()
+
+
+@dataclass(frozen=True, slots=True)
+class SelectionParams:
+    overlap_score_credit: float = 1.0
+    overlap_score_credit_decay: float = 0.0
+    prefill_load_scale: float = 1.0
+    host_cache_hit_weight: float = 0.75
+    disk_cache_hit_weight: float = 0.25
+    shared_cache_multiplier: float = 0.0
+    decode_active_request_weight: float = 0.0
+    router_temperature: float = 0.0
+
+    @classmethod
+    def from_values(cls, values: Mapping[str, Number | None]) -> SelectionParams:
+        """Build from effective values; a ``None`` falls back to the parameter's default."""
+        kwargs: dict[str, float] = {}
+        for name, spec in SELECTION_PARAMETERS.items():
+            value = values.get(name)
+            if value is None:
+                value = spec.default if spec.default is not None else 0.0
+            kwargs[name] = float(value)
+        return cls(**kwargs)
+
+
+@dataclass(slots=True)
+class Candidate:
+    """One worker dp rank as the cost function sees it. Load figures are already the larger of
+    this router's bookings and the worker's last report. ``decode_blocks`` is the rank's distinct
+    active blocks; :func:`costs` adds the request's own blocks when told how many there are."""
+
+    instance_id: int
+    dp_rank: int
+    block_size: int
+    active_prefill_tokens: int
+    decode_blocks: int
+    active_requests: int
+    overlap: Overlap = NO_OVERLAP
+    key: tuple[int, int] = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.key = (self.instance_id, self.dp_rank)
+
+
+def costs(
+    candidates: Sequence[Candidate], params: SelectionParams, prompt_tokens: int, *,
+    overlaps: Mapping[tuple[int, int], Overlap] | None = None,
+    request_blocks: Mapping[int, int] | None = None,
+    booked_shared: Mapping[tuple[int, int], int] | None = None,
+) -> list[float]:
+    """Cost of each candidate (same order).
+
+    ``overlaps`` (by candidate key) replaces each candidate's own ``overlap`` when given.
+    ``request_blocks`` (block size → R) adds the request's blocks to each candidate's decode
+    blocks, less ``booked_shared`` (those already active on it for another booked request), so
+    the decode term counts distinct blocks.
+    """
+    if not candidates:
+        return []
+    no_shared: Mapping[tuple[int, int], int] = booked_shared or {}
+    least_prefill = min(c.active_prefill_tokens for c in candidates)
+    credit_w = params.overlap_score_credit
+    decay_w = params.overlap_score_credit_decay
+    host_w = params.host_cache_hit_weight
+    disk_w = params.disk_cache_hit_weight
+    shared_w = params.shared_cache_multiplier
+    scale = params.prefill_load_scale
+    req_w = params.decode_active_request_weight
+    out: list[float] = []
+    append = out.append
+    for c in candidates:
+        b = c.block_size
+        ov = c.overlap if overlaps is None else overlaps.get(c.key, NO_OVERLAP)
+        if ov is NO_OVERLAP:
+            credit = 0.0
+        else:
+            decay = 1.0
+            if decay_w:
+                r = max(1, -(-prompt_tokens // b))
+                excess = (c.active_prefill_tokens - least_prefill) / b
+                decay = 1.0 / (1.0 + decay_w * excess / r)
+            credit = (
+                credit_w * decay * ov.device + host_w * ov.host + disk_w * ov.disk
+                + shared_w * ov.shared
+            )
+        prefill = (c.active_prefill_tokens + prompt_tokens) / b - credit
+        cost = scale * (prefill if prefill > 0.0 else 0.0) + c.decode_blocks
+        if request_blocks is not None:
+            cost += request_blocks.get(b, 0) - no_shared.get(c.key, 0)
+        if req_w:
+            cost += req_w * c.active_requests
+        append(cost)
+    return out
+
+
+def pick(cost: Sequence[float], temperature: float, rng: random.Random) -> int:
+    """Index of the chosen candidate. Raises ValueError on an empty sequence."""
+    if not cost:
+        raise ValueError("no candidates")
+    c_min = min(cost)
+    if temperature <= 0.0:
+        ties = [i for i, c in enumerate(cost) if c - c_min <= _TIE_EPS]
+        return ties[0] if len(ties) == 1 else ties[rng.randrange(len(ties))]
+    c_max = max(cost)
+    span = c_max - c_min
+    if span <= _TIE_EPS:
+        return rng.randrange(len(cost))
+    denom = span * temperature
+    weights = [math.exp(-(c - c_min) / denom) for c in cost]
+    return sample(weights, rng)
+
+
+def probabilities(cost: Sequence[float], temperature: float) -> list[float]:
+    """The distribution :func:`pick` samples from when T > 0 (for tests and docs)."""
+    c_min, c_max = min(cost), max(cost)
+    span = c_max - c_min
+    if span <= _TIE_EPS:
+        return [1.0 / len(cost)] * len(cost)
+    weights = [math.exp(-(c - c_min) / (span * temperature)) for c in cost]
+    total = sum(weights)
+    return [w / total for w in weights]
+
+
+def sample(weights: Sequence[float], rng: random.Random) -> int:
+    total = sum(weights)
+    x = rng.random() * total
+    acc = 0.0
+    for i, w in enumerate(weights):
+        acc += w
+        if x < acc:
+            return i
+    return len(weights) - 1
+
+
+def least_loaded(candidates: Sequence[Candidate], rng: random.Random) -> int:
+    """Comparison mode: the candidate with the least load in blocks (queued prefill + active
+    decode blocks), then fewest requests; ties uniformly at random. No cache credit."""
+    if not candidates:
+        raise ValueError("no candidates")
+    loads = [
+        (c.active_prefill_tokens / c.block_size + c.decode_blocks, c.active_requests)
+        for c in candidates
+    ]
+    best = min(loads)
+    ties = [i for i, load in enumerate(loads) if load == best]
+    return ties[rng.randrange(len(ties))]
+
+
+class RoundRobin:
+    """Comparison mode: the next candidate after the last one chosen, by instance id order."""
+
+    def __init__(self) -> None:
+        self._last: tuple[int, int] | None = None
+
+    def pick(self, candidates: Sequence[Candidate]) -> int:
+        if not candidates:
+            raise ValueError("no candidates")
+        order = sorted(range(len(candidates)), key=lambda i: (candidates[i].instance_id, candidates[i].dp_rank))
+        if self._last is not None:
+            for i in order:
+                c = candidates[i]
+                if (c.instance_id, c.dp_rank) > self._last:
+                    self._last = (c.instance_id, c.dp_rank)
+                    return i
+        first = order[0]
+        self._last = (candidates[first].instance_id, candidates[first].dp_rank)
+        return first

@@ -1,0 +1,169 @@
+"""Explicit worker targets: the ``nvext`` object and the ``x-*`` headers (DESIGN §5). Pure.
+
+Which field names the worker depends on the phase this router selects for:
+
+- aggregated and decode: ``decode_worker_id``, else ``backend_instance_id``, with ``dp_rank``;
+- prefill: ``prefill_worker_id``, else ``backend_instance_id``, with ``prefill_dp_rank``, else
+  ``dp_rank``.
+
+Headers override the field they stand for: ``x-worker-instance-id`` → ``decode_worker_id``,
+``x-prefill-instance-id`` → ``prefill_worker_id``, ``x-dp-rank`` → ``dp_rank``,
+``x-prefill-dp-rank`` → ``prefill_dp_rank``. Ids span the full u64 range and may be given as JSON
+integers or decimal strings (clients in languages without 64-bit integers need the latter).
+
+:func:`parse_pin` checks the request alone (400 for a malformed id, a prefill field on an
+aggregated deployment, a rank without a worker); :func:`resolve_pin` checks it against the
+discovery snapshot (400 unknown worker or rank, 503 stale/unreachable, overload when busy).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from controlplane.protocol.errors import InvalidRequest, Overloaded, ServiceUnavailable
+from controlplane.protocol.events import U64_MAX, RouterRole, WorkerRole
+from router.discovery import Discovery, Health, WorkerState
+
+HDR_WORKER = "x-worker-instance-id"
+HDR_PREFILL = "x-prefill-instance-id"
+HDR_DP_RANK = "x-dp-rank"
+HDR_PREFILL_DP_RANK = "x-prefill-dp-rank"
+
+_HEADER_OF = {
+    "decode_worker_id": HDR_WORKER,
+    "prefill_worker_id": HDR_PREFILL,
+    "dp_rank": HDR_DP_RANK,
+    "prefill_dp_rank": HDR_PREFILL_DP_RANK,
+}
+
+
+@dataclass(frozen=True, slots=True)
+class Pin:
+    """A validated explicit target: the worker id, its rank if named, and where each came from."""
+
+    instance_id: int
+    id_field: str  # e.g. "nvext.decode_worker_id" or "header x-worker-instance-id"
+    dp_rank: int | None = None
+    rank_field: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class _Value:
+    raw: Any
+    field: str
+
+
+def _lookup(nvext: Mapping[str, Any], headers: Mapping[str, str], name: str) -> _Value | None:
+    header = _HEADER_OF.get(name)
+    if header is not None:
+        hv = headers.get(header)
+        if hv is not None and hv.strip() != "":
+            return _Value(hv.strip(), f"header {header}")
+    value = nvext.get(name)
+    if value is None:
+        return None
+    return _Value(value, f"nvext.{name}")
+
+
+def _as_int(v: _Value, *, lo: int, hi: int, what: str) -> int:
+    raw = v.raw
+    value: int | None = None
+    if isinstance(raw, bool):
+        value = None
+    elif isinstance(raw, int):
+        value = raw
+    elif isinstance(raw, str) and raw.isascii() and raw.isdigit():
+        value = int(raw)
+    if value is None or not lo <= value <= hi:
+        raise InvalidRequest(
+            f"{v.field}={raw!r} is not {what} (an integer in {lo}..{hi})", field=v.field
+        )
+    return value
+
+
+def parse_pin(nvext: Any, headers: Mapping[str, str], *, role: RouterRole) -> Pin | None:
+    """The explicit target of a request for a router of ``role``, or None. Raises InvalidRequest."""
+    if nvext is None:
+        nvext = {}
+    if not isinstance(nvext, Mapping):
+        raise InvalidRequest("nvext must be an object", field="nvext")
+    lower = {k.lower(): v for k, v in headers.items()}
+
+    if role is RouterRole.AGGREGATED:
+        for name in ("prefill_worker_id", "prefill_dp_rank"):
+            found = _lookup(nvext, lower, name)
+            if found is not None:
+                raise InvalidRequest(
+                    f"{found.field} is not allowed: this is an aggregated deployment with no "
+                    "prefill pool (use nvext.decode_worker_id or nvext.backend_instance_id)",
+                    field=found.field,
+                )
+
+    if role is RouterRole.PREFILL:
+        worker = _lookup(nvext, lower, "prefill_worker_id") or _lookup(nvext, lower, "backend_instance_id")
+        rank = _lookup(nvext, lower, "prefill_dp_rank") or _lookup(nvext, lower, "dp_rank")
+    else:
+        worker = _lookup(nvext, lower, "decode_worker_id") or _lookup(nvext, lower, "backend_instance_id")
+        rank = _lookup(nvext, lower, "dp_rank")
+
+    if worker is None:
+        if rank is not None:
+            raise InvalidRequest(
+                f"{rank.field} names a dp rank but no worker id is given", field=rank.field
+            )
+        return None
+    instance_id = _as_int(worker, lo=0, hi=U64_MAX, what="a worker instance id")
+    dp_rank = None if rank is None else _as_int(rank, lo=0, hi=2**31 - 1, what="a dp rank")
+    return Pin(instance_id, worker.field, dp_rank, None if rank is None else rank.field)
+
+
+def pool_of(role: RouterRole) -> WorkerRole:
+    return WorkerRole(role.value)
+
+
+def resolve_pin(
+    pin: Pin, discovery: Discovery, *, model: str, role: RouterRole, now: float,
+    rank_busy: Callable[[WorkerState, int], bool],
+) -> tuple[WorkerState, int]:
+    """The (worker, rank) a pin names. Raises InvalidRequest (400), ServiceUnavailable (503) or
+    Overloaded (the pinned rank is busy). A pin is never rerouted."""
+    pool = pool_of(role)
+    state = discovery.get(pin.instance_id)
+    if state is None or state.record.model != model or state.record.role is not pool:
+        where = "" if role is RouterRole.AGGREGATED else f" in the {pool.value} pool"
+        raise InvalidRequest(
+            f"{pin.id_field}={pin.instance_id} does not identify a known worker{where}",
+            field=pin.id_field,
+        )
+    dp_size = state.record.dp_size
+    if pin.dp_rank is None:
+        if dp_size > 1:
+            raise InvalidRequest(
+                f"{pin.id_field}={pin.instance_id} has {dp_size} dp ranks and none is named "
+                "(set nvext.dp_rank or the x-dp-rank header)",
+                field=pin.id_field,
+            )
+        rank = 0
+    else:
+        rank = pin.dp_rank
+        if rank >= dp_size:
+            raise InvalidRequest(
+                f"{pin.rank_field}={rank} is not a dp rank of worker {pin.instance_id} "
+                f"(it has {dp_size}: 0..{dp_size - 1})",
+                field=pin.rank_field,
+            )
+    health = discovery.health(state, now)
+    if health is not Health.LIVE:
+        raise ServiceUnavailable(
+            f"worker {pin.instance_id} named by {pin.id_field} is known but {health.value}; "
+            "pinned requests are never rerouted",
+            retry_after=1, instance_id=str(pin.instance_id),
+        )
+    if rank_busy(state, rank):
+        raise Overloaded(
+            f"worker {pin.instance_id} rank {rank} named by {pin.id_field} is busy",
+            instance_id=str(pin.instance_id), dp_rank=rank,
+        )
+    return state, rank

@@ -1,0 +1,181 @@
+"""The scheduler actor without a network: ordering, skipping, draining, targets."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+import uuid
+from datetime import UTC, datetime
+
+import pytest
+
+from controlplane.protocol.errors import InvalidRequest, Overloaded, ServiceUnavailable
+from controlplane.protocol.events import (
+    MembershipEvent,
+    MembershipOp,
+    RankLoad,
+    RouterRole,
+    WorkerRecord,
+)
+from controlplane.protocol.policy import ALL_CACHE_INPUTS, PolicyKind, startup_values
+from router.scheduler import (
+    ApplyMembership,
+    ApplyPolicy,
+    RequestDone,
+    RequestFirstToken,
+    RoutingRequest,
+    Scheduler,
+    SelectWorker,
+    Tick,
+)
+from router.settings import RoutingMode
+from router.targets import parse_pin
+
+pytestmark = pytest.mark.timeout(20)
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.t = 1000.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def _sched(clock: Clock, mode: RoutingMode = RoutingMode.KV) -> Scheduler:
+    now = datetime.now(UTC)
+    startup = {k: startup_values(k) for k in PolicyKind}
+    return Scheduler(
+        router_id="r-test", models=["m"], role=RouterRole.AGGREGATED, mode=mode, kv_events=True,
+        cache_inputs=ALL_CACHE_INPUTS, startup=startup, worker_ttl_s=10, worker_stale_s=3,
+        clock=clock, wall=lambda: now, rng=random.Random(1),
+    )
+
+
+def _join(wid: int, *, dp: int = 1, load: list[RankLoad] | None = None) -> MembershipEvent:
+    rec = WorkerRecord(instance_id=wid, model="m", url=f"http://w{wid}", dp_size=dp, block_size=4,
+                       kv_total_blocks=100, max_num_batched_tokens=64, started_at=datetime.now(UTC))
+    return MembershipEvent(op=MembershipOp.JOIN, worker=rec, load=load or [], at=datetime.now(UTC))
+
+
+def _req(i: int, **kw: object) -> RoutingRequest:
+    return RoutingRequest(request_id=f"q{i}", model="m", prompt_tokens=16, hashes={}, **kw)  # type: ignore[arg-type]
+
+
+def _policy(doc: dict[str, float], expected: int) -> bytes:
+    return json.dumps({
+        "event_id": str(uuid.uuid4()), "model": "m", "kind": "selection", "op": "patch",
+        "expected_revision": expected, "changes": doc, "document": doc, "actor": "t",
+        "request_id": "q", "at": datetime.now(UTC).isoformat(),
+    }).encode()
+
+
+async def test_policy_lands_between_queued_selections() -> None:
+    s = _sched(Clock())
+    for wid in (1, 2, 3):
+        s.send(ApplyMembership(_join(wid)))
+    before = [s.submit(SelectWorker(_req(i))) for i in range(200)]
+    applied = s.submit(ApplyPolicy("m", PolicyKind.SELECTION, 7, _policy({"router_temperature": 0.3}, 0)))
+    after = [s.submit(SelectWorker(_req(1000 + i))) for i in range(200)]
+    s.start()
+    try:
+        res_before = await asyncio.gather(*before)
+        res_after = await asyncio.gather(*after)
+        ack = await applied
+    finally:
+        await s.stop()
+    assert ack.result.outcome.value == "ACK"
+    assert all(r.revisions["selection"] == 0 and r.seq < ack.seq for r in res_before)
+    assert all(r.revisions["selection"] == 7 and r.seq > ack.seq for r in res_after)
+
+
+async def test_cancelled_selection_is_skipped_and_books_nothing() -> None:
+    s = _sched(Clock())
+    s.send(ApplyMembership(_join(1)))
+    gone = s.submit(SelectWorker(_req(1)))
+    gone.cancel()
+    kept = s.submit(SelectWorker(_req(2)))
+    s.start()
+    try:
+        sel = await kept
+        assert sel.request_id == "q2"
+        assert await s.inspect(lambda x: len(x.bookings)) == 1
+        assert s.stats["skipped"] == 1
+    finally:
+        await s.stop()
+
+
+async def test_stop_answers_every_waiter() -> None:
+    s = _sched(Clock())
+    futs = [s.submit(SelectWorker(_req(i))) for i in range(5)]
+    await s.stop()
+    for f in futs:
+        with pytest.raises(ServiceUnavailable):
+            await f
+    with pytest.raises(ServiceUnavailable):
+        s.submit(SelectWorker(_req(9)))
+
+
+async def test_bookings_released_and_freed_through_the_actor() -> None:
+    s = _sched(Clock(), RoutingMode.LEAST_LOADED)
+    s.send(ApplyMembership(_join(1)))
+    s.send(ApplyMembership(_join(2)))
+    s.start()
+    try:
+        a = await s.select(_req(1))
+        b = await s.select(_req(2))
+        assert {a.instance_id, b.instance_id} == {1, 2}  # least loaded spreads
+        s.send(RequestFirstToken("q1"))
+        s.send(RequestDone("q1"))
+        s.send(RequestDone("q2"))
+        assert await s.inspect(lambda x: len(x.bookings)) == 0
+    finally:
+        await s.stop()
+
+
+async def test_all_busy_is_overloaded_and_stale_is_unavailable() -> None:
+    clock = Clock()
+    s = _sched(clock)
+    s.send(ApplyMembership(_join(1, load=[RankLoad(active_prefill_tokens=500)])))
+    doc = {"active_prefill_tokens_threshold": 100}
+    payload = json.dumps({
+        "event_id": str(uuid.uuid4()), "model": "m", "kind": "busy_threshold", "op": "patch",
+        "expected_revision": 0, "changes": doc, "document": doc, "actor": "t", "request_id": "q",
+        "at": datetime.now(UTC).isoformat(),
+    }).encode()
+    s.start()
+    try:
+        await s.call(ApplyPolicy("m", PolicyKind.BUSY_THRESHOLD, 1, payload))
+        with pytest.raises(Overloaded):
+            await s.select(_req(1))
+        clock.t += 5
+        await s.call(Tick())
+        with pytest.raises(ServiceUnavailable):
+            await s.select(_req(2))
+        clock.t += 6
+        assert await s.call(Tick()) == [1]
+    finally:
+        await s.stop()
+
+
+def test_parse_pin_rules() -> None:
+    agg = RouterRole.AGGREGATED
+    assert parse_pin(None, {}, role=agg) is None
+    pin = parse_pin({"backend_instance_id": 5, "decode_worker_id": 18446744073709551615}, {}, role=agg)
+    assert pin is not None and pin.instance_id == 2**64 - 1 and pin.id_field == "nvext.decode_worker_id"
+    pin = parse_pin({"decode_worker_id": 5, "dp_rank": 1}, {"X-Worker-Instance-Id": "7", "x-dp-rank": "0"}, role=agg)
+    assert pin is not None and (pin.instance_id, pin.dp_rank) == (7, 0)
+    assert pin.id_field == "header x-worker-instance-id"
+    for bad in ({"decode_worker_id": 2**64}, {"decode_worker_id": -1}, {"decode_worker_id": 1.5},
+                {"decode_worker_id": True}, {"decode_worker_id": "abc"}, {"dp_rank": 0},
+                {"prefill_worker_id": 3}, {"decode_worker_id": 3, "dp_rank": -1}):
+        with pytest.raises(InvalidRequest) as err:
+            parse_pin(bad, {}, role=agg)
+        assert err.value.status_code == 400
+    with pytest.raises(InvalidRequest):
+        parse_pin("x", {}, role=agg)
+    pre = parse_pin({"prefill_worker_id": 3, "backend_instance_id": 4, "dp_rank": 2}, {}, role=RouterRole.PREFILL)
+    assert pre is not None and (pre.instance_id, pre.dp_rank) == (3, 2)
+    pre = parse_pin({"backend_instance_id": 4, "prefill_dp_rank": 1, "dp_rank": 2}, {}, role=RouterRole.PREFILL)
+    assert pre is not None and (pre.instance_id, pre.dp_rank) == (4, 1)
