@@ -30,6 +30,33 @@ def free_port() -> int:
         return port
 
 
+def port_is_free(port: int, host: str = "127.0.0.1") -> bool:
+    """Whether ``host:port`` can be bound right now (a later bind may still lose a race)."""
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((host, port))
+        except OSError:
+            return False
+        return True
+
+
+def die_with_parent() -> None:
+    """``preexec_fn``: ask Linux to SIGTERM the child when its parent dies (even by SIGKILL).
+
+    Without it a ``Popen`` child outlives a parent that was killed; with it, a crashed
+    ``rudder up`` leaves no servers behind. A no-op elsewhere.
+    """
+    if not sys.platform.startswith("linux"):
+        return
+    import ctypes
+    import signal
+
+    with contextlib.suppress(OSError, AttributeError):
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+
+
 def nats_server_binary() -> str:
     candidates = [
         os.path.join(sysconfig.get_path("scripts"), "nats-server"),
@@ -47,10 +74,18 @@ def nats_server_binary() -> str:
 class EmbeddedNats:
     """A real ``nats-server -js`` on loopback with its store under ``data_dir``."""
 
-    def __init__(self, data_dir: Path, *, port: int | None = None, monitor_port: int | None = None):
+    def __init__(
+        self,
+        data_dir: Path,
+        *,
+        port: int | None = None,
+        monitor_port: int | None = None,
+        tie_to_parent: bool = False,
+    ):
         self.data_dir = Path(data_dir)
         self.port = port or free_port()
         self.monitor_port = monitor_port or free_port()
+        self.tie_to_parent = tie_to_parent
         self.proc: subprocess.Popen[bytes] | None = None
 
     @property
@@ -59,20 +94,22 @@ class EmbeddedNats:
 
     def start(self, timeout: float = 15.0) -> None:
         self.data_dir.mkdir(parents=True, exist_ok=True)
-        logfile = open(self.data_dir / "nats.log", "ab")  # noqa: SIM115 - owned by the child
+        logfile = open(self.data_dir / "nats.log", "ab")  # owned by the child
         self.proc = subprocess.Popen(
             [
                 nats_server_binary(), "-js", "-sd", str(self.data_dir), "-p", str(self.port),
                 "-a", "127.0.0.1", "-m", str(self.monitor_port),
             ],
             stdout=logfile, stderr=subprocess.STDOUT, start_new_session=True,
+            preexec_fn=die_with_parent if self.tie_to_parent else None,
         )
         logfile.close()
         deadline = time.monotonic() + timeout
         url = f"http://127.0.0.1:{self.monitor_port}/healthz?js-enabled-only=true"
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
-                raise RuntimeError(f"nats-server exited with {self.proc.returncode}; see {self.data_dir}/nats.log")
+                raise RuntimeError(f"nats-server exited with {self.proc.returncode}; "
+                                   f"see {self.data_dir}/nats.log")
             with contextlib.suppress(OSError):
                 with urllib.request.urlopen(url, timeout=1) as resp:
                     if resp.status == 200:
@@ -125,8 +162,11 @@ class EmbeddedPostgres:
         kwargs: dict[str, object] = {}
         if self.system_user:
             kwargs["user"] = self.system_user
+        # Own session: a Ctrl-C meant for `rudder up` must not reach the postmaster directly;
+        # `rudder up` stops it itself, after the processes that use it.
         subprocess.run(args, check=True, timeout=timeout, stdout=subprocess.DEVNULL,
-                       stderr=subprocess.PIPE, **kwargs)  # type: ignore[call-overload]
+                       stderr=subprocess.PIPE, start_new_session=True,
+                       **kwargs)  # type: ignore[call-overload]
 
     def _prepare(self) -> None:
         self.data_dir.mkdir(parents=True, exist_ok=True)
@@ -164,6 +204,46 @@ class EmbeddedPostgres:
             return
         with contextlib.suppress(subprocess.CalledProcessError):
             self._run([self._bin("pg_ctl"), "-D", str(self.data_dir), "-w", "-m", mode, "stop"])
+
+    @property
+    def running(self) -> bool:
+        """Whether a postmaster is running on this data folder (``pg_ctl status``)."""
+        if not (self.data_dir / "postmaster.pid").exists():
+            return False
+        try:
+            self._run([self._bin("pg_ctl"), "-D", str(self.data_dir), "status"], timeout=10)
+        except subprocess.CalledProcessError:
+            return False
+        return True
+
+    def stop_leftover(self) -> bool:
+        """Stop a postmaster a crashed owner left running on this data folder.
+
+        Returns whether there was one. Only call this while holding the data folder for yourself
+        (``rudder up`` holds ``.rudder/up.pid``).
+        """
+        self._prepare()
+        if self.running:
+            self.stop()
+            return True
+        return False
+
+    def database_url(self, name: str) -> str:
+        return f"postgresql+asyncpg://postgres@127.0.0.1:{self.port}/{name}"
+
+    def ensure_database(self, name: str) -> str:
+        """Create the database unless it exists; return its SQLAlchemy URL."""
+        kwargs: dict[str, object] = {"user": self.system_user} if self.system_user else {}
+        literal = name.replace("'", "''")
+        found = subprocess.run(
+            [self._bin("psql"), "-h", "127.0.0.1", "-p", str(self.port), "-U", "postgres",
+             "-d", "postgres", "-tAc", f"SELECT 1 FROM pg_database WHERE datname = '{literal}'"],
+            check=True, timeout=30, capture_output=True, text=True, start_new_session=True,
+            **kwargs,  # type: ignore[call-overload]
+        )
+        if found.stdout.strip() != "1":
+            return self.create_database(name)
+        return self.database_url(name)
 
     def create_database(self, name: str) -> str:
         """Create a database and return its SQLAlchemy URL."""

@@ -1,0 +1,91 @@
+"""``rudder token`` and ``rudder db``: commands that talk to PostgreSQL directly.
+
+They need the database URL, not the admin API: creating the first admin token cannot go through
+an API that requires one.
+"""
+
+from __future__ import annotations
+
+import enum
+import secrets
+from typing import Annotated, Any
+
+import typer
+
+from cli import app as shared
+from cli.config import database_url
+from cli.errors import CliError, ExitCode
+from cli.loader import load
+from cli.output import print_json, say
+
+token_app = shared.new_app("API tokens (stored hashed; shown once).")
+db_app = shared.new_app("Database schema (Alembic migrations).")
+
+DatabaseOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--database-url",
+        help="SQLAlchemy URL; default $RUDDER_DATABASE_URL, then .rudder/credentials.",
+        show_default=False,
+    ),
+]
+
+
+class RoleName(enum.StrEnum):
+    VIEWER = "viewer"
+    OPERATOR = "operator"
+    AUDITOR = "auditor"
+    ADMIN = "admin"
+
+
+def _database_error(action: str, exc: Exception) -> CliError:
+    if isinstance(exc, OSError):
+        return CliError(ExitCode.UNAVAILABLE, f"{action}: database unreachable: {exc}")
+    return CliError(ExitCode.ERROR, f"{action}: {type(exc).__name__}: {exc}")
+
+
+def create_token(url: str, name: str, role: str) -> str:
+    """Create a token through the audit store's auth module; returns the secret once."""
+    create = load("controlplane.auth", "create_token_sync")
+    role_enum = load("controlplane.auth", "Role")
+    try:
+        token: Any = create(url, name, role_enum(role))
+    except Exception as exc:  # database drivers raise many types; report them once, here
+        raise _database_error("token create", exc) from exc
+    return str(token)
+
+
+def upgrade(url: str) -> None:
+    run = load("migrations", "upgrade")
+    try:
+        run(url)
+    except Exception as exc:  # alembic/asyncpg errors, reported with their type
+        raise _database_error("db upgrade", exc) from exc
+
+
+@token_app.command("create")
+def token_create(
+    role: Annotated[RoleName, typer.Option("--role", help="Role of the new token.")],
+    name: Annotated[
+        str | None, typer.Option("--name", help="Name shown in the audit log as the actor.")
+    ] = None,
+    db: DatabaseOpt = None,
+) -> None:
+    """Create a token and print it once (it is stored hashed)."""
+    token_name = name or f"{role.value}-{secrets.token_hex(3)}"
+    token = create_token(database_url(db), token_name, role.value)
+    if shared.json_mode():
+        print_json({"name": token_name, "role": role.value, "token": token})
+        return
+    typer.echo(f"# token {token_name!r} with role {role.value}; shown only once", err=True)
+    say(token)
+
+
+@db_app.command("upgrade")
+def db_upgrade(db: DatabaseOpt = None) -> None:
+    """Apply every pending migration (idempotent)."""
+    upgrade(database_url(db))
+    if shared.json_mode():
+        print_json({"ok": True})
+    else:
+        say("database schema is up to date")

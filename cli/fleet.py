@@ -1,0 +1,144 @@
+"""``rudder routers`` and ``rudder workers``: what the fleet runs right now."""
+
+from __future__ import annotations
+
+from typing import Annotated, Any
+
+import typer
+
+from cli import app as shared
+from cli.output import fmt_time, fmt_value, print_json, say, show, table
+
+routers_app = shared.new_app("Router replicas: applied vs head revision, NACKs.")
+workers_app = shared.new_app("Workers announced on the membership stream.")
+
+
+def _applied(router: dict[str, Any], key: str) -> int:
+    entry = (router.get("applied") or {}).get(key) or {}
+    return int(entry.get("revision") or 0)
+
+
+def summarize(body: dict[str, Any]) -> list[dict[str, Any]]:
+    """Per document: how many of the routers serving its model applied the head revision.
+
+    A router counts for a document when it serves the model (``models``) or reports an applied
+    entry for it; a router that has not applied it at all counts as behind.
+    """
+    routers = [r for r in body.get("routers") or [] if isinstance(r, dict)]
+    heads: dict[str, int] = {str(k): int(v) for k, v in (body.get("heads") or {}).items()}
+    keys = set(heads)
+    for r in routers:
+        keys |= set((r.get("applied") or {}).keys())
+    out = []
+    for key in sorted(keys):
+        model, _, kind = key.rpartition("|")
+        head = heads.get(key, 0)
+        serving = [r for r in routers
+                   if model in (r.get("models") or []) or key in (r.get("applied") or {})]
+        on_head = sum(1 for r in serving if _applied(r, key) >= head)
+        out.append({"model": model, "kind": kind, "head_revision": head,
+                    "on_head": on_head, "routers": len(serving)})
+    return out
+
+
+@routers_app.command("list")
+def routers_list() -> None:
+    """Routers with the revision each applied per document, and NACK reasons."""
+    with shared.client() as api:
+        body = api.get("/routers")
+    body = body if isinstance(body, dict) else {}
+    routers = [r for r in body.get("routers") or [] if isinstance(r, dict)]
+    summary = summarize(body)
+    if shared.json_mode():
+        print_json({"routers": routers, "heads": body.get("heads") or {}, "summary": summary})
+        return
+    if not routers:
+        say("no live routers")
+    else:
+        show(table(
+            ["router", "models", "role", "mode", "url", "cache inputs", "heartbeat"],
+            [(r.get("router_id"), r.get("models") or [], r.get("role"), r.get("mode"),
+              r.get("url"), r.get("cache_inputs") or [], fmt_time(r.get("heartbeat_at")))
+             for r in routers],
+        ))
+        heads = body.get("heads") or {}
+        rows = []
+        for r in routers:
+            for key, entry in sorted((r.get("applied") or {}).items()):
+                entry = entry or {}
+                head = heads.get(key, 0)
+                applied = entry.get("revision")
+                nack = entry.get("last_nack")
+                if nack and entry.get("last_nack_revision") is not None:
+                    nack = f"r{entry['last_nack_revision']}: {nack}"
+                rows.append((r.get("router_id"), key.replace("|", " "), applied, head,
+                             "yes" if (applied or 0) >= head else "NO", nack))
+        if rows:
+            show(table(["router", "document", "applied", "head", "on head", "last nack"], rows))
+    for s in summary:
+        say(f"{s['model']} {s['kind']}: {s['on_head']}/{s['routers']} routers on the head "
+            f"revision {s['head_revision']}")
+
+
+@routers_app.command("acks")
+def routers_acks(
+    router_id: Annotated[str | None, typer.Option("--router", help="Router id.")] = None,
+    model: Annotated[str | None, typer.Option("--model", "-m")] = None,
+    kind: Annotated[str | None, typer.Option("--kind", "-k")] = None,
+    at: Annotated[
+        str | None,
+        typer.Option("--at", help="ISO-8601 time: what the router ran at that moment."),
+    ] = None,
+) -> None:
+    """ACK/NACK history of routers (auditor): which revision a router ran at a given time."""
+    with shared.client() as api:
+        body = api.get("/routers/acks",
+                       {"router_id": router_id, "model": model, "kind": kind, "at": at})
+    acks = [a for a in (body or {}).get("acks") or [] if isinstance(a, dict)]
+    if shared.json_mode():
+        print_json(acks)
+        return
+    if not acks:
+        say("no acknowledgements recorded")
+        return
+    show(table(
+        ["at", "router", "model", "kind", "revision", "status", "detail"],
+        [(fmt_time(a.get("at")), a.get("router_id"), a.get("model"), a.get("kind"),
+          a.get("revision"), a.get("status"), fmt_value(a.get("detail"))) for a in acks],
+    ))
+
+
+def _load(load: Any) -> str:
+    if not isinstance(load, list) or not load:
+        return "-"
+    parts: list[str] = []
+    for rank in load:
+        if isinstance(rank, dict):
+            parts.append(f"r{rank.get('dp_rank', len(parts))}: run {rank.get('running', '-')} "
+                         f"wait {rank.get('waiting', '-')} kv {rank.get('kv_used_blocks', '-')}")
+    return "; ".join(parts) or "-"
+
+
+@workers_app.command("list")
+def workers_list(
+    model: Annotated[str | None, typer.Option("--model", "-m", help="Only this model.")] = None,
+) -> None:
+    """Workers with their model, role, URL, capacity and last reported load."""
+    with shared.client() as api:
+        body = api.get("/workers")
+    workers = [w for w in (body or {}).get("workers") or [] if isinstance(w, dict)]
+    if model:
+        workers = [w for w in workers if w.get("model") == model]
+    if shared.json_mode():
+        print_json(workers)
+        return
+    if not workers:
+        say("no live workers")
+        return
+    show(table(
+        ["instance", "model", "role", "engine", "url", "dp", "block", "kv blocks", "last seen",
+         "load"],
+        [(str(w.get("instance_id")), w.get("model"), w.get("role"), w.get("engine"),
+          w.get("url"), w.get("dp_size"), w.get("block_size"), w.get("kv_total_blocks"),
+          fmt_time(w.get("last_seen")), _load(w.get("load"))) for w in workers],
+    ))

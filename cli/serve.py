@@ -1,0 +1,112 @@
+"""``rudder serve``: run one process of the fleet in the foreground.
+
+Each subcommand builds that process's one settings object (``RUDDER_*`` environment variables,
+overridden by the flags given here), configures logging (entry points are the only place that
+does) and hands over to the package's blocking ``run(settings)``.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Annotated, Any
+
+import typer
+
+from cli import app as shared
+from cli.errors import CliError, ExitCode
+from cli.loader import load
+
+app = shared.new_app("Run a control plane, router or worker in the foreground.")
+
+
+def _configure_logging(level: str) -> None:
+    logging.basicConfig(
+        level=level.upper(),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+
+
+def _settings(module: str, cls: str, overrides: dict[str, Any]) -> Any:
+    """Build a settings object; a bad value stops start-up with a message naming it."""
+    from pydantic import ValidationError
+
+    factory = load(module, cls)
+    try:
+        return factory(**{k: v for k, v in overrides.items() if v is not None})
+    except ValidationError as exc:
+        problems = "; ".join(
+            f"{'.'.join(str(p) for p in e['loc']) or cls}: {e['msg']}" for e in exc.errors()
+        )
+        raise CliError(ExitCode.USAGE, f"bad setting: {problems}") from exc
+
+
+@app.command("controlplane")
+def controlplane(
+    host: Annotated[str | None, typer.Option("--host", help="Admin API host.")] = None,
+    port: Annotated[int | None, typer.Option("--port", help="Admin API port.")] = None,
+    nats_url: Annotated[str | None, typer.Option("--nats-url")] = None,
+    database_url: Annotated[str | None, typer.Option("--database-url")] = None,
+) -> None:
+    """The admin API (the only write path) with its reconciler."""
+    settings = _settings("controlplane.settings", "ControlPlaneSettings", {
+        "admin_host": host, "admin_port": port, "nats_url": nats_url,
+        "database_url": database_url,
+    })
+    _configure_logging(settings.log_level)
+    load("controlplane.server", "run")(settings)
+
+
+@app.command("router")
+def router(
+    model: Annotated[
+        list[str] | None, typer.Option("--model", "-m", help="Model served (repeatable).")
+    ] = None,
+    host: Annotated[str | None, typer.Option("--host")] = None,
+    port: Annotated[int | None, typer.Option("--port", help="OpenAI API port.")] = None,
+    mode: Annotated[
+        str | None, typer.Option("--mode", help="kv, round_robin, random or least_loaded.")
+    ] = None,
+    no_kv_events: Annotated[
+        bool, typer.Option("--no-kv-events", help="Approximate mode: index own decisions.")
+    ] = False,
+    role: Annotated[
+        str | None, typer.Option("--role", help="aggregated, prefill or decode.")
+    ] = None,
+    nats_url: Annotated[str | None, typer.Option("--nats-url")] = None,
+    router_id: Annotated[str | None, typer.Option("--router-id")] = None,
+) -> None:
+    """A router replica: OpenAI API, KV-aware selection, policy consumer."""
+    settings = _settings("router.settings", "RouterSettings", {
+        "models": model or None, "host": host, "port": port, "mode": mode,
+        "kv_events": False if no_kv_events else None, "role": role, "nats_url": nats_url,
+        "router_id": router_id,
+    })
+    _configure_logging(settings.log_level)
+    load("router.app", "run")(settings)
+
+
+@app.command("worker")
+def worker(
+    model: Annotated[str | None, typer.Option("--model", "-m", help="Model served.")] = None,
+    engine: Annotated[str | None, typer.Option("--engine", help="mock or vllm.")] = None,
+    host: Annotated[str | None, typer.Option("--host")] = None,
+    port: Annotated[int | None, typer.Option("--port", help="OpenAI API port (0 = free).")] = None,
+    role: Annotated[
+        str | None, typer.Option("--role", help="aggregated, prefill or decode.")
+    ] = None,
+    dp_size: Annotated[int | None, typer.Option("--dp-size", min=1)] = None,
+    nats_url: Annotated[str | None, typer.Option("--nats-url")] = None,
+    speedup_ratio: Annotated[
+        float | None, typer.Option("--speedup-ratio", help="Mock engine: divide every duration.")
+    ] = None,
+) -> None:
+    """A worker: an engine (mock or vLLM) with membership, heartbeats and KV events."""
+    overrides: dict[str, Any] = {
+        "model": model, "engine": engine, "host": host, "port": port, "role": role,
+        "dp_size": dp_size, "nats_url": nats_url,
+    }
+    if speedup_ratio is not None:
+        overrides["mock"] = {"speedup_ratio": speedup_ratio}
+    settings = _settings("worker.settings", "WorkerSettings", overrides)
+    _configure_logging(settings.log_level)
+    load("worker.agent", "run")(settings)
