@@ -156,12 +156,13 @@ def build_app(cp: ControlPlane, *, lifespan: Any = None) -> FastAPI:
             except (json.JSONDecodeError, UnicodeDecodeError) as exc:
                 raise InvalidRequest(f"body is not valid JSON: {exc}", field="body") from exc
         except RudderError as exc:
-            a = Attempt(op=op, kind=kind)
-            if ctx.auth_error is None and ctx.principal is not None and not ctx.principal.can(Action.WRITE_POLICY):
-                exc = Forbidden(f"role {ctx.principal.role.value} may not write_policy")
-            elif ctx.auth_error is not None:
-                exc = ctx.auth_error
-            raise await cp.writes.refusal(ctx, a, exc) from None
+            # An unauthenticated or unauthorised caller learns that first, whatever the body.
+            refused: RudderError = exc
+            if ctx.auth_error is not None:
+                refused = ctx.auth_error
+            elif ctx.principal is not None and not ctx.principal.can(Action.WRITE_POLICY):
+                refused = Forbidden(f"role {ctx.principal.role.value} may not write_policy")
+            raise await cp.writes.refusal(ctx, Attempt(op=op, kind=kind), refused) from None
 
     def count(decision: str, code: str) -> None:
         metrics.writes.labels(decision, code).inc()

@@ -2,7 +2,7 @@
 capabilities, record "received", publish with compare-and-set, record the decision.
 
 Fail closed: if the audit store cannot record, nothing is published and the answer is 503.
-Every rejection of steps 1–4, and a 409 at publish, is itself recorded. A publish whose outcome is
+Every rejection of steps 1-4, and a 409 at publish, is itself recorded. A publish whose outcome is
 unknown leaves its "received" row without a decision; the reconciler settles it from the stream.
 """
 
@@ -147,6 +147,17 @@ def _bool(body: Mapping[str, Any], name: str) -> bool:
     return value
 
 
+def _require_head(a: Attempt) -> None:
+    """Compare-and-set, checked early: a stale ``expected_revision`` is a 409 before anything is
+    recorded as received (the publish checks it again, atomically)."""
+    assert a.expected_revision is not None and a.head_revision is not None
+    if a.expected_revision != a.head_revision:
+        raise RevisionConflict(
+            f"expected revision {a.expected_revision} but the head is {a.head_revision}",
+            expected_revision=a.expected_revision, head_revision=a.head_revision,
+        )
+
+
 def _hint(a: Attempt, body: Any) -> None:
     """Note which document an attempt targets before anything is checked, so that even a refused
     attempt (401, 403, a bad field) is recorded against its model and kind."""
@@ -214,7 +225,7 @@ class WritePath:
             role = ctx.principal.role.value if ctx.principal else "none"
             raise Forbidden(f"role {role} may not {action.value}", required=action.value)
 
-    # ---- the commit (steps 5–7) ----------------------------------------------------------
+    # ---- the commit (steps 5-7) ----------------------------------------------------------
 
     async def _commit(self, ctx: RequestContext, a: Attempt, event: PolicyEvent) -> tuple[int, bool]:
         await self.audit.append(self._entry(ctx, a, stage=AuditStage.RECEIVED, decision=Decision.PENDING))
@@ -277,7 +288,7 @@ class WritePath:
             )
 
     async def _run(self, ctx: RequestContext, a: Attempt, prepare: Any) -> WriteResult:
-        """Steps 1–4 in ``prepare`` (audited on rejection), then dry-run or commit."""
+        """Steps 1-4 in ``prepare`` (audited on rejection), then dry-run or commit."""
         try:
             await prepare()
         except AuditUnavailable:
@@ -324,11 +335,7 @@ class WritePath:
             else:
                 a.changes = validate_changes(a.kind, b["parameters"])
             a.before = await self._head(a)
-            if a.expected_revision != a.head_revision:
-                raise RevisionConflict(
-                    f"expected revision {a.expected_revision} but the head is {a.head_revision}",
-                    expected_revision=a.expected_revision, head_revision=a.head_revision,
-                )
+            _require_head(a)
             if reset:
                 a.changes = {name: None for name in a.before}
             a.after = {} if reset else apply_patch(a.before, a.changes)
@@ -362,11 +369,7 @@ class WritePath:
                     )
                 target_doc = dict(target.event.document)
             a.before = await self._head(a)
-            if a.expected_revision != a.head_revision:
-                raise RevisionConflict(
-                    f"expected revision {a.expected_revision} but the head is {a.head_revision}",
-                    expected_revision=a.expected_revision, head_revision=a.head_revision,
-                )
+            _require_head(a)
             a.after = dict(sorted(target_doc.items()))
             a.changes = {k: v["after"] for k, v in diff_documents(a.before, a.after).items()}
             a.rollback_to = target_rev
@@ -392,7 +395,7 @@ class WritePath:
             _hint(a, body)
             explicit = "expected_revision" in b0 and b0["expected_revision"] is not None
 
-            async def prepare(a: Attempt = a) -> None:
+            async def prepare(a: Attempt = a, explicit: bool = explicit) -> None:
                 self._authorize(ctx, Action.WRITE_POLICY)
                 b = _obj(body)
                 _check_keys(b, {"model", "expected_revision", "unset", "create", "dry_run"} | THRESHOLD_FIELDS)
@@ -409,11 +412,7 @@ class WritePath:
                                    "has no policy; pass create: true to create it", field="model")
                 a.expected_revision = (require_revision(b["expected_revision"]) if explicit
                                        else a.head_revision)
-                if a.expected_revision != a.head_revision:
-                    raise RevisionConflict(
-                        f"expected revision {a.expected_revision} but the head is {a.head_revision}",
-                        expected_revision=a.expected_revision, head_revision=a.head_revision,
-                    )
+                _require_head(a)
                 a.after = merge_thresholds(a.before, changes, unset)
 
             try:

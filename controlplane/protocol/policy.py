@@ -120,11 +120,12 @@ def validate_value(kind: PolicyKind, name: str, value: Any, *, prefix: str = "pa
             value = int(value)
     else:
         value = float(value)
-    if value < spec.minimum or (spec.maximum is not None and value > spec.maximum):
+    checked: Number = value
+    if checked < spec.minimum or (spec.maximum is not None and checked > spec.maximum):
         raise ValidationFailed(
-            f"{field}={value!r} is out of range: must be {spec.describe_range()}", field=field
+            f"{field}={checked!r} is out of range: must be {spec.describe_range()}", field=field
         )
-    return value
+    return checked
 
 
 def validate_changes(

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import math
 import uuid
@@ -148,7 +149,7 @@ async def test_20_concurrent_partial_threshold_updates_lose_nothing(nats_url: st
     history = [s async for s in policy_log.history(model, PolicyKind.BUSY_THRESHOLD)]
     assert len(history) == 21  # the create + all 20 updates, each its own revision
     # No lost update: every event's document is its predecessor's with its own change applied.
-    for prev, cur in zip(history, history[1:], strict=False):
+    for prev, cur in itertools.pairwise(history):
         assert cur.event is not None and prev.event is not None
         assert cur.event.expected_revision == prev.revision
         expected = dict(prev.event.document)
@@ -182,7 +183,7 @@ async def test_bad_input_is_refused_by_field_and_audited(nats_url: str, db: str,
         for literal, field in (("NaN", "parameters.router_temperature"),
                                ("Infinity", "parameters.prefill_load_scale")):
             name = field.split(".")[1]
-            raw = '{"model": "%s", "expected_revision": 0, "parameters": {"%s": %s}}' % (model, name, literal)
+            raw = f'{{"model": "{model}", "expected_revision": 0, "parameters": {{"{name}": {literal}}}}}'
             r = await http.patch("/router_policy", content=raw, headers={"content-type": "application/json"})
             assert r.status_code == 422 and r.json()["error"]["field"] == field, r.text
             assert "finite" in r.json()["error"]["message"]
