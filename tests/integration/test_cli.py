@@ -1,0 +1,264 @@
+"""The ``rudder`` CLI against a real control plane on real NATS JetStream and PostgreSQL.
+
+The control plane runs in a thread with its own event loop (uvicorn on a free port); the CLI runs
+through typer's ``CliRunner`` in the test's thread, exactly as a user's shell would call it,
+including ``rudder db upgrade`` and ``rudder token create`` against the database.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import pytest
+from pydantic import SecretStr
+from typer.testing import CliRunner, Result
+
+from cli.errors import ExitCode
+from cli.main import app
+from controlplane.settings import ControlPlaneSettings
+
+pytestmark = pytest.mark.timeout(120)
+
+
+class ThreadedControlPlane:
+    """``controlplane.server.serving`` in a background thread, for synchronous CLI tests."""
+
+    def __init__(self, settings: ControlPlaneSettings) -> None:
+        self.settings = settings
+        self.url = ""
+        self._ready = threading.Event()
+        self._error: BaseException | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._stop: asyncio.Event | None = None
+        self._thread = threading.Thread(target=self._main, name="controlplane", daemon=True)
+
+    def _main(self) -> None:
+        try:
+            asyncio.run(self._serve())
+        except BaseException as exc:  # reported to the starting thread
+            self._error = exc
+            self._ready.set()
+
+    async def _serve(self) -> None:
+        from controlplane.server import serving
+
+        self._loop = asyncio.get_running_loop()
+        self._stop = asyncio.Event()
+        async with serving(self.settings) as running:
+            self.url = running.url
+            self._ready.set()
+            await self._stop.wait()
+
+    def start(self) -> None:
+        self._thread.start()
+        if not self._ready.wait(60) or self._error is not None:
+            raise RuntimeError(f"control plane did not start: {self._error!r}")
+
+    def stop(self) -> None:
+        if self._loop is not None and self._stop is not None:
+            self._loop.call_soon_threadsafe(self._stop.set)
+        self._thread.join(30)
+
+
+@dataclass
+class Env:
+    server: str
+    database_url: str
+    tokens: dict[str, str]
+
+    def run(self, *args: str, role: str | None = "admin", json_out: bool = True) -> Result:
+        argv = ["--server", self.server]
+        if role is not None:
+            argv += ["--token", self.tokens[role]]
+        if json_out:
+            argv.append("--json")
+        return CliRunner().invoke(app, [*argv, *args], env={"RUDDER_TOKEN": None,
+                                                             "RUDDER_SERVER": None})
+
+    def ok(self, *args: str, role: str = "admin") -> Any:
+        result = self.run(*args, role=role)
+        assert result.exit_code == 0, (result.stdout, result.stderr)
+        return json.loads(result.stdout)
+
+
+@pytest.fixture(scope="module")
+def env(nats_url: str, database_url: str) -> Iterator[Env]:
+    runner = CliRunner()
+    upgraded = runner.invoke(app, ["db", "upgrade", "--database-url", database_url])
+    assert upgraded.exit_code == 0, upgraded.output
+    tokens: dict[str, str] = {}
+    for role in ("admin", "operator", "viewer", "auditor"):
+        made = runner.invoke(app, ["--json", "token", "create", "--role", role, "--name",
+                                   f"cli-{role}", "--database-url", database_url])
+        assert made.exit_code == 0, made.output
+        body = json.loads(made.stdout)
+        assert body["role"] == role and body["name"] == f"cli-{role}"
+        tokens[role] = body["token"]
+    settings = ControlPlaneSettings(
+        nats_url=nats_url, database_url=SecretStr(database_url), admin_port=0,
+        reconcile_interval_s=3600.0,
+    )
+    cp = ThreadedControlPlane(settings)
+    cp.start()
+    try:
+        yield Env(server=cp.url, database_url=database_url, tokens=tokens)
+    finally:
+        cp.stop()
+
+
+def model_name() -> str:
+    return f"org/cli-{uuid.uuid4().hex[:8]}:v1.0"
+
+
+def test_set_conflict_history_diff_rollback(env: Env) -> None:
+    model = model_name()
+    first = env.ok("policy", "set", model, "overlap_score_credit=0.5",
+                   "router_temperature=0.1", "--revision", "0", role="operator")
+    assert first["document"] == {"overlap_score_credit": 0.5, "router_temperature": 0.1}
+    r1 = first["revision"]
+    assert r1 > 0 and first["previous_revision"] == 0
+
+    # A stale revision: exit 3, the server's facts on stderr, nothing on stdout.
+    stale = env.run("policy", "set", model, "overlap_score_credit=0.9", "--revision", "0",
+                    role="operator")
+    assert stale.exit_code == ExitCode.CONFLICT
+    assert stale.stdout == ""
+    err = json.loads(stale.stderr)["error"]
+    assert err["code"] == "revision_conflict" and err["head_revision"] == r1
+
+    # Human output of a conflict names both revisions on stderr.
+    human = env.run("policy", "set", model, "overlap_score_credit=0.9", "--revision", "0",
+                    role="operator", json_out=False)
+    assert human.exit_code == 3 and f"head is {r1}" in " ".join(human.stderr.split())
+
+    second = env.ok("policy", "set", model, "overlap_score_credit=0.7", "--latest",
+                    role="operator")
+    r2 = second["revision"]
+    assert r2 > r1 and second["diff"] == {"overlap_score_credit": {"before": 0.5, "after": 0.7}}
+
+    dry = env.ok("policy", "set", model, "prefill_load_scale=2", "--latest", "--dry-run",
+                 role="operator")
+    assert dry["dry_run"] is True and dry["document"]["prefill_load_scale"] == 2
+    assert env.ok("policy", "get", model, "--kind", "selection")["revision"] == r2
+
+    third = env.ok("policy", "unset", model, "router_temperature", "--revision", str(r2),
+                   role="operator")
+    r3 = third["revision"]
+    assert third["document"] == {"overlap_score_credit": 0.7}
+
+    history = env.ok("policy", "history", model)
+    assert [h["revision"] for h in history] == [r3, r2, r1]
+    assert {h["actor"] for h in history} == {"cli-operator"}
+
+    diff = env.ok("policy", "diff", model, "--from", str(r1), "--to", str(r3))
+    assert diff["changes"] == {
+        "overlap_score_credit": {"before": 0.5, "after": 0.7},
+        "router_temperature": {"before": 0.1, "after": None},
+    }
+    head_vs_r1 = env.ok("policy", "diff", model, "--from", str(r1))
+    assert head_vs_r1["to_revision"] == r3 and head_vs_r1["changes"] == diff["changes"]
+    missing = env.run("policy", "diff", model, "--from", "999999")
+    assert missing.exit_code == ExitCode.NOT_FOUND
+
+    stale_rollback = env.run("policy", "rollback", model, "--to", str(r1), "--revision",
+                             str(r2), role="operator")
+    assert stale_rollback.exit_code == ExitCode.CONFLICT
+    rolled = env.ok("policy", "rollback", model, "--to", str(r1), "--latest", role="operator")
+    assert rolled["op"] == "rollback" and rolled["revision"] > r3
+    assert rolled["document"] == first["document"]
+
+    reset = env.ok("policy", "reset", model, "--latest", role="operator")
+    assert reset["document"] == {}
+
+    listed = env.ok("policy", "list", "--model", model)
+    assert ("selection", reset["revision"]) in [(d["kind"], d["revision"]) for d in listed]
+
+    human_history = env.run("policy", "history", model, json_out=False)
+    assert human_history.exit_code == 0 and "cli-operator" in human_history.stdout
+
+
+def test_audit_log_shows_the_actor_and_rejections(env: Env) -> None:
+    model = model_name()
+    env.ok("policy", "set", model, "prefill_load_scale=1.5", "--revision", "0", role="operator")
+    assert env.run("policy", "set", model, "prefill_load_scale=3", "--revision", "0",
+                   role="operator").exit_code == ExitCode.CONFLICT
+
+    rows = env.ok("audit", "log", "--model", model, "--all", role="auditor")
+    decisions = [(r["actor"], r["decision"], r["reason_code"]) for r in rows
+                 if r["stage"] == "decision"]
+    assert ("cli-operator", "accepted", None) in decisions
+    assert ("cli-operator", "rejected", "revision_conflict") in decisions
+
+    accepted = env.ok("audit", "log", "--model", model, "--actor", "cli-operator",
+                      "--decision", "accepted", "--since", "1h", role="auditor")
+    assert accepted and all(r["decision"] == "accepted" for r in accepted)
+    assert env.ok("audit", "log", "--model", model, "--until", "2000-01-01",
+                  role="auditor") == []
+    assert len(env.ok("audit", "log", "--model", model, "--limit", "1", role="auditor")) == 1
+
+    row = env.ok("audit", "show", str(rows[0]["id"]), role="auditor")
+    assert row["id"] == rows[0]["id"] and row["model"] == model
+    assert env.run("audit", "show", "987654321", role="auditor").exit_code == ExitCode.NOT_FOUND
+
+    human = env.run("audit", "log", "--model", model, role="auditor", json_out=False)
+    assert human.exit_code == 0 and "cli-operator" in human.stdout
+
+    verify = env.ok("audit", "verify", role="auditor")
+    assert verify["ok"] is True and verify["checked"] >= len(rows)
+    assert env.ok("audit", "reconcile", role="auditor")["ok"] is True
+
+    # A viewer may not read the audit log.
+    assert env.run("audit", "log", role="viewer").exit_code == ExitCode.AUTH
+
+
+def test_auth_and_validation_exit_codes(env: Env) -> None:
+    model = model_name()
+    assert env.run("policy", "set", model, "prefill_load_scale=2", "--revision", "0",
+                   role="viewer").exit_code == ExitCode.AUTH
+    no_token = env.run("policy", "list", role=None, json_out=False)
+    assert no_token.exit_code == ExitCode.AUTH and "no token" in no_token.stderr
+    unknown = env.run("policy", "set", model, "no_such_parameter=1", "--revision", "0",
+                      role="operator")
+    assert unknown.exit_code == ExitCode.USAGE
+    assert "no_such_parameter" in json.loads(unknown.stderr)["error"]["field"]
+    out_of_range = env.run("policy", "set", model, "host_cache_hit_weight=2", "--revision",
+                           "0", role="operator")
+    assert out_of_range.exit_code == ExitCode.USAGE
+
+
+def test_thresholds(env: Env) -> None:
+    model = model_name()
+    unknown = env.run("threshold", "set", model, "active_decode_blocks_threshold=0.8",
+                      role="operator")
+    assert unknown.exit_code == ExitCode.NOT_FOUND
+    created = env.ok("threshold", "set", model, "active_decode_blocks_threshold=0.8",
+                     "--create", role="operator")
+    assert created["thresholds"] == {"active_decode_blocks_threshold": 0.8}
+    env.ok("threshold", "set", model, "active_prefill_tokens_threshold=8192", role="operator")
+    got = env.ok("threshold", "get", model)
+    assert got["thresholds"] == {"active_decode_blocks_threshold": 0.8,
+                                 "active_prefill_tokens_threshold": 8192}
+    stale = env.run("threshold", "set", model, "active_decode_blocks_threshold=0.5",
+                    "--revision", str(created["revision"]), role="operator")
+    assert stale.exit_code == ExitCode.CONFLICT
+    unset = env.ok("threshold", "unset", model, "active_decode_blocks_threshold",
+                   role="operator")
+    assert unset["thresholds"] == {"active_prefill_tokens_threshold": 8192}
+    # The same document through the policy commands.
+    doc = env.ok("policy", "get", model, "--kind", "busy_threshold")
+    assert doc["revision"] == unset["revision"]
+
+
+def test_fleet_listings_are_empty_json_without_routers_or_workers(env: Env) -> None:
+    assert env.ok("workers", "list") == []
+    routers = env.ok("routers", "list")
+    assert routers["routers"] == [] and isinstance(routers["summary"], list)
+    human = env.run("routers", "list", json_out=False)
+    assert human.exit_code == 0 and "no live routers" in human.stdout
+    assert env.ok("policy", "get", model_name(), "--kind", "selection")["revision"] == 0
