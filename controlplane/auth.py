@@ -118,6 +118,10 @@ class TokenStore:
             timeout_s=timeout_s, owns_engine=True,
         )
 
+    @property
+    def engine(self) -> AsyncEngine:
+        return self._engine
+
     @contextlib.asynccontextmanager
     async def _db(self, what: str) -> AsyncIterator[None]:
         try:

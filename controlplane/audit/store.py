@@ -46,7 +46,7 @@ from datetime import UTC, datetime
 from typing import Any
 
 import asyncpg  # type: ignore[import-untyped]
-from sqlalchemy import Row, Select, exists, insert, select, text
+from sqlalchemy import Row, Select, exists, func, insert, select, text
 from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, create_async_engine
 
@@ -554,10 +554,15 @@ class AuditStore:
         if at is None:
             stmt = stmt.order_by(c.at.desc(), c.id.desc()).limit(limit)
         else:
+            # The newest report per (router, model, kind) at or before ``at``.
+            newest = func.row_number().over(
+                partition_by=(c.router_id, c.model, c.kind), order_by=(c.at.desc(), c.id.desc())
+            )
+            ranked = stmt.add_columns(newest.label("rn")).where(c.at <= _aware(at, "at")).subquery()
             stmt = (
-                stmt.where(c.at <= _aware(at, "at"))
-                .distinct(c.router_id, c.model, c.kind)
-                .order_by(c.router_id, c.model, c.kind, c.at.desc(), c.id.desc())
+                select(*(ranked.c[col.name] for col in router_acks.c))
+                .where(ranked.c.rn == 1)
+                .order_by(ranked.c.router_id, ranked.c.model, ranked.c.kind)
                 .limit(limit)
             )
         async with self._read("acks") as conn:
