@@ -1,0 +1,168 @@
+"""``rudder up`` as a user runs it: a subprocess in an empty directory, real servers underneath.
+
+Checks that it prints its URLs and writes ``.rudder/credentials``, that the CLI in the same
+directory works through that file, that SIGTERM stops every process it started and exits 0, and
+that a second ``rudder up`` finds the same policy revision and reuses the token.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import queue
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from cli.config import read_credentials
+from cli.embedded import free_port
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(400)]
+
+MODEL = "mock-model"
+
+
+def _children_of(pid: int) -> set[int]:
+    """Every descendant of ``pid`` (from /proc; the test runs on Linux)."""
+    parents: dict[int, int] = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+        except OSError:
+            continue
+        fields = stat.rsplit(")", 1)[1].split()
+        parents[int(entry.name)] = int(fields[1])
+    out: set[int] = set()
+    frontier = {pid}
+    while frontier:
+        found = {child for child, parent in parents.items() if parent in frontier}
+        frontier = found - out
+        out |= found
+    return out
+
+
+def _alive(pid: int) -> bool:
+    """Running and not a zombie (an orphan reaped late by a container's init is still gone)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] != "Z"
+
+
+class Up:
+    def __init__(self, cwd: Path, ports: dict[str, int]) -> None:
+        self.cwd = cwd
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", "COLUMNS": "200"}
+        for name in ("RUDDER_SERVER", "RUDDER_TOKEN", "RUDDER_DATABASE_URL", "RUDDER_NATS_URL"):
+            env.pop(name, None)
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "cli.main", "up",
+             "--admin-port", str(ports["admin"]), "--router-port", str(ports["router"]),
+             "--nats-port", str(ports["nats"]), "--postgres-port", str(ports["postgres"]),
+             "--workers", "1"],
+            cwd=cwd, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT, text=True,
+        )
+        self.lines: queue.Queue[str] = queue.Queue()
+        self.output: list[str] = []
+        threading.Thread(target=self._pump, daemon=True).start()
+
+    def _pump(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            self.lines.put(line)
+
+    def wait_for(self, text: str, timeout: float = 180) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            try:
+                line = self.lines.get(timeout=0.5)
+            except queue.Empty:
+                if self.proc.poll() is not None:
+                    break
+                continue
+            self.output.append(line)
+            if text in line:
+                return
+        raise AssertionError(f"{text!r} not printed; output:\n{''.join(self.output)}")
+
+    def stop(self) -> int:
+        self.proc.send_signal(signal.SIGTERM)
+        code = self.proc.wait(90)
+        while not self.lines.empty():
+            self.output.append(self.lines.get())
+        return code
+
+
+def rudder(cwd: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RUDDER_")}
+    return subprocess.run([sys.executable, "-m", "cli.main", *args], cwd=cwd, env=env,
+                          capture_output=True, text=True, timeout=60)
+
+
+def _postmaster_pid(cwd: Path) -> int:
+    return int((cwd / ".rudder" / "pgdata" / "postmaster.pid").read_text().split()[0])
+
+
+def test_up_serves_stops_everything_and_keeps_data(tmp_path: Path) -> None:
+    ports = {"admin": free_port(), "router": free_port(), "nats": free_port(),
+             "postgres": free_port()}
+    up = Up(tmp_path, ports)
+    try:
+        up.wait_for("rudder up: ready")
+    except BaseException:
+        up.stop()
+        raise
+    text = "".join(up.output)
+    assert f"http://127.0.0.1:{ports['admin']}" in text
+    assert f"nats://127.0.0.1:{ports['nats']}" in text
+    creds_path = tmp_path / ".rudder" / "credentials"
+    assert creds_path.stat().st_mode & 0o777 == 0o600
+    creds = read_credentials(creds_path)
+    assert creds["RUDDER_SERVER"] == f"http://127.0.0.1:{ports['admin']}"
+    assert creds["RUDDER_TOKEN"] in text
+
+    started = _children_of(up.proc.pid) | {_postmaster_pid(tmp_path)}
+    try:
+        # The CLI in the same directory finds server and token in .rudder/credentials.
+        result = rudder(tmp_path, "--json", "policy", "set", MODEL, "overlap_score_credit=0.5",
+                        "--revision", "0")
+        assert result.returncode == 0, result.stderr
+        revision = json.loads(result.stdout)["revision"]
+        assert revision > 0
+        conflict = rudder(tmp_path, "policy", "set", MODEL, "overlap_score_credit=0.6",
+                          "--revision", "0")
+        assert conflict.returncode == 3, conflict.stderr
+    finally:
+        code = up.stop()
+    assert code == 0, "".join(up.output)
+    assert started, "rudder up started no child processes"
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and any(_alive(p) for p in started):
+        time.sleep(0.1)
+    assert not [p for p in started if _alive(p)], "".join(up.output)
+    assert not (tmp_path / ".rudder" / "up.pid").exists()
+
+    # A second start reuses the data: same revision, same token.
+    again = Up(tmp_path, ports)
+    try:
+        again.wait_for("rudder up: ready")
+        got = rudder(tmp_path, "--json", "policy", "get", MODEL, "--kind", "selection")
+        assert got.returncode == 0, got.stderr
+        body = json.loads(got.stdout)
+        assert body["revision"] == revision
+        assert body["document"] == {"overlap_score_credit": 0.5}
+        assert read_credentials(creds_path)["RUDDER_TOKEN"] == creds["RUDDER_TOKEN"]
+        audit = rudder(tmp_path, "--json", "audit", "log", "--model", MODEL)
+        assert audit.returncode == 0, audit.stderr
+        assert {row["actor"] for row in json.loads(audit.stdout)} == {"rudder-up-admin"}
+    finally:
+        assert again.stop() == 0, "".join(again.output)
