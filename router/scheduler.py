@@ -286,6 +286,9 @@ class Scheduler:
                 if cmd is _STOP:
                     break
                 self._handle(cmd)
+                # Let the loop breathe between commands: the queue never empties under load, and
+                # NATS, HTTP and the commands' senders must keep running meanwhile.
+                await asyncio.sleep(0)
         finally:
             self._drain()
 

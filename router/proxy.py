@@ -1,0 +1,52 @@
+"""Forwarding a request to the selected worker over HTTP (one httpx client per process).
+
+httpx errors are translated here, once: a failure to connect (or the connection dropping before
+the response head) is :class:`WorkerUnreachable`, which the API retries on another worker unless
+the request is pinned; anything else that stops the exchange is ``ServiceUnavailable``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import httpx
+
+from controlplane.protocol.errors import ServiceUnavailable
+
+# Hop-by-hop and framing headers we never forward.
+_DROP = frozenset({
+    "host", "content-length", "connection", "keep-alive", "transfer-encoding", "te", "upgrade",
+    "proxy-authorization", "proxy-connection", "accept-encoding",
+})
+
+
+class WorkerUnreachable(ServiceUnavailable):
+    code = "worker_unreachable"
+
+
+def forward_headers(headers: Mapping[str, str]) -> dict[str, str]:
+    return {k: v for k, v in headers.items() if k.lower() not in _DROP}
+
+
+class Proxy:
+    def __init__(self, client: httpx.AsyncClient) -> None:
+        self.client = client
+
+    async def open(
+        self, url: str, path: str, body: bytes, headers: Mapping[str, str]
+    ) -> httpx.Response:
+        """Send the request and return once the response head is in (the body is streamed).
+        Raises WorkerUnreachable (retry elsewhere) or ServiceUnavailable."""
+        request = self.client.build_request(
+            "POST", url.rstrip("/") + path, content=body, headers=dict(headers)
+        )
+        try:
+            return await self.client.send(request, stream=True)
+        except (httpx.ConnectError, httpx.ConnectTimeout, httpx.RemoteProtocolError) as exc:
+            raise WorkerUnreachable(
+                f"worker at {url} is unreachable: {type(exc).__name__}", retry_after=1
+            ) from exc
+        except httpx.HTTPError as exc:
+            raise ServiceUnavailable(
+                f"worker at {url} failed: {type(exc).__name__}", retry_after=1
+            ) from exc

@@ -1,0 +1,176 @@
+"""The router's OpenAI API against real NATS and small real workers (tests/support_router)."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+
+import httpx
+import openai
+import pytest
+
+from controlplane.protocol.events import RankLoad
+from tests.support_router.workers import InProcessRouter, TestWorker, router_settings, wait_for
+
+pytestmark = pytest.mark.timeout(60)
+MODEL = "org/chat-model:v1.5"
+
+
+@pytest.fixture(scope="module")
+async def fleet(nats_url: str) -> AsyncIterator[tuple[InProcessRouter, list[TestWorker]]]:
+    workers = [await TestWorker(nats_url, MODEL).start() for _ in range(3)]
+    router = await InProcessRouter(router_settings(nats_url, MODEL)).start()
+    await wait_for(lambda: router.runtime.scheduler.view.workers.get(MODEL) == 3)
+    yield router, workers
+    await router.stop()
+    for w in workers:
+        await w.stop()
+
+
+async def test_openai_client_chat_non_streaming(fleet: tuple[InProcessRouter, list[TestWorker]]) -> None:
+    router, workers = fleet
+    client = openai.AsyncOpenAI(base_url=router.url + "/v1", api_key="none", max_retries=0)
+    reply = await client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "hello there"}]
+    )
+    text = reply.choices[0].message.content
+    assert text is not None and text.startswith("w")
+    served = [w for w in workers if text == f"w{w.instance_id}"]
+    assert len(served) == 1
+    assert served[0].requests[-1]["messages"] == [{"role": "user", "content": "hello there"}]
+    assert served[0].requests[-1]["nvext"]["backend_instance_id"] == served[0].instance_id
+    await client.close()
+
+
+async def test_openai_client_chat_streaming(fleet: tuple[InProcessRouter, list[TestWorker]]) -> None:
+    router, workers = fleet
+    client = openai.AsyncOpenAI(base_url=router.url + "/v1", api_key="none", max_retries=0)
+    stream = await client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "stream me"}], stream=True
+    )
+    pieces = [c.choices[0].delta.content or "" async for c in stream if c.choices]
+    text = "".join(pieces)
+    assert text in {f"w{w.instance_id}" for w in workers}
+    # The booking is freed after the stream ends.
+    sched = router.runtime.scheduler
+    await wait_for(lambda: sched.inspect(lambda s: len(s.bookings) == 0))
+    await client.close()
+
+
+async def test_openai_client_completion(fleet: tuple[InProcessRouter, list[TestWorker]]) -> None:
+    router, _ = fleet
+    client = openai.AsyncOpenAI(base_url=router.url + "/v1", api_key="none", max_retries=0)
+    reply = await client.completions.create(model=MODEL, prompt="once upon a time")
+    assert reply.choices[0].text.startswith("w")
+    models = await client.models.list()
+    assert [m.id for m in models.data] == [MODEL]
+    await client.close()
+
+
+async def test_same_prefix_goes_to_the_worker_that_cached_it(
+    fleet: tuple[InProcessRouter, list[TestWorker]],
+) -> None:
+    router, workers = fleet
+    prompt = "the same long shared system prompt " * 20  # ~700 tokens, 40+ blocks of 16
+    async with httpx.AsyncClient(base_url=router.url) as http:
+        first = await http.post("/v1/completions", json={"model": MODEL, "prompt": prompt})
+        assert first.status_code == 200
+        owner = int(first.headers["x-worker-instance-id"])
+        # Wait until the router has indexed the worker's KV event.
+        sched = router.runtime.scheduler
+        from controlplane.protocol.hashing import chain_hashes
+        from controlplane.protocol.tokenizer import encode
+        hashes = chain_hashes(encode(prompt), 16)
+        await wait_for(lambda: sched.inspect(lambda s: (owner, 0) in s.index.overlaps(hashes)))
+        for _ in range(5):
+            again = await http.post("/v1/completions", json={"model": MODEL, "prompt": prompt + " more"})
+            assert int(again.headers["x-worker-instance-id"]) == owner
+    assert any(w.instance_id == owner for w in workers)
+
+
+async def test_errors_use_the_openai_shape(fleet: tuple[InProcessRouter, list[TestWorker]]) -> None:
+    router, _ = fleet
+    async with httpx.AsyncClient(base_url=router.url) as http:
+        r = await http.post("/v1/chat/completions", json={"model": "nope", "messages": []})
+        assert r.status_code == 404
+        assert r.json() == {"error": {
+            "message": "The model `nope` does not exist on this router",
+            "type": "invalid_request_error", "param": "model", "code": "model_not_found",
+        }}
+        r = await http.post("/v1/chat/completions", content=b"{not json")
+        assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_request"
+        r = await http.post("/v1/chat/completions", json={"model": MODEL, "messages": "x"})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "messages"
+
+
+async def test_health_live_metrics(fleet: tuple[InProcessRouter, list[TestWorker]]) -> None:
+    router, _ = fleet
+    async with httpx.AsyncClient(base_url=router.url) as http:
+        assert (await http.get("/live")).status_code == 200
+        health = await http.get("/health")
+        assert health.status_code == 200 and health.json()["workers"] == {MODEL: 3}
+        await http.post("/v1/completions", json={"model": MODEL, "prompt": "metrics please"})
+        text = (await http.get("/metrics")).text
+    for name in ("rudder_router_requests_total", "rudder_router_ttft_seconds_bucket",
+                 "rudder_router_routing_overhead_seconds_bucket",
+                 "rudder_router_predicted_kv_hit_rate_bucket", "rudder_router_applied_revision",
+                 "rudder_router_rejections_total", "rudder_router_itl_seconds"):
+        assert name in text, name
+
+
+async def test_busy_workers_are_skipped_and_all_busy_is_529(nats_url: str) -> None:
+    from controlplane.protocol.policy import PolicyKind
+    from tests.support_router.policy import publish_policy
+
+    model = "busy-model"
+    a = await TestWorker(nats_url, model).start()
+    b = await TestWorker(nats_url, model).start()
+    router = await InProcessRouter(router_settings(nats_url, model)).start()
+    import nats as nats_mod
+
+    nc = await nats_mod.connect(nats_url)
+    try:
+        await wait_for(lambda: router.runtime.scheduler.view.workers.get(model) == 2)
+        a.load = [RankLoad(active_prefill_tokens=5000)]
+        await publish_policy(nc.jetstream(), model, {"active_prefill_tokens_threshold": 1000},
+                             expected_revision=0, kind=PolicyKind.BUSY_THRESHOLD)
+        await wait_for(lambda: router.runtime.scheduler.view.applied[f"{model}|busy_threshold"].revision > 0)
+        await asyncio.sleep(0.4)  # a heartbeat carries a's load
+        async with httpx.AsyncClient(base_url=router.url) as http:
+            for _ in range(5):
+                r = await http.post("/v1/completions", json={"model": model, "prompt": "x"})
+                assert int(r.headers["x-worker-instance-id"]) == b.instance_id
+            b.load = [RankLoad(active_prefill_tokens=5000)]
+            await asyncio.sleep(0.4)
+            r = await http.post("/v1/completions", json={"model": model, "prompt": "x"})
+            assert r.status_code == 529
+            assert r.json()["error"]["code"] == "overloaded"
+    finally:
+        await nc.close()
+        await router.stop()
+        await a.stop()
+        await b.stop()
+
+
+async def test_connection_failure_retries_on_another_worker(nats_url: str) -> None:
+    model = "retry-model"
+    a = await TestWorker(nats_url, model).start()
+    b = await TestWorker(nats_url, model).start()
+    router = await InProcessRouter(router_settings(nats_url, model, mode="round_robin")).start()
+    try:
+        await wait_for(lambda: router.runtime.scheduler.view.workers.get(model) == 2)
+        await a.stop_http()  # still heartbeating, but its port refuses connections
+        async with httpx.AsyncClient(base_url=router.url) as http:
+            for _ in range(4):
+                r = await http.post("/v1/completions", json={"model": model, "prompt": "x"})
+                assert r.status_code == 200
+                assert int(r.headers["x-worker-instance-id"]) == b.instance_id
+            # a pin to the dead worker is not rerouted
+            r = await http.post("/v1/completions", json={
+                "model": model, "prompt": "x", "nvext": {"backend_instance_id": a.instance_id}})
+            assert r.status_code == 503
+        assert len(b.requests) == 4
+    finally:
+        await router.stop()
+        await a.stop()
+        await b.stop()
