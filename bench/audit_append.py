@@ -137,7 +137,7 @@ def main() -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({
         "benchmark": "audit_append",
-        "command": "python bench/audit_append.py " + " ".join(sys.argv[1:]),
+        "command": " ".join(["python bench/audit_append.py", *sys.argv[1:]]),
         "at": datetime.now(UTC).isoformat(timespec="seconds"),
         "machine": {"cpus": os.cpu_count(), "python": platform.python_version(),
                     "platform": platform.platform()},

@@ -3,10 +3,14 @@
 from __future__ import annotations
 
 import asyncio
+import itertools
+import os
+import sys
 import time
 import uuid
 from collections.abc import AsyncIterator
 from datetime import UTC, datetime, timedelta
+from pathlib import Path
 from typing import Any
 
 import asyncpg
@@ -17,7 +21,7 @@ from sqlalchemy import text
 
 import migrations
 from cli.embedded import EmbeddedPostgres
-from controlplane.audit.records import GENESIS_HASH, AuditEntry, AuditStage, Decision
+from controlplane.audit.records import GENESIS_HASH, AuditEntry, AuditRow, AuditStage, Decision
 from controlplane.audit.store import AuditStore
 from controlplane.audit.tables import metadata
 from controlplane.protocol.errors import AuditUnavailable, InvalidRequest
@@ -25,6 +29,8 @@ from controlplane.protocol.events import AckStatus, ApplyAck
 from controlplane.protocol.policy import PolicyKind
 
 pytestmark = pytest.mark.timeout(60)
+
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def raw_url(url: str) -> str:
@@ -172,6 +178,55 @@ async def test_200_concurrent_appends_from_two_stores_form_one_chain(db: str) ->
     finally:
         await a.close()
         await b.close()
+
+
+APPENDER = """
+import asyncio, sys, uuid
+from controlplane.audit.records import AuditEntry, AuditStage, Decision
+from controlplane.audit.store import AuditStore
+
+async def main(url: str, n: int) -> None:
+    store = AuditStore.from_url(url, timeout_s=10.0)
+    try:
+        await asyncio.gather(*(store.append(AuditEntry(
+            event_id=uuid.uuid4(), stage=AuditStage.RECEIVED, decision=Decision.PENDING,
+            actor="proc")) for _ in range(n)))
+    finally:
+        await store.close()
+
+asyncio.run(main(sys.argv[1], int(sys.argv[2])))
+"""
+
+
+async def test_appends_from_several_processes_form_one_chain(db: str) -> None:
+    root = str(ROOT)
+    env = {**os.environ, "PYTHONPATH": root}
+    s = AuditStore.from_url(db)
+    try:
+        before = (await s.verify()).checked
+        procs = [
+            await asyncio.create_subprocess_exec(
+                sys.executable, "-c", APPENDER, db, "300", cwd=root, env=env,
+                stderr=asyncio.subprocess.PIPE)
+            for _ in range(2)
+        ]
+        ours: list[AuditRow] = []
+        while any(p.returncode is None for p in procs):  # keep appending while they do
+            ours += await asyncio.gather(*(s.append(received(actor="here")) for _ in range(10)))
+            await asyncio.sleep(0.005)
+        for proc in procs:
+            _, err = await proc.communicate()
+            assert proc.returncode == 0, err.decode()
+        result = await s.verify()
+        assert result.ok, result
+        assert result.checked == before + 2 * 300 + len(ours)
+        # The three writers really did interleave in the one chain.
+        rows, _ = await s.query(limit=1000)
+        actors = [r.actor for r in reversed(rows) if r.actor in ("here", "proc")]
+        switches = sum(1 for x, y in itertools.pairwise(actors) if x != y)
+        assert switches >= 2, actors
+    finally:
+        await s.close()
 
 
 async def test_update_delete_and_truncate_are_refused(store: AuditStore, db: str) -> None:
@@ -421,7 +476,6 @@ async def test_postgres_down_is_audit_unavailable_then_recovers(
 
 async def test_a_hung_postgres_is_bounded_by_the_timeout(own_postgres: EmbeddedPostgres) -> None:
     """A server that accepts nothing (SIGSTOP) must not hang an append past ``timeout_s``."""
-    import os
     import signal
 
     url = own_postgres.url
@@ -450,8 +504,6 @@ async def test_a_hung_postgres_is_bounded_by_the_timeout(own_postgres: EmbeddedP
 
 
 def _children(parent: int) -> list[int]:
-    from pathlib import Path
-
     out = []
     for stat in Path("/proc").glob("[0-9]*/stat"):
         try:
