@@ -50,7 +50,7 @@ def _upgrade_here(url: str, revision: str) -> None:
     except Exception as exc:
         # asyncpg raises its own exception classes while connecting (outside SQLAlchemy's
         # wrapping); they all derive from asyncpg.PostgresError / InterfaceError.
-        import asyncpg
+        import asyncpg  # type: ignore[import-untyped]
 
         if isinstance(exc, asyncpg.PostgresError | asyncpg.InterfaceError):
             raise AuditUnavailable(f"database migration failed: {exc}") from exc

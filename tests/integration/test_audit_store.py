@@ -465,6 +465,10 @@ async def test_postgres_down_is_audit_unavailable_then_recovers(
             assert time.monotonic() - started < timeout_s + 0.5
             assert info.value.status_code == 503 and info.value.code == "audit_unavailable"
             assert info.value.__cause__ is not None  # translated once, with its cause
+        # Every waiter of a failed (group) batch gets its own AuditUnavailable.
+        results = await asyncio.gather(*(s.append(received()) for _ in range(10)),
+                                       return_exceptions=True)
+        assert all(isinstance(r, AuditUnavailable) for r in results), results
         await asyncio.to_thread(own_postgres.start)
         row = await s.append(received())  # same store, no restart of ours
         assert row.id == 2
