@@ -84,6 +84,7 @@ class WorkerSettings(BaseSettings):
     )
 
     nats_url: str = "nats://127.0.0.1:4222"
+    nats_connect_timeout_s: float = Field(default=10.0, gt=0)
     model: str = Field(min_length=1)
     engine: EngineKind = EngineKind.MOCK
     host: str = "127.0.0.1"

@@ -1,0 +1,365 @@
+"""The worker agent: one engine on the bus (DESIGN §2, §6).
+
+- Membership on JetStream (``RUDDER_MEMBERSHIP``, last state per worker): ``join`` when the engine
+  is up, ``heartbeat`` every ``heartbeat_s`` with per-rank load, ``leave`` on graceful shutdown.
+- KV events as core NATS publishes on ``rudder.kv.<model_key>.<instance_id>``. The engine reports
+  cache changes synchronously; the agent numbers them there (``event_id`` 1, 2, ... per worker
+  process) and a publisher task sends them in order.
+- A responder on ``rudder.kvdump.<instance_id>`` answers with the full cache state and the last
+  event id given out. Both are read in one synchronous section, so they agree; events numbered at
+  or below ``last_event_id`` may still arrive after the reply and are already in it.
+
+Entry points: :func:`serve` (async, until SIGTERM/SIGINT or ``stop``) and :func:`run`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import signal
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import nats
+from nats.aio.client import Client as NATS
+from nats.aio.msg import Msg
+from nats.js import JetStreamContext
+from nats.js.api import StreamConfig
+from nats.js.errors import BadRequestError, NotFoundError
+
+from controlplane.protocol import streams
+from controlplane.protocol.events import (
+    KvDumpRank,
+    KvDumpReply,
+    KvEvent,
+    MembershipEvent,
+    MembershipOp,
+    WorkerRecord,
+    utcnow,
+)
+from controlplane.protocol.policy import CacheInput
+from controlplane.protocol.subjects import kv_subject, kvdump_subject, membership_subject
+from worker.engines.base import Engine, EngineInfo, KvData
+from worker.settings import EngineKind, WorkerSettings
+
+log = logging.getLogger(__name__)
+
+JS_ERR_STREAM_NAME_IN_USE = 10058
+
+
+async def ensure_membership_stream(
+    js: JetStreamContext, *, worker_ttl_s: float = 10.0, replicas: int = 1
+) -> None:
+    """Create ``RUDDER_MEMBERSHIP`` if it is missing (the one place the worker does this).
+
+    Routers and the control plane create it too, from the same shared settings
+    (``controlplane.protocol.streams``); whoever comes first wins, and an existing stream is left
+    as it is (an operator may run it with 3 replicas). Raises nats errors other than "exists".
+    """
+    config = streams.membership_stream(worker_ttl_s=worker_ttl_s, replicas=replicas)
+    try:
+        info = await js.stream_info(config["name"])
+    except NotFoundError:
+        pass
+    else:
+        max_per_subject = getattr(info.config, "max_msgs_per_subject", None)
+        if max_per_subject not in (None, -1, 1):
+            log.warning("stream %s keeps %s messages per subject, expected 1",
+                        config["name"], max_per_subject)
+        return
+    try:
+        await js.add_stream(StreamConfig(**config))
+        log.info("created stream %s", config["name"])
+    except BadRequestError as exc:
+        if exc.err_code != JS_ERR_STREAM_NAME_IN_USE:
+            raise
+        log.info("stream %s was created concurrently", config["name"])
+
+
+def make_engine(settings: WorkerSettings) -> Engine:
+    if settings.engine is EngineKind.MOCK:
+        from worker.engines.mock.service import MockEngine
+
+        return MockEngine(settings)
+    from worker.engines.vllm import VllmEngine
+
+    return VllmEngine(settings)
+
+
+class Worker:
+    """An engine plus its agent. ``async with Worker(settings) as w:`` serves until the block ends.
+
+    Start order: NATS, stream, engine (HTTP up), ``join``, heartbeats. Stop order: ``leave`` (so
+    routers stop sending), engine (in-flight requests drain), remaining KV events, NATS.
+    """
+
+    def __init__(self, settings: WorkerSettings, *, engine: Engine | None = None) -> None:
+        self.settings = settings
+        self.engine: Engine = engine if engine is not None else make_engine(settings)
+        self.instance_id = settings.instance_id
+        self.info: EngineInfo | None = None
+        self.record: WorkerRecord | None = None
+        self.last_event_id = 0
+        self._nc: NATS | None = None
+        self._js: JetStreamContext | None = None
+        self._kv_subject = kv_subject(settings.model, settings.instance_id)
+        self._membership_subject = membership_subject(settings.model, settings.instance_id)
+        self._kv_out: list[bytes] = []
+        self._kv_ready = asyncio.Event()
+        self._tasks: list[asyncio.Task[None]] = []
+        self._failed = asyncio.Event()
+        self._closing = False
+
+    @property
+    def url(self) -> str:
+        if self.info is None:
+            raise RuntimeError("the worker is not started")
+        return self.info.url
+
+    @property
+    def failed(self) -> asyncio.Event:
+        """Set when a background task died: the process should stop (and be restarted)."""
+        return self._failed
+
+    async def __aenter__(self) -> Worker:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.stop()
+
+    # -- lifecycle -------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        """Connect, start the engine, join. Raises on any failure (after cleaning up)."""
+        s = self.settings
+        self._nc = NATS()
+        try:
+            # Reconnect forever once connected, but fail start-up when NATS is not there at all.
+            await asyncio.wait_for(self._nc.connect(
+                s.nats_url, name=f"rudder-worker-{s.instance_id}", max_reconnect_attempts=-1,
+                reconnect_time_wait=1, connect_timeout=2, error_cb=self._nats_error,
+                disconnected_cb=self._nats_disconnected, reconnected_cb=self._nats_reconnected,
+            ), timeout=s.nats_connect_timeout_s)
+        except (TimeoutError, OSError, nats.errors.Error) as exc:
+            with contextlib.suppress(Exception):
+                await self._nc.close()
+            raise ConnectionError(
+                f"cannot connect to NATS at {s.nats_url} (RUDDER_NATS_URL) within "
+                f"{s.nats_connect_timeout_s:g} s"
+            ) from exc
+        try:
+            self._js = self._nc.jetstream()
+            await ensure_membership_stream(self._js, worker_ttl_s=s.worker_ttl_s,
+                                           replicas=s.membership_replicas)
+            await self._nc.subscribe(kvdump_subject(s.instance_id), cb=self._on_dump)
+            self._spawn(self._publish_kv_events(), "kv-publisher")
+            self.info = await self.engine.start(self._on_kv)
+            self.record = WorkerRecord(
+                instance_id=s.instance_id, model=s.model, role=s.role, url=self.info.url,
+                dp_size=self.info.dp_size, block_size=self.info.block_size,
+                kv_total_blocks=self.info.kv_total_blocks,
+                max_num_batched_tokens=self.info.max_num_batched_tokens,
+                tokenizer=self.info.tokenizer, cache_tiers=[CacheInput.DEVICE],
+                engine=self.info.engine, started_at=utcnow(),
+            )
+            await self._publish_membership(MembershipOp.JOIN)
+            self._spawn(self._heartbeats(), "heartbeats")
+        except BaseException:
+            await self._shutdown(leave=False)
+            raise
+        log.info("worker %d joined: model=%s role=%s url=%s dp_size=%d engine=%s",
+                 s.instance_id, s.model, s.role.value, self.info.url, self.info.dp_size,
+                 self.info.engine)
+
+    async def stop(self) -> None:
+        """Leave, drain the engine, flush KV events, close NATS. Safe to call twice."""
+        await self._shutdown(leave=self.record is not None)
+
+    async def _shutdown(self, *, leave: bool) -> None:
+        if self._closing:
+            return
+        self._closing = True
+        for task in self._tasks:
+            if task.get_name() == "heartbeats":
+                task.cancel()
+        if leave and self._nc is not None and self._nc.is_connected:
+            try:
+                await self._publish_membership(MembershipOp.LEAVE, ack_wait=2.0)
+                log.info("worker %d left", self.instance_id)
+            except Exception:
+                log.warning("worker %d could not publish leave", self.instance_id, exc_info=True)
+        try:
+            await self.engine.stop()
+        except Exception:
+            log.exception("engine stop failed")
+        self._kv_ready.set()  # let the publisher flush what the engine reported last
+        for task in self._tasks:
+            if task.get_name() != "kv-publisher":
+                task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        self._tasks.clear()
+        if self._nc is not None and not self._nc.is_closed:
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(self._nc.drain(), timeout=2.0)
+            with contextlib.suppress(Exception):
+                await self._nc.close()
+
+    # -- membership ------------------------------------------------------------------------
+
+    async def _publish_membership(self, op: MembershipOp, *, ack_wait: float = 5.0) -> None:
+        assert self._js is not None and self.record is not None
+        event = MembershipEvent(op=op, worker=self.record, load=self.engine.load(), at=utcnow())
+        await self._js.publish(self._membership_subject, event.to_bytes(), timeout=ack_wait)
+
+    async def _heartbeats(self) -> None:
+        loop = asyncio.get_running_loop()
+        period = self.settings.heartbeat_s
+        next_at = loop.time() + period
+        while True:
+            await asyncio.sleep(max(next_at - loop.time(), 0))
+            next_at = max(next_at + period, loop.time())
+            try:
+                await self._publish_membership(MembershipOp.HEARTBEAT,
+                                               ack_wait=min(max(period, 0.5), 5.0))
+            except Exception as exc:  # NATS away: keep trying, routers expire us after the TTL
+                log.warning("worker %d heartbeat failed: %r", self.instance_id, exc)
+
+    # -- KV events -------------------------------------------------------------------------
+
+    def _on_kv(self, dp_rank: int, data: KvData) -> None:
+        self.last_event_id += 1
+        event = KvEvent(instance_id=self.instance_id, dp_rank=dp_rank,
+                        event_id=self.last_event_id, data=data)
+        self._kv_out.append(event.to_bytes())
+        self._kv_ready.set()
+
+    async def _publish_kv_events(self) -> None:
+        assert self._nc is not None
+        nc = self._nc
+        while True:
+            await self._kv_ready.wait()
+            self._kv_ready.clear()
+            batch, self._kv_out = self._kv_out, []
+            for payload in batch:
+                try:
+                    await nc.publish(self._kv_subject, payload)
+                except Exception as exc:  # a gap: routers notice it and ask for a dump
+                    log.warning("worker %d dropped a KV event: %r", self.instance_id, exc)
+            if self._closing and not self._kv_out:
+                with contextlib.suppress(Exception):
+                    await nc.flush(timeout=2)
+                return
+
+    def dump(self) -> KvDumpReply:
+        """The full cache state and the last event id, taken together (no await in between)."""
+        ranks = self.engine.dump()
+        return KvDumpReply(instance_id=self.instance_id, last_event_id=self.last_event_id,
+                           ranks=ranks, partial=self.engine.partial_view)
+
+    async def _on_dump(self, msg: Msg) -> None:
+        reply = self.dump()
+        payload = reply.to_bytes()
+        limit = self._nc.max_payload if self._nc is not None else len(payload)
+        if len(payload) > limit:
+            payload = _truncate_dump(reply, limit).to_bytes()
+        log.info("worker %d kv dump: %d blocks, last_event_id=%d", self.instance_id,
+                 sum(len(r.blocks) for r in reply.ranks), reply.last_event_id)
+        if msg.reply:
+            await msg.respond(payload)
+
+    # -- plumbing --------------------------------------------------------------------------
+
+    def _spawn(self, coro: Any, name: str) -> None:
+        task = asyncio.create_task(coro, name=name)
+        task.add_done_callback(self._task_done)
+        self._tasks.append(task)
+
+    def _task_done(self, task: asyncio.Task[None]) -> None:
+        if task.cancelled() or self._closing:
+            return
+        exc = task.exception()
+        if exc is not None:
+            log.error("worker task %s died", task.get_name(), exc_info=exc)
+            self._failed.set()
+
+    async def _nats_error(self, exc: Exception) -> None:
+        if self._nc is not None and self._nc.is_connected:
+            log.warning("NATS error: %r", exc)
+        else:
+            log.debug("NATS error while disconnected: %r", exc)
+
+    async def _nats_disconnected(self) -> None:
+        if not self._closing:
+            log.warning("worker %d disconnected from NATS", self.instance_id)
+
+    async def _nats_reconnected(self) -> None:
+        log.info("worker %d reconnected to NATS", self.instance_id)
+
+
+def _truncate_dump(reply: KvDumpReply, limit: int) -> KvDumpReply:
+    """Fit a dump into one NATS message by dropping the deepest blocks; marked ``partial``.
+
+    Blocks are listed parents first, so cutting each rank's tail keeps every listed block's
+    parent listed. The router sees ``partial`` and can rely on later events for the rest.
+    """
+    size = len(reply.to_bytes())
+    keep = 1.0
+    ranks: list[KvDumpRank] = list(reply.ranks)
+    while size > limit and keep > 0.01:
+        keep *= max(min(limit / size, 0.95), 0.1)
+        ranks = [r.model_copy(update={"blocks": r.blocks[: int(len(r.blocks) * keep)]})
+                 for r in reply.ranks]
+        size = len(reply.model_copy(update={"ranks": ranks}).to_bytes())
+    log.warning("kv dump of %d bytes exceeds max_payload %d: sent %.0f%% of the blocks",
+                len(reply.to_bytes()), limit, keep * 100)
+    return reply.model_copy(update={"ranks": ranks, "partial": True})
+
+
+# -- entry points ---------------------------------------------------------------------------
+
+
+async def serve(
+    settings: WorkerSettings,
+    *,
+    stop: asyncio.Event | None = None,
+    on_ready: Callable[[Worker], None] | None = None,
+) -> None:
+    """Run one worker until SIGTERM/SIGINT (main thread only) or ``stop`` is set.
+
+    Raises whatever prevents start-up (NATS unreachable, port in use, engine failure); returns
+    after a graceful ``leave``. ``on_ready`` is called once the worker has joined.
+    """
+    stop = stop if stop is not None else asyncio.Event()
+    loop = asyncio.get_running_loop()
+    installed: list[signal.Signals] = []
+    if threading.current_thread() is threading.main_thread():
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            with contextlib.suppress(NotImplementedError, RuntimeError):
+                loop.add_signal_handler(sig, stop.set)
+                installed.append(sig)
+    try:
+        async with Worker(settings) as worker:
+            if on_ready is not None:
+                on_ready(worker)
+            stopped = asyncio.create_task(stop.wait())
+            failed = asyncio.create_task(worker.failed.wait())
+            await asyncio.wait({stopped, failed}, return_when=asyncio.FIRST_COMPLETED)
+            for task in (stopped, failed):
+                task.cancel()
+            if worker.failed.is_set():
+                log.error("worker %d stops after a background task failed", worker.instance_id)
+    finally:
+        for sig in installed:
+            loop.remove_signal_handler(sig)
+
+
+def run(settings: WorkerSettings) -> None:
+    """Blocking entry point for ``rudder serve worker``: configure logging, serve until signal."""
+    logging.basicConfig(
+        level=settings.log_level.upper(),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    asyncio.run(serve(settings))
