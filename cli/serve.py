@@ -35,9 +35,14 @@ def _settings(module: str, cls: str, overrides: dict[str, Any]) -> Any:
         return factory(**{k: v for k, v in overrides.items() if v is not None})
     except ValidationError as exc:
         problems = "; ".join(
-            f"{'.'.join(str(p) for p in e['loc']) or cls}: {e['msg']}" for e in exc.errors()
+            f"{_setting_name(e['loc'])}: {e['msg']}" for e in exc.errors()
         )
         raise CliError(ExitCode.USAGE, f"bad setting: {problems}") from exc
+
+
+def _setting_name(loc: tuple[int | str, ...]) -> str:
+    """``("mock", "speedup_ratio")`` → ``RUDDER_MOCK__SPEEDUP_RATIO`` (the variable to fix)."""
+    return "RUDDER_" + "__".join(str(p) for p in loc).upper() if loc else "settings"
 
 
 @app.command("controlplane")
