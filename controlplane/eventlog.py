@@ -71,8 +71,9 @@ class Ambiguous(LogUnavailable):
 async def connect(url: str, *, name: str = "rudder-controlplane") -> NATS:
     """Connect with reconnects forever; publishes are not buffered while disconnected, so a
     publish either reaches the server now or fails (never replayed later behind our back)."""
+    servers = [u.strip() for u in url.split(",") if u.strip()]  # a cluster: "nats://a:4222,nats://b:4222"
     return await nats.connect(
-        url, name=name, max_reconnect_attempts=-1, reconnect_time_wait=0.5,
+        servers, name=name, max_reconnect_attempts=-1, reconnect_time_wait=0.5,
         pending_size=0, connect_timeout=2, allow_reconnect=True,
     )
 
