@@ -112,7 +112,8 @@ class RouterRuntime:
         await self.status.put()
         self.tasks.spawn(every(s.tick_s, lambda: tick(self.scheduler), "tick"), name="tick")
         self.tasks.spawn(every(s.heartbeat_s, self.status.put, "status"), name="status")
-        await self.membership.wait_complete()
+        # /health answers 503 until the membership replay is applied; the API serves meanwhile.
+        self.tasks.spawn(self.membership.wait_complete(), name="first-discovery")
         log.info(
             "router %s serving %s on %s (mode %s, role %s, cache inputs %s)", s.router_id,
             ", ".join(s.models), s.url(), s.mode.value, s.role.value,

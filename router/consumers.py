@@ -290,7 +290,7 @@ class MembershipConsumer:
             self._subs.append(sub)
             try:
                 info = await sub.consumer_info()
-                if info.num_pending == 0 and (info.delivered is None or not info.delivered.stream_seq):
+                if info.num_pending == 0 and (info.delivered is None or not info.delivered.consumer_seq):
                     self._model_done(model)
             except (*_NATS_ERRORS, nats.js.errors.Error):
                 pass
