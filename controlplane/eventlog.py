@@ -20,7 +20,13 @@ from nats.errors import ConnectionClosedError, NoRespondersError, OutboundBuffer
 from nats.errors import TimeoutError as NatsTimeoutError
 from nats.js import JetStreamContext
 from nats.js.api import KeyValueConfig, StreamConfig
-from nats.js.errors import APIError, BadRequestError, NotFoundError, ServiceUnavailableError
+from nats.js.errors import (
+    APIError,
+    BadRequestError,
+    NoStreamResponseError,
+    NotFoundError,
+    ServiceUnavailableError,
+)
 
 from controlplane.protocol import streams
 from controlplane.protocol.errors import InvalidRequest, LogUnavailable, RevisionConflict
@@ -44,7 +50,15 @@ _UNAVAILABLE = (
     NatsTimeoutError, asyncio.TimeoutError, NoRespondersError, ServiceUnavailableError,
     ConnectionClosedError, OutboundBufferLimitError, OSError,
     nats.errors.StaleConnectionError, nats.errors.ConnectionReconnectingError,
+    NoStreamResponseError,  # no stream leader (a cluster electing one after a node died)
 )
+# JetStream API answers that mean "try again later": 503 (no leader / cluster unavailable) and
+# err_code 10008 (JetStream temporarily unavailable).
+_UNAVAILABLE_API_CODES = frozenset({10008})
+
+
+def _api_unavailable(exc: APIError) -> bool:
+    return exc.code == 503 or exc.err_code in _UNAVAILABLE_API_CODES
 
 
 @dataclass(frozen=True, slots=True)
@@ -123,7 +137,7 @@ class PolicyLog:
         except _UNAVAILABLE as exc:
             raise LogUnavailable(f"NATS did not answer ({what}): {type(exc).__name__}", retry_after=2) from exc
         except APIError as exc:
-            if exc.code == 503 or exc.err_code in (10008,):  # no leader / cluster unavailable
+            if _api_unavailable(exc):
                 raise LogUnavailable(f"JetStream unavailable ({what}): {exc.description}", retry_after=5) from exc
             raise
 
@@ -173,8 +187,10 @@ class PolicyLog:
         try:
             ack = await self.js.publish(subject, event.to_bytes(), timeout=self.timeout_s, headers=headers)
             return PublishResult(revision=int(ack.seq), recovered=False)
-        except BadRequestError as exc:
-            if exc.err_code != JS_ERR_WRONG_LAST_SEQUENCE:
+        except APIError as exc:
+            if _api_unavailable(exc):
+                raise Ambiguous(f"JetStream unavailable at publish: {exc.description}", retry_after=5) from exc
+            if not isinstance(exc, BadRequestError) or exc.err_code != JS_ERR_WRONG_LAST_SEQUENCE:
                 raise
             # CAS is checked before de-duplication: our own earlier attempt may be the head.
             head = await self.head(event.model, event.kind)

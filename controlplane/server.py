@@ -9,8 +9,8 @@ import logging
 import os
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
-from typing import Any
 
+import nats.errors
 import uvicorn
 from fastapi import FastAPI
 from nats.aio.client import Client as NATS
@@ -43,8 +43,7 @@ class ControlPlane:
         s = self.settings
         self.nc: NATS = await connect(s.nats_url)
         self.log = PolicyLog(self.nc)
-        await self.log.ensure(history_depth=s.history_depth, replicas=s.policy_replicas,
-                              worker_ttl_s=s.worker_ttl_s, router_heartbeat_s=s.router_heartbeat_s)
+        await self._ensure_streams()
         self.audit = AuditStore.from_url(s.database_url.get_secret_value())
         self.tokens = TokenStore(self.audit.engine)
         self.fleet = FleetView(self.nc, worker_ttl_s=s.worker_ttl_s, router_heartbeat_s=s.router_heartbeat_s)
@@ -56,6 +55,22 @@ class ControlPlane:
         self._tasks.append(asyncio.create_task(
             self.reconciler.run_periodically(s.reconcile_interval_s), name="reconciler"))
         log.info("control plane ready: nats=%s admin=%s:%d", s.nats_url, s.admin_host, s.admin_port)
+
+    async def _ensure_streams(self) -> None:
+        """Create streams and bucket, retrying while the bus is not ready (a cluster still forming,
+        or started in the same breath as us) up to ``startup_timeout_s``."""
+        s = self.settings
+        deadline = asyncio.get_running_loop().time() + s.startup_timeout_s
+        while True:
+            try:
+                await self.log.ensure(history_depth=s.history_depth, replicas=s.policy_replicas,
+                                      worker_ttl_s=s.worker_ttl_s, router_heartbeat_s=s.router_heartbeat_s)
+                return
+            except (RudderError, nats.errors.Error) as exc:
+                if asyncio.get_running_loop().time() > deadline:
+                    raise RuntimeError(f"JetStream not ready after {s.startup_timeout_s}s: {exc}") from exc
+                log.info("JetStream not ready yet (%s); retrying", exc)
+                await asyncio.sleep(0.5)
 
     async def stop(self) -> None:
         for task in self._tasks:
@@ -120,7 +135,10 @@ async def serving(settings: ControlPlaneSettings, *, failpoints: Failpoints | No
     task = asyncio.create_task(server.serve(), name="admin-api")
     while not server.started:
         if task.done():
-            task.result()
+            try:
+                task.result()
+            except SystemExit as exc:  # uvicorn exits on a failed lifespan start
+                raise RuntimeError("control plane did not start; see its log") from exc
             raise RuntimeError("control plane did not start")
         await asyncio.sleep(0.01)
     port = server.servers[0].sockets[0].getsockname()[1]

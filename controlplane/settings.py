@@ -22,4 +22,5 @@ class ControlPlaneSettings(BaseSettings):
     reconcile_interval_s: float = Field(default=30.0, gt=0)
     reconcile_grace_s: float = Field(default=5.0, ge=0)
     busy_threshold_retries: int = Field(default=20, ge=1)
+    startup_timeout_s: float = Field(default=30.0, gt=0)
     log_level: str = "INFO"
