@@ -1,0 +1,35 @@
+"""The "N/M routers on the head revision" summary of ``rudder routers list`` (pure)."""
+
+from __future__ import annotations
+
+from cli.fleet import summarize
+
+
+def test_summary_counts_routers_serving_the_model() -> None:
+    body = {
+        "heads": {"m|selection": 7, "m|busy_threshold": 0, "other|selection": 3},
+        "routers": [
+            {"router_id": "a", "models": ["m"], "applied": {"m|selection": {"revision": 7}}},
+            {"router_id": "b", "models": ["m"], "applied": {"m|selection": {"revision": 5,
+                                                                            "last_nack": "x"}}},
+            {"router_id": "c", "models": ["m", "other"], "applied": {}},
+        ],
+    }
+    by_doc = {(s["model"], s["kind"]): (s["on_head"], s["routers"], s["head_revision"])
+              for s in summarize(body)}
+    assert by_doc[("m", "selection")] == (1, 3, 7)
+    assert by_doc[("m", "busy_threshold")] == (3, 3, 0)  # no document: everyone is on it
+    assert by_doc[("other", "selection")] == (0, 1, 3)
+
+
+def test_summary_of_an_empty_fleet() -> None:
+    assert summarize({"routers": [], "heads": {}}) == []
+    assert summarize({}) == []
+
+
+def test_model_names_with_separators() -> None:
+    body = {"heads": {"org/m:v1|selection": 2},
+            "routers": [{"models": ["org/m:v1"],
+                         "applied": {"org/m:v1|selection": {"revision": 2}}}]}
+    assert summarize(body) == [{"model": "org/m:v1", "kind": "selection", "head_revision": 2,
+                                "on_head": 1, "routers": 1}]
