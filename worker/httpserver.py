@@ -27,7 +27,10 @@ class _Server(uvicorn.Server):
 def bind_socket(host: str, port: int) -> socket.socket:
     """A listening-ready TCP socket on ``host:port`` (port 0 = a free one). Raises OSError."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
+    # proto must say TCP explicitly: asyncio sets TCP_NODELAY on accepted connections only when
+    # ``sock.proto == IPPROTO_TCP``; with proto 0 every keep-alive response waits ~40 ms for a
+    # delayed ACK (Nagle), which would dwarf the router's overhead in benchmarks.
+    sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
     try:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind((host, port))
