@@ -564,12 +564,15 @@ class Scheduler:
         if req.pin is not None:
             return self._select_pinned(req, seq, revisions)
         slots = self._slots[model]
-        healthy = [s for s in slots.values() if s.healthy and s.instance_id not in req.exclude]
-        if not healthy:
-            raise ServiceUnavailable(f"no worker available for model {model}", retry_after=1)
-        eligible = [s for s in healthy if not s.busy]
+        exclude = req.exclude
+        eligible = [
+            s for s in slots.values()
+            if s.healthy and not s.busy and (not exclude or s.instance_id not in exclude)
+        ]
         if not eligible:
-            raise Overloaded(f"every worker of model {model} is busy", model=model)
+            if any(s.healthy and s.instance_id not in exclude for s in slots.values()):
+                raise Overloaded(f"every worker of model {model} is busy", model=model)
+            raise ServiceUnavailable(f"no worker available for model {model}", retry_after=1)
         p = req.prompt_tokens
         overlaps: dict[WorkerKey, Overlap] = {}
         cost: float | None = None
@@ -579,7 +582,9 @@ class Scheduler:
                 for hashes in req.hashes.values():
                     if hashes:
                         overlaps.update(self.index.overlaps(hashes))
-            request_blocks = {bs: -(-p // bs) for bs in {s.block_size for s in eligible}}
+            request_blocks = {bs: -(-p // bs) for bs in req.hashes} or {
+                eligible[0].block_size: -(-p // eligible[0].block_size)
+            }
             shared: dict[WorkerKey, int] = {}
             for key in self.bookings.keys():
                 rank = self.bookings.rank(key)

@@ -94,14 +94,13 @@ def costs(
     """Cost of each candidate (same order).
 
     ``overlaps`` (by candidate key) replaces each candidate's own ``overlap`` when given.
-    ``request_blocks`` (block size → R) adds the request's blocks to each candidate's decode
+    ``request_blocks`` (block size -> R) adds the request's blocks to each candidate's decode
     blocks, less ``booked_shared`` (those already active on it for another booked request), so
-    the decode term counts distinct blocks.
+    the decode term counts distinct blocks. The loop is written for speed: it runs over every
+    candidate of every selection.
     """
     if not candidates:
         return []
-    no_shared: Mapping[tuple[int, int], int] = booked_shared or {}
-    least_prefill = min(c.active_prefill_tokens for c in candidates)
     credit_w = params.overlap_score_credit
     decay_w = params.overlap_score_credit_decay
     host_w = params.host_cache_hit_weight
@@ -109,30 +108,54 @@ def costs(
     shared_w = params.shared_cache_multiplier
     scale = params.prefill_load_scale
     req_w = params.decode_active_request_weight
+    least_prefill = min(c.active_prefill_tokens for c in candidates) if decay_w else 0
+    ov_get = overlaps.get if overlaps else None
+    p = prompt_tokens
     out: list[float] = []
     append = out.append
     for c in candidates:
         b = c.block_size
-        ov = c.overlap if overlaps is None else overlaps.get(c.key, NO_OVERLAP)
+        if ov_get is not None:
+            ov = ov_get(c.key, NO_OVERLAP)
+        elif overlaps is None:
+            ov = c.overlap
+        else:
+            ov = NO_OVERLAP
         if ov is NO_OVERLAP:
-            credit = 0.0
+            prefill = (c.active_prefill_tokens + p) / b
         else:
             decay = 1.0
             if decay_w:
-                r = max(1, -(-prompt_tokens // b))
+                r = max(1, -(-p // b))
                 excess = (c.active_prefill_tokens - least_prefill) / b
                 decay = 1.0 / (1.0 + decay_w * excess / r)
-            credit = (
+            prefill = (c.active_prefill_tokens + p) / b - (
                 credit_w * decay * ov.device + host_w * ov.host + disk_w * ov.disk
                 + shared_w * ov.shared
             )
-        prefill = (c.active_prefill_tokens + prompt_tokens) / b - credit
         cost = scale * (prefill if prefill > 0.0 else 0.0) + c.decode_blocks
-        if request_blocks is not None:
-            cost += request_blocks.get(b, 0) - no_shared.get(c.key, 0)
         if req_w:
             cost += req_w * c.active_requests
         append(cost)
+    if request_blocks:
+        # One block size (the usual case): add a constant. The router hashes the prompt for every
+        # block size of the model's workers, so a single entry means a single size.
+        sizes = {c.block_size for c in candidates} if len(request_blocks) != 1 else None
+        if sizes is None or len(sizes) == 1:
+            (only,) = request_blocks.values() if sizes is None else (
+                request_blocks.get(next(iter(sizes)), -(-p // next(iter(sizes)))),
+            )
+            out = [x + only for x in out]
+        else:
+            out = [
+                x + request_blocks.get(c.block_size, -(-p // c.block_size))
+                for x, c in zip(out, candidates, strict=True)
+            ]
+        if booked_shared:
+            for i, c in enumerate(candidates):
+                n = booked_shared.get(c.key)
+                if n:
+                    out[i] -= n
     return out
 
 

@@ -1,0 +1,131 @@
+"""Selection time of the router's scheduler at 8..4096 workers (DESIGN §5; issue 3 "Speed").
+
+Measures the scheduler's handling of one ``SelectWorker`` (prefix-index overlap query, cost of every
+candidate, pick, booking) with a populated index, 4096-token prompts and 64-token blocks, at router
+temperature 0 and 0.7. Hashing the prompt (done on the HTTP side, outside the actor) is measured
+separately. No network: the pure core is driven through the actor's dispatch directly.
+
+    python bench/selection.py            # prints a table, writes bench/results/selection.json
+"""
+
+from __future__ import annotations
+
+import json
+import platform
+import random
+import statistics
+import sys
+import time
+from datetime import UTC, datetime
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from controlplane.protocol.events import (
+    KvEvent,
+    KvStored,
+    MembershipEvent,
+    MembershipOp,
+    RankLoad,
+    RouterRole,
+    StoredBlock,
+    WorkerRecord,
+)
+from controlplane.protocol.hashing import block_hashes, chain_hashes
+from controlplane.protocol.policy import ALL_CACHE_INPUTS, PolicyKind, startup_values
+from router.scheduler import (
+    ApplyKvEvents,
+    ApplyMembership,
+    LoadKvDump,
+    RequestDone,
+    RoutingRequest,
+    Scheduler,
+    SelectWorker,
+)
+from router.settings import RoutingMode
+
+BLOCK = 64
+PROMPT = 4096
+PREFIXES = 32
+MODEL = "bench-model"
+
+
+def pct(values: list[float], q: float) -> float:
+    values = sorted(values)
+    return values[min(len(values) - 1, int(q * len(values)))]
+
+
+def build(n_workers: int, temperature: float, rng: random.Random) -> tuple[Scheduler, list[list[int]]]:
+    now = datetime.now(UTC)
+    startup = {k: startup_values(k) for k in PolicyKind}
+    startup[PolicyKind.SELECTION]["router_temperature"] = temperature
+    s = Scheduler(
+        router_id="bench", models=[MODEL], role=RouterRole.AGGREGATED, mode=RoutingMode.KV,
+        kv_events=True, cache_inputs=ALL_CACHE_INPUTS, startup=startup, worker_ttl_s=1e9,
+        worker_stale_s=1e9, wall=lambda: now, rng=rng,
+    )
+    prefixes = [[rng.randrange(256) for _ in range(PROMPT)] for _ in range(PREFIXES)]
+    prefix_blocks = [block_hashes(p, BLOCK) for p in prefixes]
+    for wid in range(1, n_workers + 1):
+        rec = WorkerRecord(instance_id=wid, model=MODEL, url=f"http://w{wid}", block_size=BLOCK,
+                           kv_total_blocks=16384, max_num_batched_tokens=8192, started_at=now)
+        load = [RankLoad(active_decode_blocks=rng.randrange(2000),
+                         active_prefill_tokens=rng.randrange(8192), running=rng.randrange(64))]
+        s._dispatch(ApplyMembership(MembershipEvent(op=MembershipOp.JOIN, worker=rec, load=load, at=now)))
+        s._dispatch(LoadKvDump(wid, None))  # no dump in the bench: start from events
+        # Each worker caches a random leading part of 3 random prefixes.
+        for eid, p in enumerate(rng.sample(range(PREFIXES), 3)):
+            n = rng.randrange(1, len(prefix_blocks[p]) + 1)
+            blocks = [StoredBlock(block_hash=c, tokens_hash=b) for c, b in prefix_blocks[p][:n]]
+            s._dispatch(ApplyKvEvents([KvEvent(instance_id=wid, event_id=eid, data=KvStored(blocks=blocks))]))
+    return s, prefixes
+
+
+def run_case(n_workers: int, temperature: float, iters: int) -> dict[str, float]:
+    rng = random.Random(n_workers * 10 + int(temperature * 10))
+    s, prefixes = build(n_workers, temperature, rng)
+    times: list[float] = []
+    hash_times: list[float] = []
+    for i in range(iters):
+        base = prefixes[rng.randrange(PREFIXES)]
+        cut = rng.randrange(PROMPT // 2, PROMPT)
+        tokens = base[:cut] + [rng.randrange(256) for _ in range(PROMPT - cut)]
+        t0 = time.perf_counter()
+        hashes = chain_hashes(tokens, BLOCK)
+        t1 = time.perf_counter()
+        hash_times.append(t1 - t0)
+        req = RoutingRequest(request_id=f"r{i}", model=MODEL, prompt_tokens=PROMPT, hashes={BLOCK: hashes})
+        t2 = time.perf_counter()
+        s._dispatch(SelectWorker(req, seq=i))
+        times.append(time.perf_counter() - t2)
+        s._dispatch(RequestDone(f"r{i}"))
+    return {
+        "workers": n_workers, "temperature": temperature, "iterations": iters,
+        "select_p50_us": pct(times, 0.5) * 1e6, "select_p99_us": pct(times, 0.99) * 1e6,
+        "select_mean_us": statistics.fmean(times) * 1e6,
+        "hash_p50_us": pct(hash_times, 0.5) * 1e6, "hash_p99_us": pct(hash_times, 0.99) * 1e6,
+        "index_blocks": len(s.index),
+    }
+
+
+def main() -> None:
+    cases = []
+    for n, iters in ((8, 3000), (64, 3000), (512, 1500), (4096, 400)):
+        for t in (0.0, 0.7):
+            cases.append(run_case(n, t, iters))
+    print(f"{'workers':>8} {'T':>4} {'p50 µs':>9} {'p99 µs':>9} {'hash p50 µs':>12} {'hash p99 µs':>12} {'blocks':>8}")
+    for c in cases:
+        print(f"{c['workers']:>8} {c['temperature']:>4} {c['select_p50_us']:>9.1f} {c['select_p99_us']:>9.1f} "
+              f"{c['hash_p50_us']:>12.1f} {c['hash_p99_us']:>12.1f} {c['index_blocks']:>8}")
+    out = {
+        "benchmark": "selection", "prompt_tokens": PROMPT, "block_size": BLOCK,
+        "python": platform.python_version(), "machine": platform.machine(),
+        "at": datetime.now(UTC).isoformat(), "cases": cases,
+    }
+    path = Path(__file__).parent / "results" / "selection.json"
+    path.write_text(json.dumps(out, indent=2) + "\n")
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()
