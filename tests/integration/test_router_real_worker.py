@@ -1,0 +1,78 @@
+"""The router in front of the project's real mock workers (worker/), over real NATS."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator
+from typing import Any
+
+import openai
+import pytest
+
+from tests.support_router.workers import InProcessRouter, router_settings, wait_for
+
+pytestmark = pytest.mark.timeout(60)
+MODEL = "mock/llama:8b"
+
+worker_agent = pytest.importorskip("worker.agent")
+worker_settings = pytest.importorskip("worker.settings")
+
+
+@pytest.fixture(scope="module")
+async def mock_fleet(nats_url: str) -> AsyncIterator[tuple[InProcessRouter, list[Any]]]:
+    stop = asyncio.Event()
+    ready: list[Any] = []
+    tasks = []
+    for _ in range(2):
+        settings = worker_settings.WorkerSettings(
+            nats_url=nats_url, model=MODEL, heartbeat_s=0.2,
+            mock=worker_settings.MockEngineSettings(speedup_ratio=50.0, block_size=16),
+        )
+        tasks.append(asyncio.create_task(worker_agent.serve(settings, stop=stop, on_ready=ready.append)))
+    await wait_for(lambda: len(ready) == 2 or any(t.done() for t in tasks), within=20)
+    for t in tasks:
+        if t.done():
+            t.result()
+    router = await InProcessRouter(router_settings(nats_url, MODEL)).start()
+    await wait_for(lambda: router.runtime.scheduler.view.workers.get(MODEL) == 2, within=10)
+    yield router, ready
+    await router.stop()
+    stop.set()
+    for t in tasks:
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(t, 10)
+
+
+async def test_openai_chat_through_router_to_mock_workers(mock_fleet: tuple[InProcessRouter, list[Any]]) -> None:
+    router, _ = mock_fleet
+    client = openai.AsyncOpenAI(base_url=router.url + "/v1", api_key="none", max_retries=0)
+    reply = await client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "hello"}], max_tokens=4
+    )
+    assert reply.choices[0].message.content is not None
+    stream = await client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "hello again"}], max_tokens=4, stream=True
+    )
+    chunks = [c async for c in stream]
+    assert chunks
+    await client.close()
+
+
+async def test_predicted_hit_matches_the_engines_cached_tokens(
+    mock_fleet: tuple[InProcessRouter, list[Any]],
+) -> None:
+    router, _ = mock_fleet
+    client = openai.AsyncOpenAI(base_url=router.url + "/v1", api_key="none", max_retries=0)
+    system = "You are a careful assistant. " * 40
+    messages = [{"role": "system", "content": system}, {"role": "user", "content": "q1"}]
+    first = await client.chat.completions.with_raw_response.create(model=MODEL, messages=messages, max_tokens=2)
+    owner = first.headers["x-worker-instance-id"]
+    await asyncio.sleep(0.3)  # KV events reach the router
+    messages[-1]["content"] = "q2"
+    second = await client.chat.completions.with_raw_response.create(model=MODEL, messages=messages, max_tokens=2)
+    assert second.headers["x-worker-instance-id"] == owner
+    usage = second.parse().usage
+    assert usage is not None and usage.prompt_tokens_details is not None
+    assert (usage.prompt_tokens_details.cached_tokens or 0) >= len(system) // 2
+    await client.close()
