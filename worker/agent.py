@@ -229,10 +229,10 @@ class Worker:
 
     # -- KV events -------------------------------------------------------------------------
 
-    def _on_kv(self, dp_rank: int, data: KvData) -> None:
+    def _on_kv(self, dp_rank: int, data: KvData, tier: CacheInput = CacheInput.DEVICE) -> None:
         self.last_event_id += 1
         event = KvEvent(instance_id=self.instance_id, dp_rank=dp_rank,
-                        event_id=self.last_event_id, data=data)
+                        event_id=self.last_event_id, tier=tier, data=data)
         self._kv_out.append(event.to_bytes())
         self._kv_ready.set()
 

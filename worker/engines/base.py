@@ -8,14 +8,20 @@ and a dump taken between two awaits is consistent with the last number given out
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
 from controlplane.protocol.events import KvCleared, KvDumpRank, KvRemoved, KvStored, RankLoad
+from controlplane.protocol.policy import CacheInput
 
 KvData = KvStored | KvRemoved | KvCleared
-KvSink = Callable[[int, KvData], None]  # (dp_rank, data)
+
+
+class KvSink(Protocol):
+    """Receives one cache change of one dp rank (and storage tier), in order."""
+
+    def __call__(self, dp_rank: int, data: KvData, tier: CacheInput = CacheInput.DEVICE) -> None:
+        ...
 
 
 @dataclass(frozen=True, slots=True)
