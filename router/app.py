@@ -133,8 +133,12 @@ class RouterRuntime:
         if self.status is not None:
             await self.status.delete()
         if self.nc is not None:
+            # Flush what is published (the status delete, last ACKs), then close; a drain could
+            # wait out its 30 s timeout on a consumer the server already forgot.
             with contextlib.suppress(Exception):
-                await self.nc.drain()
+                await self.nc.flush(timeout=1)
+            with contextlib.suppress(Exception):
+                await self.nc.close()
         if self.http is not None:
             await self.http.aclose()
 
