@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-
 from collections import defaultdict
 from dataclasses import asdict, dataclass, field
 from datetime import UTC, datetime, timedelta
