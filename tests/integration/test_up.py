@@ -58,7 +58,7 @@ def _alive(pid: int) -> bool:
 
 
 class Up:
-    def __init__(self, cwd: Path, ports: dict[str, int]) -> None:
+    def __init__(self, cwd: Path, ports: dict[str, int], *, extra: list[str] | None = None) -> None:
         self.cwd = cwd
         env = {**os.environ, "PYTHONUNBUFFERED": "1", "COLUMNS": "200"}
         for name in ("RUDDER_SERVER", "RUDDER_TOKEN", "RUDDER_DATABASE_URL", "RUDDER_NATS_URL"):
@@ -67,7 +67,7 @@ class Up:
             [sys.executable, "-m", "cli.main", "up",
              "--admin-port", str(ports["admin"]), "--router-port", str(ports["router"]),
              "--nats-port", str(ports["nats"]), "--postgres-port", str(ports["postgres"]),
-             "--workers", "1"],
+             *(extra or ["--workers", "1"])],
             cwd=cwd, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT, text=True,
         )
