@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import threading
 from pathlib import Path
 
 from alembic import command
@@ -20,6 +21,11 @@ from sqlalchemy.exc import SQLAlchemyError
 from controlplane.protocol.errors import AuditUnavailable
 
 HERE = Path(__file__).resolve().parent
+
+# Alembic keeps the running migration in module-level proxies (``alembic.context``,
+# ``alembic.op``), so two upgrades in one process must not overlap. Across processes the
+# Alembic environment takes a PostgreSQL advisory lock instead.
+_IN_PROCESS = threading.Lock()
 
 __all__ = ["alembic_config", "current_head", "upgrade", "upgrade_async"]
 
@@ -44,7 +50,8 @@ def current_head() -> str:
 
 def _upgrade_here(url: str, revision: str) -> None:
     try:
-        command.upgrade(alembic_config(url), revision)
+        with _IN_PROCESS:
+            command.upgrade(alembic_config(url), revision)
     except (OSError, TimeoutError, SQLAlchemyError) as exc:
         raise AuditUnavailable(f"database migration failed: {exc}") from exc
     except Exception as exc:

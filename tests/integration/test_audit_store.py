@@ -101,6 +101,31 @@ async def test_migrations_apply_and_are_idempotent(db: str) -> None:
         await conn.close()
 
 
+async def test_replicas_migrating_at_once_do_not_race(db: str) -> None:
+    # Control-plane replicas that start together all run `db upgrade`: the advisory lock in the
+    # Alembic environment makes them take turns, so none fails on CREATE TABLE.
+    for separate_processes in (False, True):
+        url = await fresh_database(db)
+        if separate_processes:
+            procs = [
+                await asyncio.create_subprocess_exec(
+                    sys.executable, "-c", "import sys, migrations; migrations.upgrade(sys.argv[1])",
+                    url, cwd=str(ROOT), env={**os.environ, "PYTHONPATH": str(ROOT)},
+                    stderr=asyncio.subprocess.PIPE)
+                for _ in range(3)
+            ]
+            for proc in procs:
+                _, err = await proc.communicate()
+                assert proc.returncode == 0, err.decode()
+        else:
+            await asyncio.gather(*(migrations.upgrade_async(url) for _ in range(4)))
+        s = AuditStore.from_url(url)
+        try:
+            assert (await s.append(received())).id == 1
+        finally:
+            await s.close()
+
+
 async def test_migrated_schema_matches_the_models(db: str, store: AuditStore) -> None:
     def diff(sync_conn: Any) -> list[Any]:
         ctx = MigrationContext.configure(sync_conn, opts={"compare_type": True})
