@@ -8,6 +8,12 @@ one place, :func:`error_response`, in the OpenAI shape
 
 The request body goes to the worker as it came, except that ``nvext.backend_instance_id`` and
 ``nvext.dp_rank`` name the selected target (headers ``x-worker-instance-id`` / ``x-dp-rank`` too).
+
+Disaggregated serving: when the scheduler answers that a model has prefill and decode workers,
+the request first runs on a prefill worker with ``max_tokens`` = 1, no stream (its answer is
+dropped unless it is an error; vLLM's ``kv_transfer_params`` are passed on), then, as sent, on a
+decode worker, whose answer is the client's. Each phase has its own booking and its own
+retry-before-the-first-byte.
 """
 
 from __future__ import annotations
@@ -17,7 +23,8 @@ import json
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable, Mapping
+from dataclasses import dataclass, replace
 from typing import Any, Protocol
 
 import httpx
@@ -38,6 +45,7 @@ from router.metrics import RouterMetrics
 from router.proxy import Proxy, WorkerUnreachable, forward_headers
 from router.scheduler import (
     MarkUnavailable,
+    Phase,
     RequestDone,
     RequestFirstToken,
     RoutingRequest,
@@ -46,8 +54,8 @@ from router.scheduler import (
     SelectWorker,
 )
 from router.settings import RouterSettings
-from router.targets import HDR_DP_RANK, HDR_WORKER, parse_pin
-from router.tokenize import tokenizer_for
+from router.targets import HDR_DP_RANK, HDR_PREFILL, HDR_PREFILL_DP_RANK, HDR_WORKER, parse_targets
+from router.tokenize import TokenizerRegistry
 
 log = logging.getLogger(__name__)
 
@@ -80,6 +88,7 @@ class Runtime(Protocol):
     scheduler: Scheduler
     proxy: Proxy
     metrics: RouterMetrics
+    tokenizers: TokenizerRegistry
 
 
 def _reason(exc: RudderError) -> str:
@@ -108,13 +117,108 @@ async def _select(request: Request, rt: Runtime, req: RoutingRequest) -> Selecti
     return fut.result()
 
 
-def _target_body(body: dict[str, Any], sel: Selection) -> bytes:
+def _target_body(
+    body: dict[str, Any], sel: Selection, *, kv_transfer_params: Any = None
+) -> bytes:
     out = dict(body)
     nvext = dict(out.get("nvext") or {})
     nvext["backend_instance_id"] = sel.instance_id
     nvext["dp_rank"] = sel.dp_rank
     out["nvext"] = nvext
+    if kv_transfer_params is not None:
+        out["kv_transfer_params"] = kv_transfer_params
     return json.dumps(out).encode()
+
+
+# What vLLM's disaggregated proxy sends a prefill worker: compute the prompt, keep its KV for a
+# remote decode. An engine without a KV connector ignores it (the mock does too).
+_PREFILL_KV_PARAMS = {
+    "do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
+    "remote_block_ids": None, "remote_host": None, "remote_port": None,
+}
+
+
+def _prefill_body(body: dict[str, Any], sel: Selection, *, chat: bool) -> bytes:
+    """The client's request as the prefill phase runs it: one token, no stream."""
+    out = dict(body)
+    out["stream"] = False
+    out.pop("stream_options", None)  # vLLM refuses stream_options without stream
+    out.pop("min_tokens", None)  # would exceed max_tokens=1
+    out["max_tokens"] = 1
+    if chat or "max_completion_tokens" in out:
+        out["max_completion_tokens"] = 1
+    out.setdefault("kv_transfer_params", _PREFILL_KV_PARAMS)
+    return _target_body(out, sel)
+
+
+@dataclass(slots=True)
+class _Opened:
+    sel: Selection
+    resp: httpx.Response
+    selected_at: float  # perf_counter when the first selection of the phase was answered
+
+
+async def _open(
+    request: Request, rt: Runtime, req: RoutingRequest, path: str,
+    make_body: Callable[[Selection], bytes], headers: Mapping[str, str],
+) -> _Opened:
+    """Select a worker for ``req`` and open the exchange with it (response head received).
+
+    A connection failure before the first byte marks the worker unreachable and retries on
+    another worker of the same pool, up to ``max_retries`` times; never for a pinned request.
+    Raises ServiceUnavailable, and what the selection raises."""
+    exclude: set[int] = set()
+    attempts = 0
+    selected_at = 0.0
+    labels = (req.model,)
+    while True:
+        sel = await _select(request, rt, replace(req, exclude=frozenset(exclude)) if exclude else req)
+        if attempts == 0:
+            selected_at = time.perf_counter()
+        out = dict(headers)
+        out[HDR_WORKER] = str(sel.instance_id)
+        out[HDR_DP_RANK] = str(sel.dp_rank)
+        try:
+            resp = await rt.proxy.open(sel.url, path, make_body(sel), out)
+        except WorkerUnreachable as exc:
+            rt.scheduler.send(RequestDone(sel.booking_id))
+            rt.scheduler.send(MarkUnavailable(sel.instance_id))
+            attempts += 1
+            if sel.pinned or attempts > rt.settings.max_retries:
+                raise ServiceUnavailable(exc.message, retry_after=1) from exc
+            exclude.add(sel.instance_id)
+            rt.metrics.retries.labels(*labels).inc()
+            log.warning(
+                "request %s (%s phase): %s; retrying elsewhere", req.request_id, sel.pool.value,
+                exc.message,
+            )
+            continue
+        except BaseException:
+            rt.scheduler.send(RequestDone(sel.booking_id))
+            raise
+        return _Opened(sel, resp, selected_at)
+
+
+async def _read_all(rt: Runtime, opened: _Opened) -> bytes:
+    """The whole answer of a non-streamed exchange; frees its booking whatever happens."""
+    sel, resp = opened.sel, opened.resp
+    try:
+        return await resp.aread()
+    except httpx.HTTPError as exc:
+        raise ServiceUnavailable(f"worker {sel.instance_id} failed: {type(exc).__name__}") from exc
+    finally:
+        await resp.aclose()
+        rt.scheduler.send(RequestFirstToken(sel.booking_id))
+        rt.scheduler.send(RequestDone(sel.booking_id))
+
+
+def _kv_transfer_params(content: bytes) -> Any:
+    """What a prefill worker hands to the decode worker (vLLM's KV connectors), if anything."""
+    try:
+        answer = json.loads(content)
+    except ValueError:
+        return None
+    return answer.get("kv_transfer_params") if isinstance(answer, dict) else None
 
 
 async def _completion(request: Request, rt: Runtime, path: str, chat: bool) -> Response:
@@ -136,9 +240,9 @@ async def _completion(request: Request, rt: Runtime, path: str, chat: bool) -> R
     if model not in settings.models:
         raise NotFound(f"The model `{model}` does not exist on this router", field="model")
     stream = body.get("stream", False) is True
-    pin = parse_pin(body.get("nvext"), request.headers, role=settings.role)
+    targets = parse_targets(body.get("nvext"), request.headers)
     view = rt.scheduler.view
-    tok = tokenizer_for(view.tokenizers.get(model, frozenset()))
+    tok = await rt.tokenizers.get(view.tokenizers.get(model, frozenset()))
     if chat:
         tokens, n_prompt = tok.chat(body.get("messages"))
     else:
@@ -148,52 +252,64 @@ async def _completion(request: Request, rt: Runtime, path: str, chat: bool) -> R
     headers = forward_headers(request.headers)
     headers["x-request-id"] = request_id
     labels = (model,)
+    routing = RoutingRequest(
+        request_id=request_id, model=model, prompt_tokens=n_prompt, hashes=hashes, targets=targets,
+    )
 
-    exclude: set[int] = set()
-    attempts = 0
-    while True:
-        sel = await _select(request, rt, RoutingRequest(
-            request_id=request_id, model=model, prompt_tokens=n_prompt, hashes=hashes, pin=pin,
-            exclude=frozenset(exclude),
-        ))
-        if attempts == 0:
-            rt.metrics.overhead.labels(*labels).observe(time.perf_counter() - t0)
-            rt.metrics.hit_rate.labels(*labels).observe(sel.predicted_hit_rate)
-        headers[HDR_WORKER] = str(sel.instance_id)
-        headers[HDR_DP_RANK] = str(sel.dp_rank)
-        try:
-            resp = await rt.proxy.open(sel.url, path, _target_body(body, sel), headers)
-        except WorkerUnreachable as exc:
-            rt.scheduler.send(RequestDone(request_id))
-            rt.scheduler.send(MarkUnavailable(sel.instance_id))
-            attempts += 1
-            if sel.pinned or attempts > settings.max_retries:
-                raise ServiceUnavailable(exc.message, retry_after=1) from exc
-            exclude.add(sel.instance_id)
-            rt.metrics.retries.labels(*labels).inc()
-            log.warning("request %s: %s; retrying elsewhere", request_id, exc.message)
-            continue
-        except BaseException:
-            rt.scheduler.send(RequestDone(request_id))
-            raise
-        break
+    def first_body(s: Selection) -> bytes:
+        return _prefill_body(body, s, chat=chat) if s.disaggregated else _target_body(body, s)
+
+    opened = await _open(request, rt, routing, path, first_body, headers)
+    sel = opened.sel
+    rt.metrics.overhead.labels(*labels).observe(opened.selected_at - t0)
+    rt.metrics.hit_rate.labels(*labels).observe(sel.predicted_hit_rate)
+    out_headers = {"x-request-id": request_id}
+    phase_started: float | None = None  # disaggregated: when the decode worker was selected
+
+    if sel.disaggregated:
+        # Prefill phase: the prefill worker computes the prompt and keeps its KV; its answer
+        # reaches the client only if it is an error.
+        content = await _read_all(rt, opened)
+        done = time.perf_counter()
+        status = opened.resp.status_code
+        rt.metrics.phase_overhead.labels(model, "prefill").observe(opened.selected_at - t0)
+        rt.metrics.phase_ttft.labels(model, "prefill").observe(done - opened.selected_at)
+        out_headers[HDR_PREFILL] = str(sel.instance_id)
+        out_headers[HDR_PREFILL_DP_RANK] = str(sel.dp_rank)
+        if status >= 400:
+            log.warning("request %s: prefill worker %s answered %d", request_id, sel.instance_id, status)
+            rt.metrics.requests.labels(model, path, str(status)).inc()
+            return Response(
+                content, status_code=status, headers=out_headers,
+                media_type=opened.resp.headers.get("content-type", "application/json"),
+            )
+        kv_params = _kv_transfer_params(content)
+
+        def decode_body(s: Selection) -> bytes:
+            return _target_body(body, s, kv_transfer_params=kv_params)
+
+        opened = await _open(request, rt, replace(routing, phase=Phase.DECODE), path, decode_body, headers)
+        phase_started = opened.selected_at
+        rt.metrics.phase_overhead.labels(model, "decode").observe(phase_started - done)
+        sel = opened.sel
+    resp = opened.resp
+    booking = sel.booking_id
+
+    def observe_first_token(now: float) -> None:
+        rt.metrics.ttft.labels(*labels).observe(now - t0)
+        if phase_started is not None:
+            rt.metrics.phase_ttft.labels(model, "decode").observe(now - phase_started)
 
     log.info(
-        "request %s → worker %s rank %d (revision %s, predicted hit %.2f)", request_id,
-        sel.instance_id, sel.dp_rank, sel.revisions, sel.predicted_hit_rate,
+        "request %s → %s worker %s rank %d (revision %s, predicted hit %.2f)", request_id,
+        sel.pool.value, sel.instance_id, sel.dp_rank, sel.revisions, sel.predicted_hit_rate,
     )
-    out_headers = {"x-request-id": request_id, HDR_WORKER: str(sel.instance_id), HDR_DP_RANK: str(sel.dp_rank)}
+    out_headers[HDR_WORKER] = str(sel.instance_id)
+    out_headers[HDR_DP_RANK] = str(sel.dp_rank)
     content_type = resp.headers.get("content-type", "application/json")
     if not stream or resp.status_code >= 400:
-        try:
-            content = await resp.aread()
-        except httpx.HTTPError as exc:
-            raise ServiceUnavailable(f"worker {sel.instance_id} failed: {type(exc).__name__}") from exc
-        finally:
-            await resp.aclose()
-            rt.scheduler.send(RequestFirstToken(request_id))
-            rt.scheduler.send(RequestDone(request_id))
-        rt.metrics.ttft.labels(*labels).observe(time.perf_counter() - t0)
+        content = await _read_all(rt, opened)
+        observe_first_token(time.perf_counter())
         rt.metrics.requests.labels(model, path, str(resp.status_code)).inc()
         return Response(content, status_code=resp.status_code, media_type=content_type, headers=out_headers)
 
@@ -204,8 +320,8 @@ async def _completion(request: Request, rt: Runtime, path: str, chat: bool) -> R
             async for chunk in resp.aiter_raw():
                 now = time.perf_counter()
                 if last is None:
-                    rt.scheduler.send(RequestFirstToken(request_id))
-                    rt.metrics.ttft.labels(*labels).observe(now - t0)
+                    rt.scheduler.send(RequestFirstToken(booking))
+                    observe_first_token(now)
                 else:
                     rt.metrics.itl.labels(*labels).observe(now - last)
                 last = now
@@ -221,7 +337,7 @@ async def _completion(request: Request, rt: Runtime, path: str, chat: bool) -> R
             raise
         finally:
             await resp.aclose()
-            rt.scheduler.send(RequestDone(request_id))
+            rt.scheduler.send(RequestDone(booking))
             rt.metrics.requests.labels(model, path, status).inc()
 
     return StreamingResponse(

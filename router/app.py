@@ -41,6 +41,7 @@ from router.proxy import Proxy
 from router.scheduler import Scheduler
 from router.settings import RouterSettings, RoutingMode
 from router.streams import ensure_all
+from router.tokenize import TokenizerRegistry
 
 log = logging.getLogger(__name__)
 
@@ -64,6 +65,7 @@ class RouterRuntime:
             worker_stale_s=settings.worker_stale_s, approx_ttl_s=settings.approx_ttl_s, rng=rng,
         )
         self.metrics = RouterMetrics()
+        self.tokenizers = TokenizerRegistry()
         self.tasks = TaskSet()
         self.started_at: datetime = utcnow()
         self.nc: NATS | None = None
@@ -112,6 +114,7 @@ class RouterRuntime:
         await self.status.put()
         self.tasks.spawn(every(s.tick_s, lambda: tick(self.scheduler), "tick"), name="tick")
         self.tasks.spawn(every(s.heartbeat_s, self.status.put, "status"), name="status")
+        self.tasks.spawn(every(s.tick_s, self._prewarm_tokenizers, "tokenizers"), name="tokenizers")
         # /health answers 503 until the membership replay is applied; the API serves meanwhile.
         self.tasks.spawn(self.membership.wait_complete(), name="first-discovery")
         log.info(
@@ -119,6 +122,11 @@ class RouterRuntime:
             ", ".join(s.models), s.url(), s.mode.value, s.role.value,
             ", ".join(sorted(self.cache_inputs)) or "none",
         )
+
+    async def _prewarm_tokenizers(self) -> None:
+        """Load a newly advertised tokenizer (a model folder) before requests need it."""
+        for names in self.scheduler.view.tokenizers.values():
+            self.tokenizers.prewarm(names)
 
     def _count(self, result: ApplyResult) -> None:
         status = "ACK" if result.outcome is Outcome.ACK else "NACK"

@@ -27,6 +27,18 @@ class RouterMetrics:
             "Request received to worker selected (tokenize, hash, queue, select)", ["model"],
             buckets=_OVERHEAD, registry=r,
         )
+        # Disaggregated requests, per phase: prefill = the prefill worker's whole answer (its
+        # one token), decode = the decode worker's first byte; overhead = waiting for selection.
+        self.phase_ttft = Histogram(
+            "rudder_router_phase_ttft_seconds",
+            "Disaggregated requests: phase forwarded to its first token (prefill: whole answer)",
+            ["model", "phase"], buckets=_LATENCY, registry=r,
+        )
+        self.phase_overhead = Histogram(
+            "rudder_router_phase_routing_overhead_seconds",
+            "Disaggregated requests: time to select the worker of each phase", ["model", "phase"],
+            buckets=_OVERHEAD, registry=r,
+        )
         self.hit_rate = Histogram(
             "rudder_router_predicted_kv_hit_rate", "Predicted prefix-cache hit rate per request",
             ["model"], buckets=(0.0, 0.1, 0.25, 0.5, 0.75, 0.9, 1.0), registry=r,

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import enum
 import itertools
 import logging
 import random
@@ -40,6 +41,7 @@ from controlplane.protocol.events import (
     KvEvent,
     MembershipEvent,
     RouterRole,
+    WorkerRole,
     utcnow,
 )
 from controlplane.protocol.policy import CacheInput, Number, PolicyKind
@@ -59,7 +61,7 @@ from router.selection import (
     pick,
 )
 from router.settings import RoutingMode
-from router.targets import Pin, pool_of, resolve_pin
+from router.targets import Pin, Targets, pool_of, prefill_not_allowed, resolve_pin
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -68,6 +70,17 @@ T = TypeVar("T")
 # ---------------------------------------------------------------------------------------------
 # Requests and answers
 
+PREFILL_BOOKING = ":prefill"  # suffix of the booking id of a disaggregated request's prefill phase
+
+
+class Phase(enum.Enum):
+    """What a selection is for. ``AUTO``: the whole request on a router of a prefill or decode
+    role or on an aggregated deployment, or its prefill phase when the model's snapshot holds
+    prefill and decode workers (the answer says so); ``DECODE``: the decode phase that follows."""
+
+    AUTO = "auto"
+    DECODE = "decode"
+
 
 @dataclass(frozen=True, slots=True)
 class RoutingRequest:
@@ -75,8 +88,10 @@ class RoutingRequest:
     model: str
     prompt_tokens: int
     hashes: Mapping[int, Sequence[int]]  # block size → chain hashes of the prompt's full blocks
-    pin: Pin | None = None
+    pin: Pin | None = None  # used when ``targets`` is None
     exclude: frozenset[int] = frozenset()  # workers that already failed this request
+    targets: Targets | None = None  # both phases' explicit targets (parse_targets)
+    phase: Phase = Phase.AUTO
 
 
 @dataclass(frozen=True, slots=True)
@@ -94,6 +109,11 @@ class Selection:
     prompt_tokens: int
     candidates: int
     pinned: bool = False
+    pool: WorkerRole = WorkerRole.AGGREGATED
+    # Id its booking is kept under (send RequestFirstToken / RequestDone with it).
+    booking_id: str = ""
+    # True for the prefill phase of a disaggregated request: a decode phase must follow.
+    disaggregated: bool = False
 
     @property
     def predicted_hit_rate(self) -> float:
@@ -196,7 +216,7 @@ _STOP = object()
 class Slot(Candidate):
     """A candidate kept between selections, with what eligibility needs."""
 
-    __slots__ = ("busy", "healthy", "url")
+    __slots__ = ("busy", "healthy", "role", "url")
 
     def __init__(self, state: WorkerState, dp_rank: int) -> None:
         rec = state.record
@@ -204,6 +224,7 @@ class Slot(Candidate):
         self.busy = False
         self.healthy = True
         self.url = rec.url
+        self.role = rec.role
 
 
 # ---------------------------------------------------------------------------------------------
@@ -222,6 +243,11 @@ class Scheduler:
         self.models = list(models)
         self.role = role
         self.pool = pool_of(role)
+        # An aggregated router serves aggregated deployments and disaggregated ones (prefill and
+        # decode workers of one model); a prefill or decode router selects in its own pool only.
+        self.pools: frozenset[WorkerRole] = (
+            frozenset(WorkerRole) if role is RouterRole.AGGREGATED else frozenset({self.pool})
+        )
         self.mode = mode
         self.kv_events = kv_events
         self.approximate = mode is RoutingMode.KV and not kv_events
@@ -237,7 +263,10 @@ class Scheduler:
         self.index = PrefixIndex()
         self.bookings = Bookings()
         self.round_robin = {m: RoundRobin() for m in models}
-        self._slots: dict[str, dict[WorkerKey, Slot]] = {m: {} for m in models}
+        self._slots: dict[str, dict[WorkerKey, Slot]] = {m: {} for m in models}  # every pool
+        self._pools: dict[tuple[str, WorkerRole], dict[WorkerKey, Slot]] = {
+            (m, p): {} for m in models for p in self.pools
+        }
         self._params: dict[str, SelectionParams] = {}
         self._thresholds: dict[str, Thresholds] = {}
         for m in models:
@@ -444,7 +473,7 @@ class Scheduler:
     def _forget(self, wid: int, why: str) -> None:
         self.index.remove_worker(wid)
         dropped = self.bookings.drop_worker(wid)
-        for slots in self._slots.values():
+        for slots in (*self._slots.values(), *self._pools.values()):
             for key in [k for k in slots if k[0] == wid]:
                 del slots[key]
         log.info("worker %s %s: %d bookings dropped", wid, why, len(dropped))
@@ -455,16 +484,19 @@ class Scheduler:
         if state is None:
             return
         model = state.record.model
-        slots = self._slots[model]
-        if state.record.role is not self.pool:
+        role = state.record.role
+        if role not in self.pools:
             return
+        slots = self._slots[model]
+        pool = self._pools[(model, role)]
         size = state.record.dp_size
-        for key in [k for k in slots if k[0] == wid and k[1] >= size]:
+        for key in [k for k in slots if k[0] == wid and (k[1] >= size or slots[k].role is not role)]:
+            self._pools[(model, slots[key].role)].pop(key, None)
             del slots[key]
         for rank in range(size):
             slot = slots.get((wid, rank))
             if slot is None or slot.block_size != state.record.block_size:
-                slot = slots[(wid, rank)] = Slot(state, rank)
+                slot = slots[(wid, rank)] = pool[(wid, rank)] = Slot(state, rank)
             slot.url = state.record.url
             self._refresh_slot(model, (wid, rank), state)
 
@@ -556,23 +588,54 @@ class Scheduler:
 
     # -- selection ---------------------------------------------------------------------------
 
+    def disaggregated(self, model: str) -> bool:
+        """The model's snapshot holds prefill and decode workers (and this router runs both)."""
+        pools = self._pools
+        return bool(
+            self.role is RouterRole.AGGREGATED
+            and pools[(model, WorkerRole.PREFILL)] and pools[(model, WorkerRole.DECODE)]
+        )
+
+    def _plan(self, req: RoutingRequest) -> tuple[WorkerRole, Pin | None, bool]:
+        """(pool, explicit target, whether a decode phase follows) of a selection.
+        Raises InvalidRequest for a prefill target on an aggregated deployment."""
+        t = req.targets
+        if self.role is not RouterRole.AGGREGATED:
+            if t is None:
+                return self.pool, req.pin, False
+            return self.pool, t.prefill if self.pool is WorkerRole.PREFILL else t.decode, False
+        decode_pin = req.pin if t is None else t.decode
+        if req.phase is Phase.DECODE:
+            return WorkerRole.DECODE, decode_pin, False
+        if self.disaggregated(req.model):
+            return WorkerRole.PREFILL, None if t is None else t.prefill, True
+        if t is not None and t.prefill_field is not None:
+            raise prefill_not_allowed(t.prefill_field)
+        if not self._pools[(req.model, WorkerRole.AGGREGATED)] and self._pools[(req.model, WorkerRole.DECODE)]:
+            # Decode workers and no prefill worker: they prefill locally (as vLLM does without
+            # remote KV), so they serve whole requests rather than none.
+            return WorkerRole.DECODE, decode_pin, False
+        return WorkerRole.AGGREGATED, decode_pin, False
+
     def _select(self, req: RoutingRequest, seq: int) -> Selection:
         model = req.model
         if model not in self._slots:
             raise InvalidRequest(f"model {model!r} is not served by this router", field="model")
         revisions = self.revisions(model)
-        if req.pin is not None:
-            return self._select_pinned(req, seq, revisions)
-        slots = self._slots[model]
+        pool, pin, then_decode = self._plan(req)
+        if pin is not None:
+            return self._select_pinned(req, seq, revisions, pool, pin, then_decode)
+        slots = self._pools[(model, pool)]
         exclude = req.exclude
         eligible = [
             s for s in slots.values()
             if s.healthy and not s.busy and (not exclude or s.instance_id not in exclude)
         ]
         if not eligible:
+            where = "" if pool is WorkerRole.AGGREGATED else f" in the {pool.value} pool"
             if any(s.healthy and s.instance_id not in exclude for s in slots.values()):
-                raise Overloaded(f"every worker of model {model} is busy", model=model)
-            raise ServiceUnavailable(f"no worker available for model {model}", retry_after=1)
+                raise Overloaded(f"every worker of model {model}{where} is busy", model=model)
+            raise ServiceUnavailable(f"no worker available for model {model}{where}", retry_after=1)
         p = req.prompt_tokens
         overlaps: dict[WorkerKey, Overlap] = {}
         cost: float | None = None
@@ -607,11 +670,14 @@ class Scheduler:
             i = least_loaded(eligible, self.rng)
         chosen = eligible[i]
         return self._book(
-            req, seq, revisions, chosen, overlaps.get(chosen.key, NO_OVERLAP), cost, len(eligible)
+            req, seq, revisions, chosen, overlaps.get(chosen.key, NO_OVERLAP), cost, len(eligible),
+            disaggregated=then_decode,
         )
 
-    def _select_pinned(self, req: RoutingRequest, seq: int, revisions: dict[str, int]) -> Selection:
-        assert req.pin is not None
+    def _select_pinned(
+        self, req: RoutingRequest, seq: int, revisions: dict[str, int], pool: WorkerRole, pin: Pin,
+        then_decode: bool,
+    ) -> Selection:
         model = req.model
 
         def busy(state: WorkerState, rank: int) -> bool:
@@ -619,7 +685,7 @@ class Scheduler:
             return slot is not None and slot.busy
 
         state, rank = resolve_pin(
-            req.pin, self.discovery, model=model, role=self.role, now=self.clock(), rank_busy=busy,
+            pin, self.discovery, model=model, pool=pool, now=self.clock(), rank_busy=busy,
         )
         slot = self._slots[model].get((state.instance_id, rank))
         if slot is None:  # role mismatch is caught by resolve_pin; this is a bug
@@ -628,31 +694,37 @@ class Scheduler:
         hashes = req.hashes.get(slot.block_size, ())
         if self.use_index and hashes:
             overlap = self.index.overlaps(hashes).get(slot.key, NO_OVERLAP)
-        return self._book(req, seq, revisions, slot, overlap, None, 1, pinned=True)
+        return self._book(
+            req, seq, revisions, slot, overlap, None, 1, pinned=True, disaggregated=then_decode
+        )
 
     def _book(
         self, req: RoutingRequest, seq: int, revisions: dict[str, int], slot: Slot,
         overlap: Overlap, cost: float | None, candidates: int, *, pinned: bool = False,
+        disaggregated: bool = False,
     ) -> Selection:
         p = req.prompt_tokens
         cached = min(p, overlap.total * slot.block_size)
         hashes = req.hashes.get(slot.block_size, ())
+        booking_id = req.request_id + PREFILL_BOOKING if disaggregated else req.request_id
         self.bookings.book(
-            req.request_id, slot.key, model=req.model, prefill_tokens=p - cached, hashes=hashes
+            booking_id, slot.key, model=req.model, prefill_tokens=p - cached, hashes=hashes
         )
         if self.approximate and hashes:
             self.index.record(slot.key, hashes, now=self.clock(), ttl=self.approx_ttl_s)
         self._refresh_slot(req.model, slot.key)
         self.stats["selections"] += 1
         log.debug(
-            "request %s → worker %s rank %d (cost %s, overlap %d blocks, revisions %s)",
-            req.request_id, slot.instance_id, slot.dp_rank, cost, overlap.total, revisions,
+            "request %s → %s worker %s rank %d (cost %s, overlap %d blocks, revisions %s)",
+            req.request_id, slot.role.value, slot.instance_id, slot.dp_rank, cost, overlap.total,
+            revisions,
         )
         return Selection(
             request_id=req.request_id, model=req.model, instance_id=slot.instance_id,
             dp_rank=slot.dp_rank, url=slot.url, revisions=revisions, seq=seq, cost=cost,
             overlap_blocks=overlap.total, cached_tokens=cached, prompt_tokens=p,
-            candidates=candidates, pinned=pinned,
+            candidates=candidates, pinned=pinned, pool=slot.role, booking_id=booking_id,
+            disaggregated=disaggregated,
         )
 
     # -- the view the HTTP side reads -----------------------------------------------------------
@@ -663,7 +735,7 @@ class Scheduler:
         workers: dict[str, int] = dict.fromkeys(self.models, 0)
         for state in self.discovery.workers.values():
             rec = state.record
-            if rec.model in block_sizes and rec.role is self.pool:
+            if rec.model in block_sizes and rec.role in self.pools:
                 block_sizes[rec.model].add(rec.block_size)
                 tokenizers[rec.model].add(rec.tokenizer)
                 workers[rec.model] += 1

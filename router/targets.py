@@ -11,9 +11,12 @@ Headers override the field they stand for: ``x-worker-instance-id`` → ``decode
 ``x-prefill-dp-rank`` → ``prefill_dp_rank``. Ids span the full u64 range and may be given as JSON
 integers or decimal strings (clients in languages without 64-bit integers need the latter).
 
-:func:`parse_pin` checks the request alone (400 for a malformed id, a prefill field on an
-aggregated deployment, a rank without a worker); :func:`resolve_pin` checks it against the
-discovery snapshot (400 unknown worker or rank, 503 stale/unreachable, overload when busy).
+:func:`parse_targets` checks the request alone (400 for a malformed id, a rank without a worker)
+and keeps both phases' targets; which one applies, and whether a prefill field is allowed at all,
+depends on the deployment, which the scheduler knows (:func:`parse_pin` decides it from a router
+role). :func:`resolve_pin` checks a target against the discovery snapshot and the pool of its
+phase (400 unknown worker or rank, naming the pool in disaggregated mode; 503 stale/unreachable;
+overload when busy).
 """
 
 from __future__ import annotations
@@ -83,40 +86,76 @@ def _as_int(v: _Value, *, lo: int, hi: int, what: str) -> int:
     return value
 
 
-def parse_pin(nvext: Any, headers: Mapping[str, str], *, role: RouterRole) -> Pin | None:
-    """The explicit target of a request for a router of ``role``, or None. Raises InvalidRequest."""
+@dataclass(frozen=True, slots=True)
+class Targets:
+    """Every explicit target of a request, before the deployment's shape is known.
+
+    ``decode`` serves the aggregated and the decode phase, ``prefill`` the prefill phase;
+    ``prefill_field`` names the first prefill-only field given (refused on an aggregated
+    deployment, which has no prefill pool)."""
+
+    decode: Pin | None = None
+    prefill: Pin | None = None
+    prefill_field: str | None = None
+
+
+NO_TARGETS = Targets()
+
+
+def prefill_not_allowed(field: str) -> InvalidRequest:
+    return InvalidRequest(
+        f"{field} is not allowed: this is an aggregated deployment with no prefill pool "
+        "(use nvext.decode_worker_id or nvext.backend_instance_id)",
+        field=field,
+    )
+
+
+def _pin(worker: _Value, rank: _Value | None) -> Pin:
+    instance_id = _as_int(worker, lo=0, hi=U64_MAX, what="a worker instance id")
+    dp_rank = None if rank is None else _as_int(rank, lo=0, hi=2**31 - 1, what="a dp rank")
+    return Pin(instance_id, worker.field, dp_rank, None if rank is None else rank.field)
+
+
+def _rank_without_worker(rank: _Value) -> InvalidRequest:
+    return InvalidRequest(f"{rank.field} names a dp rank but no worker id is given", field=rank.field)
+
+
+def parse_targets(nvext: Any, headers: Mapping[str, str]) -> Targets:
+    """Both phases' explicit targets of a request. Raises InvalidRequest for a malformed id or
+    rank, ``nvext`` not an object, or a rank that no given worker id can use."""
     if nvext is None:
         nvext = {}
     if not isinstance(nvext, Mapping):
         raise InvalidRequest("nvext must be an object", field="nvext")
     lower = {k.lower(): v for k, v in headers.items()}
+    backend = _lookup(nvext, lower, "backend_instance_id")
+    prefill_id = _lookup(nvext, lower, "prefill_worker_id")
+    decode_worker = _lookup(nvext, lower, "decode_worker_id") or backend
+    prefill_worker = prefill_id or backend
+    dp_rank = _lookup(nvext, lower, "dp_rank")
+    prefill_rank = _lookup(nvext, lower, "prefill_dp_rank")
 
-    if role is RouterRole.AGGREGATED:
-        for name in ("prefill_worker_id", "prefill_dp_rank"):
-            found = _lookup(nvext, lower, name)
-            if found is not None:
-                raise InvalidRequest(
-                    f"{found.field} is not allowed: this is an aggregated deployment with no "
-                    "prefill pool (use nvext.decode_worker_id or nvext.backend_instance_id)",
-                    field=found.field,
-                )
+    if prefill_rank is not None and prefill_worker is None:
+        raise _rank_without_worker(prefill_rank)
+    # dp_rank serves the decode worker, and the prefill worker when no prefill_dp_rank is given.
+    if dp_rank is not None and decode_worker is None and (prefill_worker is None or prefill_rank is not None):
+        raise _rank_without_worker(dp_rank)
+    decode = None if decode_worker is None else _pin(decode_worker, dp_rank)
+    prefill = None if prefill_worker is None else _pin(prefill_worker, prefill_rank or dp_rank)
+    given = prefill_id or prefill_rank
+    return Targets(decode, prefill, None if given is None else given.field)
 
+
+def parse_pin(nvext: Any, headers: Mapping[str, str], *, role: RouterRole) -> Pin | None:
+    """The explicit target of a request for a router of ``role``, or None. Raises InvalidRequest,
+    also for a prefill field on an aggregated router (use :func:`parse_targets` where the
+    deployment may be disaggregated)."""
+    targets = parse_targets(nvext, headers)
     if role is RouterRole.PREFILL:
-        worker = _lookup(nvext, lower, "prefill_worker_id") or _lookup(nvext, lower, "backend_instance_id")
-        rank = _lookup(nvext, lower, "prefill_dp_rank") or _lookup(nvext, lower, "dp_rank")
-    else:
-        worker = _lookup(nvext, lower, "decode_worker_id") or _lookup(nvext, lower, "backend_instance_id")
-        rank = _lookup(nvext, lower, "dp_rank")
-
-    if worker is None:
-        if rank is not None:
-            raise InvalidRequest(
-                f"{rank.field} names a dp rank but no worker id is given", field=rank.field
-            )
-        return None
-    instance_id = _as_int(worker, lo=0, hi=U64_MAX, what="a worker instance id")
-    dp_rank = None if rank is None else _as_int(rank, lo=0, hi=2**31 - 1, what="a dp rank")
-    return Pin(instance_id, worker.field, dp_rank, None if rank is None else rank.field)
+        return targets.prefill
+    if role is RouterRole.AGGREGATED and targets.prefill_field is not None:
+        raise prefill_not_allowed(targets.prefill_field)
+    return targets.decode
 
 
 def pool_of(role: RouterRole) -> WorkerRole:
@@ -124,15 +163,15 @@ def pool_of(role: RouterRole) -> WorkerRole:
 
 
 def resolve_pin(
-    pin: Pin, discovery: Discovery, *, model: str, role: RouterRole, now: float,
+    pin: Pin, discovery: Discovery, *, model: str, pool: WorkerRole, now: float,
     rank_busy: Callable[[WorkerState, int], bool],
 ) -> tuple[WorkerState, int]:
-    """The (worker, rank) a pin names. Raises InvalidRequest (400), ServiceUnavailable (503) or
-    Overloaded (the pinned rank is busy). A pin is never rerouted."""
-    pool = pool_of(role)
+    """The (worker, rank) in ``pool`` a pin names. Raises InvalidRequest (400, naming the pool
+    unless it is the aggregated one), ServiceUnavailable (503) or Overloaded (the pinned rank is
+    busy). A pin is never rerouted."""
     state = discovery.get(pin.instance_id)
     if state is None or state.record.model != model or state.record.role is not pool:
-        where = "" if role is RouterRole.AGGREGATED else f" in the {pool.value} pool"
+        where = "" if pool is WorkerRole.AGGREGATED else f" in the {pool.value} pool"
         raise InvalidRequest(
             f"{pin.id_field}={pin.instance_id} does not identify a known worker{where}",
             field=pin.id_field,

@@ -101,6 +101,7 @@ class TestWorker:
         self.stored: set[int] = set()
         self.event_id = -1
         self.heartbeating = True
+        self.answer_extra: dict[str, Any] = {}  # merged into non-streamed answers
         self.nc: NATS | None = None
         self._hb: asyncio.Task[None] | None = None
         self._server: uvicorn.Server | None = None
@@ -218,7 +219,7 @@ class TestWorker:
                 choice["text"] = text
             return JSONResponse({
                 "id": "cmpl-1", "object": obj, "created": created, "model": body["model"],
-                "choices": [choice], "usage": usage,
+                "choices": [choice], "usage": usage, **self.answer_extra,
             })
 
         async def events() -> Any:
