@@ -118,13 +118,18 @@ class HfTokenizer:
     def __init__(self, path: str, tokenizer: Any) -> None:
         self.name = path
         self._tok = tokenizer
+        self._warned = False
 
     def chat(self, messages: Any) -> tuple[list[int], int]:
         msgs = [_as_text_content(m) for m in _check_messages(messages)]
         try:
             out = self._tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True)
-        except Exception as exc:  # the template refuses these messages: the engine will judge
-            log.debug("chat template of %s failed (%s): estimating", self.name, exc)
+        except Exception as exc:
+            # No template, jinja2 missing, or messages the template refuses: route on an
+            # estimate and let the engine judge the request.
+            level = logging.DEBUG if self._warned else logging.WARNING
+            self._warned = True
+            log.log(level, "chat template of %s failed (%r): prompt length estimated", self.name, exc)
             return ESTIMATE.chat(messages)
         ids = _ids(out)
         return ids, len(ids)

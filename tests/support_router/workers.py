@@ -84,6 +84,7 @@ class TestWorker:
         self, nats_url: str, model: str, *, instance_id: int | None = None, dp_size: int = 1,
         block_size: int = 16, role: WorkerRole = WorkerRole.AGGREGATED, heartbeat_s: float = 0.2,
         kv_total_blocks: int = 1000, max_num_batched_tokens: int = 8192,
+        tokenizer_folder: str | None = None,
     ) -> None:
         self.nats_url = nats_url
         self.model = model
@@ -102,6 +103,13 @@ class TestWorker:
         self.event_id = -1
         self.heartbeating = True
         self.answer_extra: dict[str, Any] = {}  # merged into non-streamed answers
+        # A Hugging Face tokenizer folder: advertised, and used as vLLM uses it.
+        self.tokenizer_folder = tokenizer_folder
+        self._hf: Any = None
+        if tokenizer_folder is not None:
+            from transformers import AutoTokenizer
+
+            self._hf = AutoTokenizer.from_pretrained(tokenizer_folder, local_files_only=True)
         self.nc: NATS | None = None
         self._hb: asyncio.Task[None] | None = None
         self._server: uvicorn.Server | None = None
@@ -117,6 +125,7 @@ class TestWorker:
             instance_id=self.instance_id, model=self.model, role=self.role, url=self.url,
             dp_size=self.dp_size, block_size=self.block_size, kv_total_blocks=self.kv_total_blocks,
             max_num_batched_tokens=self.max_num_batched_tokens, started_at=self.started_at,
+            tokenizer=self.tokenizer_folder or tokenizer.NAME,
         )
 
     async def publish_membership(self, op: MembershipOp) -> None:
@@ -197,7 +206,14 @@ class TestWorker:
         body = await request.json()
         self.requests.append(body)
         self.request_headers.append(dict(request.headers))
-        if chat:
+        if self._hf is not None:
+            if chat:
+                out = self._hf.apply_chat_template(body["messages"], add_generation_prompt=True, tokenize=True)
+                tokens = list(out if isinstance(out, list) else out["input_ids"])
+            else:
+                prompt = body["prompt"]
+                tokens = list(prompt) if isinstance(prompt, list) else self._hf.encode(prompt, add_special_tokens=True)
+        elif chat:
             tokens = tokenizer.encode_chat(body["messages"])
         else:
             prompt = body["prompt"]
