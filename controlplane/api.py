@@ -9,15 +9,17 @@ import json
 import logging
 import time
 import uuid
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable
 from datetime import datetime
 from typing import TYPE_CHECKING, Any
 
-from fastapi import FastAPI, Request, Response
+from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
+from starlette.datastructures import MutableHeaders
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from controlplane.auth import Action, Principal
 from controlplane.protocol.errors import (
@@ -62,6 +64,46 @@ class Metrics:
                               registry=self.registry)
 
 
+class ObserveMiddleware:
+    """Plain ASGI: a request id for every request (``X-Request-Id`` in, or a new one), echoed in
+    the response, plus request counts and latency by route. (Starlette's ``BaseHTTPMiddleware``
+    costs a task and two memory streams per request; this costs a closure.)"""
+
+    def __init__(self, app: ASGIApp, *, metrics: Metrics) -> None:
+        self.app = app
+        self.metrics = metrics
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        request_id = ""
+        for name, value in scope.get("headers", []):
+            if name == b"x-request-id":
+                request_id = value.decode("latin-1")[:128]
+                break
+        request_id = request_id or uuid.uuid4().hex
+        scope.setdefault("state", {})["request_id"] = request_id
+        start = time.perf_counter()
+        status = 500
+
+        async def send_with_id(message: Message) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+                headers = MutableHeaders(scope=message)
+                headers["X-Request-Id"] = request_id
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_with_id)
+        finally:
+            route = scope.get("route")
+            path = getattr(route, "path", "unmatched")
+            self.metrics.requests.labels(scope["method"], path, str(status)).inc()
+            self.metrics.latency.labels(scope["method"], path).observe(time.perf_counter() - start)
+
+
 def build_app(cp: ControlPlane, *, lifespan: Any = None) -> FastAPI:
     app = FastAPI(title="Rudder admin API", version="1", lifespan=lifespan,
                   description="The only write path for router policy. See docs/api.md.")
@@ -70,17 +112,7 @@ def build_app(cp: ControlPlane, *, lifespan: Any = None) -> FastAPI:
 
     # ---- edges ---------------------------------------------------------------------------
 
-    @app.middleware("http")
-    async def observe(request: Request, call_next: Callable[[Request], Awaitable[Response]]) -> Response:
-        request.state.request_id = request.headers.get("x-request-id") or uuid.uuid4().hex
-        start = time.perf_counter()
-        response = await call_next(request)
-        route = request.scope.get("route")
-        path = getattr(route, "path", "unmatched")
-        metrics.requests.labels(request.method, path, str(response.status_code)).inc()
-        metrics.latency.labels(request.method, path).observe(time.perf_counter() - start)
-        response.headers["X-Request-Id"] = request.state.request_id
-        return response
+    app.add_middleware(ObserveMiddleware, metrics=metrics)
 
     @app.exception_handler(RudderError)
     async def on_rudder_error(request: Request, exc: RudderError) -> JSONResponse:

@@ -198,6 +198,7 @@ class AuditStore:
         self._owns_engine = owns_engine
         self._queue: asyncio.Queue[_Pending | None] | None = None
         self._writer: asyncio.Task[None] | None = None
+        self._writer_conn: AsyncConnection | None = None
         self._closed = False
 
     @classmethod
@@ -273,20 +274,46 @@ class AuditStore:
             ) from exc
 
     async def _insert_chained(self, entries: list[AuditEntry]) -> list[AuditRow]:
-        async with self._db("append"), self._engine.begin() as conn:
-            await conn.execute(
-                text("SELECT pg_advisory_xact_lock(:k)"), {"k": CHAIN_LOCK_KEY}
-            )
+        """One transaction on a pooled connection (the serialised mode)."""
+        async with self._db("append"), self._engine.connect() as conn:
+            return await self._chain_on(conn, entries)
+
+    async def _chain_on(self, conn: AsyncConnection, entries: list[AuditEntry]) -> list[AuditRow]:
+        """Lock the chain, read its head and insert ``entries`` after it, in one transaction.
+
+        The head is read in a statement *after* the lock is granted: under READ COMMITTED each
+        statement takes its snapshot when it starts, so a head read in the locking statement
+        could predate a commit made while we waited, and fork the chain.
+        """
+        async with conn.begin():
+            await conn.execute(text("SELECT pg_advisory_xact_lock(:k)"), {"k": CHAIN_LOCK_KEY})
             last = (
                 await conn.execute(
-                    select(audit_log.c.id, audit_log.c.row_hash)
-                    .order_by(audit_log.c.id.desc()).limit(1)
+                    select(audit_log.c.id, audit_log.c.row_hash).order_by(audit_log.c.id.desc()).limit(1)
                 )
             ).first()
             last_id, last_hash = (last[0], last[1]) if last is not None else (0, GENESIS_HASH)
             rows = chain_rows(entries, last_id=last_id, last_hash=last_hash)
             await conn.execute(insert(audit_log), [_params(r) for r in rows])
         return rows
+
+    async def _insert_with_writer_conn(self, entries: list[AuditEntry]) -> list[AuditRow]:
+        """The group-commit writer keeps one connection for itself: no pool checkout, pre-ping or
+        reset-on-return per batch. After any failure it is dropped, and the next batch opens a
+        fresh one (so a PostgreSQL restart costs the batch that meets it, nothing more)."""
+        try:
+            async with self._db("append"):
+                if self._writer_conn is None:
+                    self._writer_conn = await self._engine.connect()
+                return await self._chain_on(self._writer_conn, entries)
+        except BaseException:
+            conn, self._writer_conn = self._writer_conn, None
+            if conn is not None:
+                with contextlib.suppress(Exception):
+                    await conn.invalidate()
+                with contextlib.suppress(Exception):
+                    await conn.close()
+            raise
 
     def _ensure_writer(self) -> asyncio.Queue[_Pending | None]:
         if self._writer is not None and not self._writer.done():
@@ -295,6 +322,7 @@ class AuditStore:
                 return self._queue
         queue: asyncio.Queue[_Pending | None] = asyncio.Queue()
         self._queue = queue
+        self._writer_conn = None  # a connection of a previous writer belongs to its event loop
         self._writer = asyncio.create_task(self._run_writer(queue), name="audit-group-commit")
         self._writer.add_done_callback(self._writer_done)
         return queue
@@ -332,7 +360,7 @@ class AuditStore:
         if not live:
             return
         try:
-            rows = await self._insert_chained([e for p in live for e in p.entries])
+            rows = await self._insert_with_writer_conn([e for p in live for e in p.entries])
         except AuditUnavailable as exc:
             for p in live:
                 if not p.future.done():
@@ -589,6 +617,10 @@ class AuditStore:
                 with contextlib.suppress(asyncio.CancelledError):
                     await writer
         self._writer = None
+        if self._writer_conn is not None:
+            with contextlib.suppress(Exception):
+                await self._writer_conn.close()
+            self._writer_conn = None
         if self._owns_engine:
             await self._engine.dispose()
 
