@@ -138,3 +138,19 @@ async def test_workers_listing_and_threshold_alias(nats_url: str, db: str, token
         worker_leave = MembershipEvent(op=MembershipOp.LEAVE, worker=worker, at=datetime.now(UTC))
         await nc.jetstream().publish(membership_subject(model, worker.instance_id), worker_leave.to_bytes())
         await eventually(lambda: not cp.controlplane.fleet.serves(model))
+
+
+async def test_openapi_served_and_unknown_routes_use_the_error_shape(nats_url: str, db: str, tokens: Tokens) -> None:
+    async with controlplane(nats_url, db) as cp, client(cp, tokens.viewer) as http:
+        spec = (await http.get("/openapi.json")).json()
+        for path in ("/router_policy", "/router_policy/history", "/router_policy/rollback",
+                     "/router_policy/busy_threshold", "/busy_threshold", "/audit", "/audit/verify",
+                     "/routers", "/workers", "/healthz", "/readyz", "/metrics"):
+            assert path in spec["paths"], path
+        r = await http.get("/no/such/route")
+        assert r.status_code == 404 and r.json()["error"]["code"] == "not_found"
+        assert r.headers.get("x-request-id")
+        r = await http.get("/router_policy", headers={"X-Request-Id": "trace-123"})
+        assert r.headers["x-request-id"] == "trace-123"
+        metrics = (await http.get("/metrics")).text
+        assert 'rudder_admin_requests_total{method="GET",route="/router_policy",status="200"}' in metrics
