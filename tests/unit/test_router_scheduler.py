@@ -17,11 +17,14 @@ from controlplane.protocol.events import (
     RankLoad,
     RouterRole,
     WorkerRecord,
+    WorkerRole,
 )
 from controlplane.protocol.policy import ALL_CACHE_INPUTS, PolicyKind, startup_values
 from router.scheduler import (
+    PREFILL_BOOKING,
     ApplyMembership,
     ApplyPolicy,
+    Phase,
     RequestDone,
     RequestFirstToken,
     RoutingRequest,
@@ -30,7 +33,7 @@ from router.scheduler import (
     Tick,
 )
 from router.settings import RoutingMode
-from router.targets import parse_pin
+from router.targets import parse_pin, parse_targets
 
 pytestmark = pytest.mark.timeout(20)
 
@@ -179,3 +182,61 @@ def test_parse_pin_rules() -> None:
     assert pre is not None and (pre.instance_id, pre.dp_rank) == (3, 2)
     pre = parse_pin({"backend_instance_id": 4, "prefill_dp_rank": 1, "dp_rank": 2}, {}, role=RouterRole.PREFILL)
     assert pre is not None and (pre.instance_id, pre.dp_rank) == (4, 1)
+
+
+def test_parse_targets_keeps_both_phases() -> None:
+    t = parse_targets({"prefill_worker_id": 3, "decode_worker_id": 4, "prefill_dp_rank": 1, "dp_rank": 2}, {})
+    assert t.prefill is not None and (t.prefill.instance_id, t.prefill.dp_rank) == (3, 1)
+    assert t.decode is not None and (t.decode.instance_id, t.decode.dp_rank) == (4, 2)
+    assert t.prefill_field == "nvext.prefill_worker_id"
+    # backend_instance_id stands for both; dp_rank serves the prefill when it has no rank of its own.
+    t = parse_targets({"backend_instance_id": 9, "dp_rank": 1}, {})
+    assert (t.prefill, t.decode) == (t.decode, t.prefill) and t.decode is not None
+    assert (t.decode.instance_id, t.decode.dp_rank, t.prefill_field) == (9, 1, None)
+    t = parse_targets({"prefill_worker_id": 3, "dp_rank": 1}, {})
+    assert t.decode is None and t.prefill is not None and t.prefill.dp_rank == 1
+    t = parse_targets({}, {"x-prefill-instance-id": "5", "x-prefill-dp-rank": "0"})
+    assert t.prefill is not None and t.prefill.id_field == "header x-prefill-instance-id"
+    for bad in ({"prefill_dp_rank": 0}, {"prefill_worker_id": 3, "prefill_dp_rank": 0, "dp_rank": 1},
+                {"prefill_worker_id": -3}):
+        with pytest.raises(InvalidRequest):
+            parse_targets(bad, {})
+
+
+def _join_role(wid: int, role: WorkerRole) -> MembershipEvent:
+    rec = WorkerRecord(instance_id=wid, model="m", url=f"http://w{wid}", role=role, block_size=4,
+                       kv_total_blocks=100, max_num_batched_tokens=64, started_at=datetime.now(UTC))
+    return MembershipEvent(op=MembershipOp.JOIN, worker=rec, at=datetime.now(UTC))
+
+
+async def test_disaggregated_selection_runs_prefill_then_decode_pool() -> None:
+    s = _sched(Clock())
+    s.send(ApplyMembership(_join_role(1, WorkerRole.PREFILL)))
+    s.send(ApplyMembership(_join_role(2, WorkerRole.DECODE)))
+    s.start()
+    try:
+        assert await s.inspect(lambda x: x.disaggregated("m"))
+        first = await s.select(_req(1, targets=parse_targets({}, {})))
+        assert (first.instance_id, first.pool, first.disaggregated) == (1, WorkerRole.PREFILL, True)
+        assert first.booking_id == "q1" + PREFILL_BOOKING
+        second = await s.select(_req(1, targets=parse_targets({}, {}), phase=Phase.DECODE))
+        assert (second.instance_id, second.pool, second.disaggregated) == (2, WorkerRole.DECODE, False)
+        assert second.booking_id == "q1"
+        assert await s.inspect(lambda x: len(x.bookings)) == 2
+        s.send(RequestDone(first.booking_id))
+        s.send(RequestDone(second.booking_id))
+        assert await s.inspect(lambda x: len(x.bookings)) == 0
+        with pytest.raises(InvalidRequest, match="in the prefill pool"):
+            await s.select(_req(2, targets=parse_targets({"prefill_worker_id": 2}, {})))
+        with pytest.raises(InvalidRequest, match="in the decode pool"):
+            await s.select(_req(2, targets=parse_targets({"decode_worker_id": 1}, {}), phase=Phase.DECODE))
+        # Without prefill workers, decode workers serve whole requests, and a prefill target is refused.
+        leave = _join_role(1, WorkerRole.PREFILL).model_copy(update={"op": MembershipOp.LEAVE})
+        s.send(ApplyMembership(leave))
+        alone = await s.select(_req(3, targets=parse_targets({}, {})))
+        assert (alone.instance_id, alone.pool, alone.disaggregated) == (2, WorkerRole.DECODE, False)
+        assert alone.booking_id == "q3"
+        with pytest.raises(InvalidRequest, match="aggregated deployment"):
+            await s.select(_req(4, targets=parse_targets({"prefill_worker_id": 2}, {})))
+    finally:
+        await s.stop()
