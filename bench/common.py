@@ -1,0 +1,238 @@
+"""Helpers shared by the fleet benchmarks (``routing_quality.py``, ``proxy_overhead.py``).
+
+Processes are real (``python -m worker`` / ``python -m router`` on one embedded ``nats-server``),
+all on 127.0.0.1, each in its own session so a stop reaches its children. CPU is sampled with
+psutil so a run can show it was not CPU-bound (the dev box has 2 cores).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import platform
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import httpx
+import psutil
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = Path(__file__).resolve().parent / "results"
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from cli.embedded import free_port  # noqa: E402
+
+
+def pct(values: Iterable[float], q: float) -> float:
+    """The q-quantile (nearest rank, 0 ≤ q ≤ 1) of ``values``; NaN when empty."""
+    ordered = sorted(values)
+    if not ordered:
+        return float("nan")
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+def code_version() -> str:
+    """The commit under test: ``git rev-parse HEAD`` (``+dirty`` if router/ or worker/ differ),
+    or ``$BENCH_COMMIT`` when the code is an exported snapshot without .git."""
+    try:
+        head = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "HEAD"], capture_output=True,
+                              text=True, timeout=10, check=True).stdout.strip()
+        dirty = subprocess.run(["git", "-C", str(ROOT), "status", "--porcelain", "--", "router",
+                                "worker", "controlplane"], capture_output=True, text=True,
+                               timeout=10).stdout.strip()
+        return head + ("+dirty" if dirty else "")
+    except (OSError, subprocess.SubprocessError):
+        return os.environ.get("BENCH_COMMIT", "unknown")
+
+
+def machine() -> dict[str, Any]:
+    return {
+        "python": platform.python_version(), "machine": platform.machine(),
+        "cpus": os.cpu_count(), "at": datetime.now(UTC).isoformat(), "commit": code_version(),
+    }
+
+
+def write_result(name: str, payload: dict[str, Any]) -> Path:
+    RESULTS.mkdir(exist_ok=True)
+    path = RESULTS / f"{name}.json"
+    path.write_text(json.dumps(payload, indent=2) + "\n")
+    return path
+
+
+def spawn(args: list[str], env: dict[str, str], *, log: Path | None = None) -> subprocess.Popen[bytes]:
+    """Start a child in its own session (stopped with :func:`stop_all`)."""
+    full = dict(os.environ, PYTHONPATH=str(ROOT), **env)
+    out = open(log, "ab") if log is not None else subprocess.DEVNULL
+    try:
+        return subprocess.Popen(args, env=full, cwd=str(ROOT), stdout=out, stderr=subprocess.STDOUT,
+                                start_new_session=True)
+    finally:
+        if log is not None:
+            out.close()  # type: ignore[union-attr]
+
+
+def stop_all(procs: Iterable[subprocess.Popen[bytes]], timeout: float = 15.0) -> None:
+    """SIGTERM each child's process group (a worker leaves gracefully), SIGKILL stragglers."""
+    procs = list(procs)
+    for p in procs:
+        if p.poll() is None:
+            try:
+                os.killpg(p.pid, signal.SIGTERM)
+            except ProcessLookupError:
+                pass
+    deadline = time.monotonic() + timeout
+    for p in procs:
+        try:
+            p.wait(max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            try:
+                os.killpg(p.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            p.wait(5)
+
+
+async def wait_until(url: str, ok: Any = None, *, within: float = 60.0) -> Any:
+    """Poll GET ``url`` until it answers 200 (and ``ok(json)`` is true); return the JSON body."""
+    deadline = time.monotonic() + within
+    last: Any = None
+    async with httpx.AsyncClient() as client:
+        while time.monotonic() < deadline:
+            try:
+                r = await client.get(url, timeout=1)
+                if r.status_code == 200:
+                    last = r.json()
+                    if ok is None or ok(last):
+                        return last
+            except (httpx.HTTPError, ValueError):
+                pass
+            await asyncio.sleep(0.1)
+    raise RuntimeError(f"{url} not ready within {within:.0f}s (last answer {last!r})")
+
+
+def worker_env(nats_url: str, model: str, port: int, **mock: Any) -> dict[str, str]:
+    env = {
+        "RUDDER_NATS_URL": nats_url, "RUDDER_MODEL": model, "RUDDER_PORT": str(port),
+        "RUDDER_LOG_LEVEL": "WARNING",
+    }
+    for name, value in mock.items():
+        env[f"RUDDER_MOCK__{name.upper()}"] = str(value)
+    return env
+
+
+def router_env(nats_url: str, model: str, port: int, *, mode: str = "kv",
+               selection: dict[str, float] | None = None) -> dict[str, str]:
+    env = {
+        "RUDDER_NATS_URL": nats_url, "RUDDER_MODELS": json.dumps([model]),
+        "RUDDER_PORT": str(port), "RUDDER_MODE": mode, "RUDDER_LOG_LEVEL": "WARNING",
+    }
+    if selection:
+        env["RUDDER_SELECTION"] = json.dumps(selection)
+    return env
+
+
+@dataclass
+class Fleet:
+    """N mock worker processes (fixed ports) for one model."""
+
+    nats_url: str
+    model: str
+    n: int
+    mock: dict[str, Any] = field(default_factory=dict)
+    log_dir: Path | None = None
+    ports: list[int] = field(default_factory=list)
+    procs: list[subprocess.Popen[bytes]] = field(default_factory=list)
+
+    @property
+    def urls(self) -> list[str]:
+        return [f"http://127.0.0.1:{p}" for p in self.ports]
+
+    async def start(self) -> None:
+        self.ports = [free_port() for _ in range(self.n)]
+        for i, port in enumerate(self.ports):
+            log = self.log_dir / f"worker{i}.log" if self.log_dir else None
+            self.procs.append(spawn([sys.executable, "-m", "worker"],
+                                    worker_env(self.nats_url, self.model, port, **self.mock), log=log))
+        for url in self.urls:
+            await wait_until(url + "/health")
+
+    async def reset_caches(self, within: float = 30.0) -> None:
+        """POST /reset_prefix_cache on every worker (retried while blocks are still in use)."""
+        deadline = time.monotonic() + within
+        async with httpx.AsyncClient() as client:
+            for url in self.urls:
+                while True:
+                    r = await client.post(url + "/reset_prefix_cache", timeout=5)
+                    if r.status_code == 200:
+                        break
+                    if time.monotonic() > deadline:
+                        raise RuntimeError(f"{url}: reset_prefix_cache answered {r.status_code}")
+                    await asyncio.sleep(0.2)
+
+    def stop(self) -> None:
+        stop_all(self.procs)
+        self.procs = []
+
+
+class Router:
+    """One ``python -m router`` process; ready when it sees ``workers`` workers of the model."""
+
+    def __init__(self, nats_url: str, model: str, *, mode: str = "kv",
+                 selection: dict[str, float] | None = None, log: Path | None = None) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.model = model
+        self.proc = spawn([sys.executable, "-m", "router"],
+                          router_env(nats_url, model, self.port, mode=mode, selection=selection), log=log)
+
+    async def ready(self, workers: int) -> None:
+        await wait_until(self.url + "/health")
+        await wait_until(self.url + "/v1/models",
+                         lambda body: body["data"][0].get("workers", 0) >= workers)
+
+    def stop(self) -> None:
+        stop_all([self.proc])
+
+
+class CpuSampler:
+    """Machine CPU and per-process CPU seconds between :meth:`start` and :meth:`stop`."""
+
+    def __init__(self, pids: dict[str, list[int]]) -> None:
+        self.pids = pids
+        self._procs: dict[str, list[psutil.Process]] = {}
+        self._t0: dict[str, float] = {}
+        self._wall = 0.0
+
+    @staticmethod
+    def _cpu(p: psutil.Process) -> float:
+        try:
+            t = p.cpu_times()
+            return t.user + t.system
+        except psutil.Error:
+            return 0.0
+
+    def start(self) -> None:
+        psutil.cpu_percent(None)
+        self._procs = {k: [psutil.Process(pid) for pid in v] for k, v in self.pids.items()}
+        self._t0 = {k: sum(self._cpu(p) for p in v) for k, v in self._procs.items()}
+        self._wall = time.monotonic()
+
+    def stop(self) -> dict[str, Any]:
+        machine_pct = psutil.cpu_percent(None)  # since start(), all cores, 0..100
+        wall = time.monotonic() - self._wall
+        per = {k: (sum(self._cpu(p) for p in v) - self._t0[k]) / wall for k, v in self._procs.items()}
+        cores = psutil.cpu_count() or 1
+        # Other sessions share this machine: what they used is what ours did not.
+        others = max(0.0, machine_pct / 100 * cores - sum(per.values()))
+        return {"machine_busy_pct": machine_pct, "cores": cores,
+                "process_cores": {k: round(v, 3) for k, v in per.items()},
+                "other_processes_cores": round(others, 3), "wall_s": wall}
