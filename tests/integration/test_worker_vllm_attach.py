@@ -47,7 +47,8 @@ class StandInVllm:
         self.pub = self.ctx.socket(zmq.PUB)
         self.events = f"tcp://127.0.0.1:{_free_port()}"
         self.replay_endpoint = f"tcp://127.0.0.1:{_free_port()}"
-        self.pub.bind(self.events)
+        # Like vLLM with a plain tcp://host:port endpoint: the publisher connects, the worker binds.
+        self.pub.connect(self.events)
         self.router = self.ctx.socket(zmq.ROUTER)
         self.router.bind(self.replay_endpoint)
         self.buffer: list[tuple[int, bytes]] = []
@@ -68,9 +69,9 @@ class StandInVllm:
             self.replays.append(start)
             for seq, payload in self.buffer:
                 if seq >= start:
-                    await self.router.send_multipart([client, b"", seq.to_bytes(8, "big"),
+                    await self.router.send_multipart([client, b"", b"kv", seq.to_bytes(8, "big"),
                                                       payload])
-            await self.router.send_multipart([client, b"", END_SEQ, b""])
+            await self.router.send_multipart([client, b"", b"", END_SEQ, b""])
 
     def close(self) -> None:
         self.pub.close(linger=0)

@@ -11,7 +11,7 @@ import pytest
 from controlplane.protocol.events import KvCleared, KvRemoved, KvStored
 from controlplane.protocol.hashing import block_hashes
 from controlplane.protocol.policy import CacheInput
-from worker.engines.vllm import vllm_command
+from worker.engines.vllm import parse_replay_reply, rank_endpoint, vllm_binds, vllm_command
 from worker.engines.vllm_events import (
     BadFrame,
     SeqStatus,
@@ -42,7 +42,7 @@ def stored_array(hashes: list[Any], parent: Any, tokens: list[int]) -> list[Any]
 
 def apply(tr: VllmKvTranslator, seq: int, events: list[Any], rank: int = 0) -> list[Any]:
     batch = decode_frames(frames(seq, events, rank))
-    assert tr.classify(batch.seq) is SeqStatus.NEXT
+    assert tr.classify(batch.seq, batch.dp_rank) is SeqStatus.NEXT
     return tr.apply(batch)
 
 
@@ -168,3 +168,32 @@ def test_vllm_command_line() -> None:
     assert '"endpoint": "tcp://127.0.0.1:1"' in kv_config
     with pytest.raises(ValueError, match="MODEL_PATH"):
         vllm_command(WorkerSettings(model="x"), port=1, events="", replay="")
+
+
+def test_sequences_are_tracked_per_dp_rank() -> None:
+    tr = VllmKvTranslator(block_size=BS)
+    apply(tr, 0, [stored_map([11], None, TOKENS[:4])], rank=0)
+    apply(tr, 0, [stored_map([11], None, TOKENS[:4])], rank=1)  # rank 1's own numbering
+    assert tr.classify(1, 0) is SeqStatus.NEXT and tr.classify(1, 1) is SeqStatus.NEXT
+    assert tr.restart(1) == [(1, KvCleared(), CacheInput.DEVICE)]
+    assert tr.dump()[0] == [(None, CANON[0][0], CANON[0][1])] and tr.dump()[1] == []
+    tr.expect_from(0, 2)
+    assert tr.classify(3, 2) is SeqStatus.GAP
+
+
+def test_endpoint_rules_follow_vllm() -> None:
+    assert vllm_binds("tcp://*:5557") and vllm_binds("ipc:///tmp/x")
+    assert not vllm_binds("tcp://127.0.0.1:5557")
+    assert rank_endpoint("tcp://127.0.0.1:5557", 0) == "tcp://127.0.0.1:5557"
+    assert rank_endpoint("tcp://127.0.0.1:5557", 2) == "tcp://127.0.0.1:5559"
+    assert rank_endpoint("inproc://kv", 1) == "inproc://kv_dp1"
+    assert rank_endpoint("tcp://*:0", 3) == "tcp://*:0"
+
+
+def test_replay_replies_as_a_dealer_receives_them() -> None:
+    seq = (5).to_bytes(8, "big")
+    assert parse_replay_reply([b"", b"kv", seq, b"payload"]) == (5, b"payload")
+    end = (-1).to_bytes(8, "big", signed=True)
+    assert parse_replay_reply([b"", b"", end, b""]) == (-1, b"")
+    with pytest.raises(BadFrame):
+        parse_replay_reply([b"", b"x"])

@@ -61,6 +61,35 @@ def _die_with_parent() -> None:  # runs in the child between fork and exec
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
+def vllm_binds(endpoint: str) -> bool:
+    """vLLM's rule: it binds wildcard and ipc/inproc endpoints and connects to the rest."""
+    return "*" in endpoint or "::" in endpoint or endpoint.startswith(("ipc://", "inproc://"))
+
+
+def rank_endpoint(endpoint: str, rank: int) -> str:
+    """vLLM's per-dp-rank endpoint: tcp port + rank, ``_dp<rank>`` suffix for inproc."""
+    if rank == 0 or not endpoint:
+        return endpoint
+    if "inproc" in endpoint:
+        return f"{endpoint}_dp{rank}"
+    head, _, port = endpoint.rpartition(":")
+    if not port.isdigit() or int(port) == 0:
+        return endpoint
+    return f"{head}:{int(port) + rank}"
+
+
+def parse_replay_reply(frames: list[bytes]) -> tuple[int, bytes]:
+    """``(seq, payload)`` of one reply from vLLM's replay ROUTER, as a DEALER receives it:
+    ``["", topic, seq, payload]``; the end marker is ``["", "", -1, ""]``. Raises BadFrame."""
+    if frames and frames[0] == b"":
+        frames = frames[1:]  # the REQ-style empty delimiter
+    if len(frames) == 3:
+        frames = frames[1:]  # the topic
+    if len(frames) != 2 or len(frames[0]) != 8:
+        raise BadFrame(f"unexpected replay reply of {len(frames)} frames")
+    return int.from_bytes(frames[0], "big", signed=True), frames[1]
+
+
 def vllm_command(settings: WorkerSettings, *, port: int, events: str, replay: str) -> list[str]:
     """The vLLM server command line (pure; tests check it). Raises ValueError without a model."""
     v = settings.vllm
@@ -228,11 +257,23 @@ class VllmEngine:
     # -- KV events -------------------------------------------------------------------------
 
     def _subscribe(self) -> None:
+        """One SUB socket for every dp rank's publisher.
+
+        vLLM binds its PUB socket only for wildcard and ipc/inproc endpoints and *connects* to a
+        plain ``tcp://host:port``; we do the opposite of what it does. The default endpoint is
+        ``tcp://127.0.0.1:<port>``: we bind on loopback only, and nothing is lost while vLLM
+        starts (a connecting PUB queues from the start). Rank r uses port + r (vLLM's rule).
+        """
         if not self._events_endpoint or self._ctx is None:
             return
         sub = self._ctx.socket(zmq.SUB)
         sub.setsockopt(zmq.RCVHWM, 100_000)
-        sub.connect(self._events_endpoint)
+        for rank in range(self.settings.dp_size):
+            endpoint = rank_endpoint(self._events_endpoint, rank)
+            if vllm_binds(endpoint):
+                sub.connect(endpoint.replace("*", "127.0.0.1"))
+            else:
+                sub.bind(endpoint)
         sub.setsockopt(zmq.SUBSCRIBE, self.settings.vllm.kv_topic.encode())
         self._sub = sub
 
@@ -248,50 +289,51 @@ class VllmEngine:
                 log.warning("bad vLLM KV event message: %s", exc)
                 continue
             self.handle_batch(batch, first_expected=None if self._attached else 0)
-            if tr.last_seq != batch.seq:  # a gap to replay first, then this batch
+            if tr.last_seqs.get(batch.dp_rank) != batch.seq:  # a gap: replay it, then the batch
                 await self._replay(batch)
 
     def handle_batch(self, batch: VllmBatch, *, first_expected: int | None) -> None:
-        """Apply a live batch in order; leaves ``last_seq`` short of it when a gap needs replay."""
-        tr = self.translator
-        if tr.last_seq is None and first_expected is not None and batch.seq > first_expected:
-            tr.last_seq = first_expected - 1  # we missed the first batches: replay them
-        status = tr.classify(batch.seq)
+        """Apply a live batch in order; leaves the rank's sequence short of it on a gap."""
+        tr, rank = self.translator, batch.dp_rank
+        if rank not in tr.last_seqs and first_expected is not None and batch.seq > first_expected:
+            tr.expect_from(first_expected, rank)  # we missed the first batches: replay them
+        status = tr.classify(batch.seq, rank)
         if status is SeqStatus.RESTART:
-            log.warning("vLLM KV event sequence went back to %d: vLLM restarted", batch.seq)
-            self._emit(tr.restart())
+            log.warning("vLLM dp rank %d KV event sequence went back to %d: vLLM restarted",
+                        rank, batch.seq)
+            self._emit(tr.restart(rank))
             status = SeqStatus.NEXT
         if status is SeqStatus.NEXT:
             self._emit(tr.apply(batch))
 
     async def _replay(self, batch: VllmBatch) -> None:
-        tr = self.translator
-        start = (tr.last_seq if tr.last_seq is not None else -1) + 1
+        """Fetch the missing batches of ``batch``'s rank from vLLM's replay socket, apply them,
+        then ``batch``. What cannot be replayed (timeout, buffer overrun) is given up: partial."""
+        tr, rank = self.translator, batch.dp_rank
+        start = tr.last_seqs.get(rank, -1) + 1
         if self._replay_endpoint and self._ctx is not None:
             sock = self._ctx.socket(zmq.DEALER)
-            sock.connect(self._replay_endpoint)
+            sock.connect(rank_endpoint(self._replay_endpoint, rank).replace("*", "127.0.0.1"))
             try:
-                await sock.send_multipart([b"", start.to_bytes(8, "big", signed=True)])
+                await sock.send_multipart([b"", start.to_bytes(8, "big")])
                 while True:
                     if not await sock.poll(2000):
                         log.warning("vLLM replay from %d timed out", start)
                         break
-                    frames = [f for f in await sock.recv_multipart() if f != b""] or [b""]
-                    if len(frames) < 2 or not frames[1]:
-                        break  # end of replay (seq -1 and an empty payload)
-                    seq = int.from_bytes(frames[0], "big", signed=True)
-                    if seq == END_OF_REPLAY:
+                    seq, payload = parse_replay_reply(await sock.recv_multipart())
+                    if seq == END_OF_REPLAY or not payload:
                         break
                     if seq >= batch.seq:
                         continue  # this batch and later ones come from the live socket
-                    if tr.classify(seq, replaying=True) is SeqStatus.NEXT:
-                        self._emit(tr.apply(decode_payload(seq, frames[1])))
+                    replayed = decode_payload(seq, payload)
+                    if tr.classify(seq, replayed.dp_rank, replaying=True) is SeqStatus.NEXT:
+                        self._emit(tr.apply(replayed))
             except BadFrame as exc:
                 log.warning("bad vLLM replay message: %s", exc)
             finally:
                 sock.close(linger=0)
-        if tr.last_seq is None or tr.last_seq < batch.seq - 1:
-            tr.give_up_gap(batch.seq)
+        if tr.last_seqs.get(rank, -1) < batch.seq - 1:
+            tr.give_up_gap(batch.seq, rank)
         self._emit(tr.apply(batch))
 
     def _emit(self, changes: list[tuple[int, Any, CacheInput]]) -> None:

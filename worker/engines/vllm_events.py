@@ -12,8 +12,9 @@ map from vLLM's hash to the canonical one, per dp rank, to translate parents and
 ``BlockRemoved``. A block whose parent it never saw (it attached late, or lost events for good)
 cannot be hashed canonically: it is skipped and the view is marked partial.
 
-Sequence numbers: +1 is normal; a jump is a gap (the caller replays it); going backwards means
-vLLM restarted: every rank is cleared and numbering starts again.
+Sequence numbers (per dp rank: one publisher per engine process): +1 is normal; a jump is a gap
+(the caller replays it); going backwards means vLLM restarted: the rank is cleared and numbering
+starts again.
 """
 
 from __future__ import annotations
@@ -137,46 +138,59 @@ class SeqStatus(enum.Enum):
 
 
 class VllmKvTranslator:
-    """Canonical view of one vLLM server's KV cache, built from its event batches."""
+    """Canonical view of one vLLM server's KV cache, built from its event batches.
+
+    Each dp rank of vLLM is its own engine process with its own publisher, so sequence numbers
+    are tracked per rank (the rank comes from the batch payload).
+    """
 
     def __init__(self, *, block_size: int) -> None:
         self.block_size = block_size
-        self.last_seq: int | None = None
+        self.last_seqs: dict[int, int] = {}
         self.partial = False
         self._ranks: dict[int, dict[Hashable, _Entry]] = {}
         self.unknown_types: set[str] = set()
 
+    @property
+    def last_seq(self) -> int | None:
+        """Last applied sequence number of rank 0 (the only rank without data parallelism)."""
+        return self.last_seqs.get(0)
+
     # -- sequence numbers -------------------------------------------------------------------
 
-    def classify(self, seq: int, *, replaying: bool = False) -> SeqStatus:
-        if self.last_seq is None or seq == self.last_seq + 1:
+    def classify(self, seq: int, rank: int = 0, *, replaying: bool = False) -> SeqStatus:
+        last = self.last_seqs.get(rank)
+        if last is None or seq == last + 1:
             return SeqStatus.NEXT
-        if seq > self.last_seq + 1:
+        if seq > last + 1:
             return SeqStatus.GAP
         return SeqStatus.OLD if replaying else SeqStatus.RESTART
 
-    def restart(self) -> list[tuple[int, KvData, CacheInput]]:
-        """The publisher restarted: everything it had is gone."""
-        out: list[tuple[int, KvData, CacheInput]] = []
-        for rank, entries in self._ranks.items():
-            tiers = {t for e in entries.values() for t in e.tiers} or {CacheInput.DEVICE}
-            out.extend((rank, KvCleared(), t) for t in sorted(tiers))
-            entries.clear()
-        self.last_seq = None
-        return out
+    def expect_from(self, seq: int, rank: int = 0) -> None:
+        """The next batch of ``rank`` should be ``seq`` (e.g. 0 for a server we started)."""
+        self.last_seqs[rank] = seq - 1
 
-    def give_up_gap(self, seq: int) -> None:
+    def restart(self, rank: int = 0) -> list[tuple[int, KvData, CacheInput]]:
+        """The publisher of ``rank`` restarted: everything that rank had is gone."""
+        entries = self._ranks.setdefault(rank, {})
+        tiers = {t for e in entries.values() for t in e.tiers} or {CacheInput.DEVICE}
+        entries.clear()
+        self.last_seqs.pop(rank, None)
+        return [(rank, KvCleared(), t) for t in sorted(tiers)]
+
+    def give_up_gap(self, seq: int, rank: int = 0) -> None:
         """Missing batches could not be replayed: later blocks may have unknown parents."""
-        log.warning("vLLM KV events before seq %d are lost; the cache view is partial", seq)
+        log.warning("vLLM KV events of dp rank %d before seq %d are lost; the cache view is "
+                    "partial", rank, seq)
         self.partial = True
-        self.last_seq = seq - 1
+        self.last_seqs[rank] = seq - 1
 
     # -- translation ------------------------------------------------------------------------
 
     def apply(self, batch: VllmBatch) -> list[tuple[int, KvData, CacheInput]]:
         """Translate one batch (the caller has checked its sequence number)."""
-        self.last_seq = batch.seq
         rank = batch.dp_rank
+        self.last_seqs[rank] = batch.seq
         entries = self._ranks.setdefault(rank, {})
         out: list[tuple[int, KvData, CacheInput]] = []
         for raw in batch.events:
