@@ -5,6 +5,10 @@ candidate, pick, booking) with a populated index, 4096-token prompts and 64-toke
 temperature 0 and 0.7. Hashing the prompt (done on the HTTP side, outside the actor) is measured
 separately. No network: the pure core is driven through the actor's dispatch directly.
 
+Pools of ``VECTOR_MIN_CANDIDATES`` ranks or more take the numpy path (router.loadvec), smaller ones
+the Python loop (router.selection); each case records which (``path``). Each request is freed
+before the next, so the booked-shared-blocks scan (one pass over booked ranks) stays empty here.
+
     python bench/selection.py            # prints a table, writes bench/results/selection.json
 """
 
@@ -18,6 +22,8 @@ import sys
 import time
 from datetime import UTC, datetime
 from pathlib import Path
+
+import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -33,6 +39,7 @@ from controlplane.protocol.events import (
 )
 from controlplane.protocol.hashing import block_hashes, chain_hashes
 from controlplane.protocol.policy import ALL_CACHE_INPUTS, PolicyKind, startup_values
+from router.loadvec import VECTOR_MIN_CANDIDATES
 from router.scheduler import (
     ApplyKvEvents,
     ApplyMembership,
@@ -101,6 +108,7 @@ def run_case(n_workers: int, temperature: float, iters: int) -> dict[str, float]
         s._dispatch(RequestDone(f"r{i}"))
     return {
         "workers": n_workers, "temperature": temperature, "iterations": iters,
+        "path": "numpy" if n_workers >= VECTOR_MIN_CANDIDATES else "loop",
         "select_p50_us": pct(times, 0.5) * 1e6, "select_p99_us": pct(times, 0.99) * 1e6,
         "select_mean_us": statistics.fmean(times) * 1e6,
         "hash_p50_us": pct(hash_times, 0.5) * 1e6, "hash_p99_us": pct(hash_times, 0.99) * 1e6,
@@ -113,13 +121,16 @@ def main() -> None:
     for n, iters in ((8, 3000), (64, 3000), (512, 1500), (4096, 400)):
         for t in (0.0, 0.7):
             cases.append(run_case(n, t, iters))
-    print(f"{'workers':>8} {'T':>4} {'p50 µs':>9} {'p99 µs':>9} {'hash p50 µs':>12} {'hash p99 µs':>12} {'blocks':>8}")
+    print(f"{'workers':>8} {'T':>4} {'path':>6} {'p50 µs':>9} {'p99 µs':>9} {'hash p50 µs':>12} "
+          f"{'hash p99 µs':>12} {'blocks':>8}")
     for c in cases:
-        print(f"{c['workers']:>8} {c['temperature']:>4} {c['select_p50_us']:>9.1f} {c['select_p99_us']:>9.1f} "
-              f"{c['hash_p50_us']:>12.1f} {c['hash_p99_us']:>12.1f} {c['index_blocks']:>8}")
+        print(f"{c['workers']:>8} {c['temperature']:>4} {c['path']:>6} {c['select_p50_us']:>9.1f} "
+              f"{c['select_p99_us']:>9.1f} {c['hash_p50_us']:>12.1f} {c['hash_p99_us']:>12.1f} "
+              f"{c['index_blocks']:>8}")
     out = {
         "benchmark": "selection", "prompt_tokens": PROMPT, "block_size": BLOCK,
-        "python": platform.python_version(), "machine": platform.machine(),
+        "python": platform.python_version(), "numpy": np.__version__, "machine": platform.machine(),
+        "vector_min_candidates": VECTOR_MIN_CANDIDATES,
         "at": datetime.now(UTC).isoformat(), "cases": cases,
     }
     path = Path(__file__).parent / "results" / "selection.json"

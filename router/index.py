@@ -25,6 +25,8 @@ _TIERS: tuple[CacheInput, ...] = (
     CacheInput.DEVICE, CacheInput.HOST, CacheInput.DISK, CacheInput.SHARED,
 )
 _BIT: dict[CacheInput, int] = {t: 1 << i for i, t in enumerate(_TIERS)}
+_DEVICE_ONLY = _BIT[CacheInput.DEVICE]
+_DEVICE_RUNS: list[Overlap] = []  # Overlap(device=n) by n, shared (immutable)
 # Fastest tier of a bit mask → its position in Overlap.
 _BEST: list[int] = [0] * 16
 for _mask in range(1, 16):
@@ -48,28 +50,61 @@ class PrefixIndex:
         # Approximate mode: (key, hash) → expiry, in expiry order (constant TTL).
         self._expiry: dict[tuple[WorkerKey, int], float] = {}
         self.gaps = 0
+        # Set once a block is stored in a tier other than the device: overlaps() then checks tiers.
+        self._other_tiers = False
 
     # -- queries -------------------------------------------------------------------------------
 
     def overlaps(self, hashes: Sequence[int]) -> dict[WorkerKey, Overlap]:
-        """Leading blocks of ``hashes`` each worker rank holds, by tier."""
+        """Leading blocks of ``hashes`` each worker rank holds, by tier (ranks holding the first).
+
+        Block by block, the ranks still in the run are intersected with the block's holders in C
+        (a set against a dict: stored hashes, no tuple re-hashing), which keeps this fast with
+        hundreds of holders. Tiers are counted one by one only past the leading blocks whose every
+        holder has them on the device alone (all of them, if no other tier was ever stored)."""
         holders_of = self._holders
-        counts: dict[WorkerKey, list[int]] = {}
-        active: list[WorkerKey] = []
+        first = holders_of.get(hashes[0]) if hashes else None
+        if not first:
+            return {}
+        active = set(first)
+        alive = len(active)
+        run: dict[WorkerKey, int] = {}
+        device_only = -1  # leading blocks held on the device alone by every holder
+        end = len(hashes)
         for i, h in enumerate(hashes):
             holders = holders_of.get(h)
             if not holders:
+                end = i
                 break
-            if i == 0:
-                active = list(holders)
-                counts = {k: [0, 0, 0, 0] for k in active}
+            if i:
+                still = active.intersection(holders)
+                if len(still) != alive:
+                    for k in active.difference(still):
+                        run[k] = i
+                    active, alive = still, len(still)
+                    if not alive:
+                        end = i
+                        break
+            if device_only < 0 and self._other_tiers and max(holders.values()) != _DEVICE_ONLY:
+                device_only = i
+        for k in active:
+            run[k] = end
+        if device_only < 0:
+            device_only = end
+        out: dict[WorkerKey, Overlap] = {}
+        device_runs = _DEVICE_RUNS
+        while len(device_runs) <= end:
+            device_runs.append(Overlap(len(device_runs)))
+        for k in first:
+            n = run[k]
+            if n <= device_only:
+                out[k] = device_runs[n]
             else:
-                active = [k for k in active if k in holders]
-                if not active:
-                    break
-            for k in active:
-                counts[k][_BEST[holders[k]]] += 1
-        return {k: Overlap(*v) for k, v in counts.items()}
+                counts = [device_only, 0, 0, 0]
+                for h in hashes[device_only:n]:
+                    counts[_BEST[holders_of[h][k]]] += 1
+                out[k] = Overlap(*counts)
+        return out
 
     def blocks_of(self, key: WorkerKey) -> int:
         return len(self._by_key.get(key, ()))
@@ -87,6 +122,8 @@ class PrefixIndex:
 
     def store(self, key: WorkerKey, hashes: Iterable[int], tier: CacheInput = CacheInput.DEVICE) -> None:
         bit = _BIT[tier]
+        if bit != _DEVICE_ONLY:
+            self._other_tiers = True
         mine = self._by_key.setdefault(key, set())
         holders_of = self._holders
         for h in hashes:

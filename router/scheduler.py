@@ -49,6 +49,7 @@ from router.bookings import Bookings
 from router.busy import Thresholds, rank_busy
 from router.discovery import Change, Discovery, Health, WorkerState
 from router.index import KvApplied, PrefixIndex, WorkerKey
+from router.loadvec import VECTOR_MIN_CANDIDATES, LoadTable, pick_index
 from router.policy_state import ApplyResult, Outcome, PolicyState
 from router.selection import (
     NO_OVERLAP,
@@ -227,6 +228,11 @@ class Slot(Candidate):
         self.role = rec.role
 
 
+def selectable(slot: Slot) -> bool:
+    """Whether a slot may be chosen by a selection that names no target."""
+    return slot.healthy and not slot.busy
+
+
 # ---------------------------------------------------------------------------------------------
 
 
@@ -264,8 +270,8 @@ class Scheduler:
         self.bookings = Bookings()
         self.round_robin = {m: RoundRobin() for m in models}
         self._slots: dict[str, dict[WorkerKey, Slot]] = {m: {} for m in models}  # every pool
-        self._pools: dict[tuple[str, WorkerRole], dict[WorkerKey, Slot]] = {
-            (m, p): {} for m in models for p in self.pools
+        self._pools: dict[tuple[str, WorkerRole], LoadTable[Slot]] = {
+            (m, p): LoadTable(selectable) for m in models for p in self.pools
         }
         self._params: dict[str, SelectionParams] = {}
         self._thresholds: dict[str, Thresholds] = {}
@@ -530,6 +536,7 @@ class Scheduler:
         self._refresh_busy(model, slot, state)
 
     def _refresh_busy(self, model: str, slot: Slot, state: WorkerState | None = None) -> None:
+        slot.touch()  # its load figures or flags change: its pool's LoadTable re-reads it
         th = self._thresholds[model]
         if not th.enabled:
             slot.busy = False
@@ -556,6 +563,7 @@ class Scheduler:
                 state = self.discovery.get(slot.instance_id)
                 if state is not None:
                     slot.healthy = self.discovery.health(state, now) is Health.LIVE
+                    slot.touch()
         return gone
 
     # -- KV events ---------------------------------------------------------------------------
@@ -627,6 +635,10 @@ class Scheduler:
             return self._select_pinned(req, seq, revisions, pool, pin, then_decode)
         slots = self._pools[(model, pool)]
         exclude = req.exclude
+        if self.mode is RoutingMode.KV and len(slots) >= VECTOR_MIN_CANDIDATES:
+            many = self._select_many(req, slots)
+            if many is not None:
+                return self._book(req, seq, revisions, *many, disaggregated=then_decode)
         eligible = [
             s for s in slots.values()
             if s.healthy and not s.busy and (not exclude or s.instance_id not in exclude)
@@ -648,17 +660,9 @@ class Scheduler:
             request_blocks = {bs: -(-p // bs) for bs in req.hashes} or {
                 eligible[0].block_size: -(-p // eligible[0].block_size)
             }
-            shared: dict[WorkerKey, int] = {}
-            for key in self.bookings.keys():
-                rank = self.bookings.rank(key)
-                slot = slots.get(key)
-                if rank is None or slot is None:
-                    continue
-                hashes = req.hashes.get(slot.block_size, ())
-                shared[key] = sum(1 for h in hashes if h in rank.blocks)
             all_costs = costs(
                 eligible, params, p, overlaps=overlaps, request_blocks=request_blocks,
-                booked_shared=shared,
+                booked_shared=self._booked_shared(req, slots),
             )
             i = pick(all_costs, params.router_temperature, self.rng)
             cost = all_costs[i]
@@ -673,6 +677,44 @@ class Scheduler:
             req, seq, revisions, chosen, overlaps.get(chosen.key, NO_OVERLAP), cost, len(eligible),
             disaggregated=then_decode,
         )
+
+    def _select_many(self, req: RoutingRequest, slots: LoadTable[Slot]) -> tuple[Slot, Overlap, float, int] | None:
+        """The KV selection of :meth:`_select` over a large pool, on numpy columns
+        (:mod:`router.loadvec`): the same costs, candidate order and random draws. ``None`` when no
+        rank is eligible, so that :meth:`_select` raises the error that fits.
+        Returns (chosen slot, its overlap, its cost, number of candidates)."""
+        rows = slots.eligible_rows(req.exclude)
+        n = len(slots) if rows is None else len(rows)
+        if n == 0:
+            return None
+        params = self._params[req.model]
+        p = req.prompt_tokens
+        overlaps: dict[WorkerKey, Overlap] = {}
+        if self.use_index:
+            for hashes in req.hashes.values():
+                if hashes:
+                    overlaps.update(self.index.overlaps(hashes))
+        size = slots.row(0 if rows is None else int(rows[0])).block_size
+        request_blocks = {bs: -(-p // bs) for bs in req.hashes} or {size: -(-p // size)}
+        cost = slots.costs(
+            rows, params, p, overlaps=overlaps, request_blocks=request_blocks,
+            booked_shared=self._booked_shared(req, slots),
+        )
+        i = pick_index(cost, params.router_temperature, self.rng)
+        chosen = slots.row(i if rows is None else int(rows[i]))
+        return chosen, overlaps.get(chosen.key, NO_OVERLAP), float(cost[i]), n
+
+    def _booked_shared(self, req: RoutingRequest, slots: Mapping[WorkerKey, Slot]) -> dict[WorkerKey, int]:
+        """Blocks of the request already booked on each rank for other requests."""
+        shared: dict[WorkerKey, int] = {}
+        for key in self.bookings.keys():
+            rank = self.bookings.rank(key)
+            slot = slots.get(key)
+            if rank is None or slot is None:
+                continue
+            hashes = req.hashes.get(slot.block_size, ())
+            shared[key] = sum(1 for h in hashes if h in rank.blocks)
+        return shared
 
     def _select_pinned(
         self, req: RoutingRequest, seq: int, revisions: dict[str, int], pool: WorkerRole, pin: Pin,

@@ -20,7 +20,7 @@ import math
 import random
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import NamedTuple
+from typing import NamedTuple, Protocol
 
 from controlplane.protocol.policy import SELECTION_PARAMETERS, Number
 
@@ -80,9 +80,22 @@ class Candidate:
     active_requests: int
     overlap: Overlap = NO_OVERLAP
     key: tuple[int, int] = field(init=False)
+    # The router.loadvec.LoadTable mirroring this candidate, if any (it sets this).
+    table: Touchable | None = field(default=None, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         self.key = (self.instance_id, self.dp_rank)
+
+    def touch(self) -> None:
+        """Say that the load figures or eligibility changed, so a table mirroring this candidate
+        re-reads it before the next selection. Cheap: the re-read is deferred."""
+        table = self.table
+        if table is not None:
+            table.touch(self)
+
+
+class Touchable(Protocol):
+    def touch(self, cand: Candidate, /) -> None: ...
 
 
 def costs(

@@ -1,0 +1,298 @@
+"""The cost function of DESIGN §5 over numpy columns, for fleets of hundreds to thousands of ranks.
+
+:func:`router.selection.costs` walks the candidates in Python, which is the quicker way for a few
+dozen of them but grows to milliseconds at 4096. Here the scheduler's slot map is a
+:class:`LoadTable`: a dict that also keeps its slots as numpy columns, updated incrementally (a slot
+whose load, health or busy flag changed is *touched* and re-read at the next selection, so a
+selection reads the few rows that changed instead of every slot). The cost is then a handful of
+vector operations, with the prefix credit scattered onto the few ranks that hold part of the prompt
+(every other rank has no credit: its cost is load only).
+
+The arithmetic is the same as :func:`router.selection.costs`, operation for operation and in the
+same order, so the costs are bit-for-bit equal (all figures are integers far below 2**53, and
+IEEE-754 float64 arithmetic is the same in numpy as in Python). Rows are kept in the slots' insertion
+order, the order the scalar path iterates in, so :func:`pick_index` breaks ties over the same list
+with the same random draw as :func:`router.selection.pick`. At T > 0 the weights come from
+``numpy.exp`` instead of ``math.exp``, which can differ in the last bit: same distribution.
+
+Pure: no I/O, no clock.
+"""
+
+from __future__ import annotations
+
+import itertools
+import random
+from collections.abc import Callable, Collection, Mapping
+from typing import Any, TypeVar
+
+import numpy as np
+import numpy.typing as npt
+
+from router.selection import Candidate, Overlap, SelectionParams
+
+WorkerKey = tuple[int, int]
+C = TypeVar("C", bound=Candidate)
+Floats = npt.NDArray[np.float64]
+Ints = npt.NDArray[np.int64]
+Rows = npt.NDArray[np.intp]
+
+# Below this many ranks the scalar loop of router.selection is as fast or faster (measured with
+# bench/selection.py on 2 cores: equal at ~100, numpy ahead from 128, 4x ahead at 4096).
+VECTOR_MIN_CANDIDATES = 96
+
+_TIE_EPS = 1e-9  # as router.selection
+
+
+class LoadTable(dict[WorkerKey, C]):
+    """A scheduler's slot map (key → candidate) that also keeps its candidates as columns: block
+    size, active prefill tokens, decode blocks, active requests, eligibility. Reads are a plain
+    dict's; every way of adding or removing an entry keeps the columns in step, and row order is
+    the dict's order (a replaced key keeps its row, a dropped key's followers move up).
+
+    A candidate's load figures and eligibility are re-read when it was *touched*
+    (:meth:`router.selection.Candidate.touch`, which finds this table through ``cand.table``),
+    at the next selection. So whatever changes a candidate's load figures or eligibility must touch
+    it (the scheduler does so in ``_refresh_busy``, where every slot refresh ends, and in ``_tick``).
+    ``eligible`` says whether a candidate may be chosen (healthy, not busy).
+    """
+
+    def __init__(self, eligible: Callable[[C], bool]) -> None:
+        super().__init__()
+        self._eligible = eligible
+        self._rows: list[C] = []
+        self._row_of: dict[WorkerKey, int] = {}
+        self._dirty: dict[int, C] = {}
+        self._alloc(16)
+
+    def _alloc(self, cap: int) -> None:
+        self._block = np.ones(cap, dtype=np.int64)
+        self._prefill = np.zeros(cap, dtype=np.int64)
+        self._decode = np.zeros(cap, dtype=np.int64)
+        self._requests = np.zeros(cap, dtype=np.int64)
+        self._instance = np.zeros(cap, dtype=np.uint64)
+        self._ok = np.zeros(cap, dtype=np.bool_)
+
+    def _columns(self) -> tuple[npt.NDArray[Any], ...]:
+        return (self._block, self._prefill, self._decode, self._requests, self._instance, self._ok)
+
+    def row(self, row: int) -> C:
+        return self._rows[row]
+
+    # -- the dict's mutations ------------------------------------------------------------------
+
+    def __setitem__(self, key: WorkerKey, cand: C) -> None:
+        if key != cand.key:
+            raise ValueError(f"slot {cand.key} stored under key {key}")
+        row = self._row_of.get(key)
+        if row is None:
+            row = len(self._rows)
+            if row == len(self._block):
+                old = self._columns()
+                self._alloc(2 * row)
+                for new_col, old_col in zip(self._columns(), old, strict=True):
+                    new_col[:row] = old_col
+            self._rows.append(cand)
+            self._row_of[key] = row
+        else:
+            self._forget(self._rows[row])
+            self._rows[row] = cand
+        super().__setitem__(key, cand)
+        cand.table = self
+        self._block[row] = cand.block_size
+        self._instance[row] = cand.instance_id
+        self._write(row, cand)
+
+    def __delitem__(self, key: WorkerKey) -> None:
+        super().__delitem__(key)  # KeyError first, like a dict
+        row = self._row_of.pop(key)
+        self._forget(self._rows.pop(row))
+        n = len(self._rows)
+        for col in self._columns():
+            col[row:n] = col[row + 1:n + 1]
+        for i in range(row, n):
+            self._row_of[self._rows[i].key] = i
+
+    _MISSING: Any = object()
+
+    def pop(self, key: WorkerKey, default: Any = _MISSING) -> Any:
+        if key in self:
+            cand = self[key]
+            del self[key]
+            return cand
+        if default is self._MISSING:
+            raise KeyError(key)
+        return default
+
+    def popitem(self) -> tuple[WorkerKey, C]:
+        if not self:
+            raise KeyError("popitem(): table is empty")
+        key = next(reversed(self.keys()))
+        return key, self.pop(key)
+
+    def setdefault(self, key: WorkerKey, default: C) -> C:
+        if key not in self:
+            self[key] = default
+        return self[key]
+
+    def update(self, *args: Any, **kwargs: Any) -> None:
+        for key, cand in dict(*args, **kwargs).items():
+            self[key] = cand
+
+    def clear(self) -> None:
+        for cand in self._rows:
+            self._forget(cand)
+        super().clear()
+        self._rows.clear()
+        self._row_of.clear()
+        self._dirty.clear()
+
+    def __ior__(self, other: Any) -> LoadTable[C]:  # type: ignore[override,misc]
+        self.update(other)
+        return self
+
+    def _forget(self, cand: C) -> None:
+        self._dirty.pop(id(cand), None)
+        if cand.table is self:
+            cand.table = None
+
+    # -- load figures --------------------------------------------------------------------------
+
+    def touch(self, cand: Candidate, /) -> None:
+        """Note that a candidate's load or eligibility changed; re-read at the next selection."""
+        self._dirty[id(cand)] = cand  # type: ignore[assignment]
+
+    def flush(self) -> None:
+        """Re-read every touched candidate still in the table."""
+        if not self._dirty:
+            return
+        row_of = self._row_of
+        rows = self._rows
+        for cand in self._dirty.values():
+            row = row_of.get(cand.key)
+            if row is not None and rows[row] is cand:
+                self._write(row, cand)
+        self._dirty.clear()
+
+    def _write(self, row: int, cand: C) -> None:
+        self._prefill[row] = cand.active_prefill_tokens
+        self._decode[row] = cand.decode_blocks
+        self._requests[row] = cand.active_requests
+        self._ok[row] = self._eligible(cand)
+
+    # -- selection -----------------------------------------------------------------------------
+
+    def eligible_rows(self, exclude: Collection[int] = ()) -> Rows | None:
+        """Rows that may be chosen, ascending; ``None`` means every row (the usual case).
+        Brings touched rows up to date first."""
+        self.flush()
+        n = len(self._rows)
+        ok = self._ok[:n]
+        if exclude:
+            ids = np.fromiter((i for i in exclude), dtype=np.uint64, count=len(exclude))
+            ok = ok & ~np.isin(self._instance[:n], ids)
+        if bool(ok.all()):
+            return None
+        return np.flatnonzero(ok)
+
+    def costs(
+        self, rows: Rows | None, params: SelectionParams, prompt_tokens: int, *,
+        overlaps: Mapping[WorkerKey, Overlap],
+        request_blocks: Mapping[int, int] | None = None,
+        booked_shared: Mapping[WorkerKey, int] | None = None,
+    ) -> Floats:
+        """Cost of each row in ``rows`` (``None``: every row), in that order; the same numbers
+        :func:`router.selection.costs` gives for those candidates with the same arguments.
+        Call :meth:`eligible_rows` (or :meth:`flush`) first."""
+        n = len(self._rows)
+        if rows is None:
+            b, a = self._block[:n], self._prefill[:n]
+            decode, requests = self._decode[:n], self._requests[:n]
+        else:
+            b, a = self._block[rows], self._prefill[rows]
+            decode, requests = self._decode[rows], self._requests[rows]
+        m = len(b)
+        if m == 0:
+            return np.zeros(0, dtype=np.float64)
+        p = prompt_tokens
+        prefill: Floats = (a + p) / b
+        if overlaps:
+            pos, ov = self._positions(rows, overlaps)
+            if len(pos):
+                decay_w = params.overlap_score_credit_decay
+                dev, host, disk, shared = ov[:, 0], ov[:, 1], ov[:, 2], ov[:, 3]
+                if decay_w:
+                    bp = b[pos]
+                    r = np.maximum(1, -(-p // bp))
+                    excess = (a[pos] - a.min()) / bp
+                    decay = 1.0 / (1.0 + decay_w * excess / r)
+                    credit = params.overlap_score_credit * decay * dev
+                else:
+                    credit = params.overlap_score_credit * dev
+                credit = (
+                    credit + params.host_cache_hit_weight * host + params.disk_cache_hit_weight * disk
+                    + params.shared_cache_multiplier * shared
+                )
+                prefill[pos] = prefill[pos] - credit
+        cost: Floats = params.prefill_load_scale * np.where(prefill > 0.0, prefill, 0.0) + decode
+        if params.decode_active_request_weight:
+            cost = cost + params.decode_active_request_weight * requests
+        if request_blocks:
+            if len(request_blocks) == 1:
+                (only,) = request_blocks.values()
+                cost = cost + only
+            else:
+                sizes = np.unique(b)
+                if len(sizes) == 1:
+                    size = int(sizes[0])
+                    cost = cost + request_blocks.get(size, -(-p // size))
+                else:
+                    extra = np.empty(m, dtype=np.int64)
+                    for size in sizes.tolist():
+                        extra[b == size] = request_blocks.get(size, -(-p // size))
+                    cost = cost + extra
+            if booked_shared:
+                items = [(k, v) for k, v in booked_shared.items() if v]
+                if items:
+                    spos, keep = self._locate(rows, [k for k, _ in items])
+                    vals = np.array([v for _, v in items], dtype=np.int64)[keep]
+                    cost[spos] = cost[spos] - vals
+        return cost
+
+    def _locate(self, rows: Rows | None, keys: list[WorkerKey]) -> tuple[Rows, npt.NDArray[np.bool_]]:
+        """Positions (within ``rows``) of the keys that are there, and which keys those were."""
+        row_of = self._row_of
+        found = np.array([row_of.get(k, -1) for k in keys], dtype=np.intp)
+        keep = found >= 0
+        if rows is None:
+            return found[keep], keep
+        at = np.searchsorted(rows, found)
+        inside = at < len(rows)
+        inside[inside] = rows[at[inside]] == found[inside]
+        keep &= inside
+        return at[keep], keep
+
+    def _positions(self, rows: Rows | None, overlaps: Mapping[WorkerKey, Overlap]) -> tuple[Rows, Ints]:
+        pos, keep = self._locate(rows, list(overlaps))
+        flat = np.fromiter(
+            itertools.chain.from_iterable(overlaps.values()), dtype=np.int64, count=4 * len(overlaps)
+        )
+        return pos, flat.reshape(-1, 4)[keep]
+
+
+def pick_index(cost: Floats, temperature: float, rng: random.Random) -> int:
+    """:func:`router.selection.pick` over an array: argmin with ties broken uniformly (the same draw
+    over the same tie list), or at T > 0 sampling with p ∝ exp(-(c - c_min)/((c_max - c_min)·T)).
+    Raises ValueError on an empty array."""
+    n = len(cost)
+    if n == 0:
+        raise ValueError("no candidates")
+    c_min = cost.min()
+    if temperature <= 0.0:
+        ties = np.flatnonzero(cost - c_min <= _TIE_EPS)
+        return int(ties[0]) if len(ties) == 1 else int(ties[rng.randrange(len(ties))])
+    span = float(cost.max() - c_min)
+    if span <= _TIE_EPS:
+        return rng.randrange(n)
+    acc = np.cumsum(np.exp(-(cost - c_min) / (span * temperature)))
+    x = rng.random() * float(acc[-1])
+    return min(int(np.searchsorted(acc, x, side="right")), n - 1)
