@@ -54,7 +54,15 @@ from router.scheduler import (
     SelectWorker,
 )
 from router.settings import RouterSettings
-from router.targets import HDR_DP_RANK, HDR_PREFILL, HDR_PREFILL_DP_RANK, HDR_WORKER, parse_targets
+from router.targets import (
+    HDR_DP_RANK,
+    HDR_POLICY_REVISIONS,
+    HDR_PREDICTED_CACHED,
+    HDR_PREFILL,
+    HDR_PREFILL_DP_RANK,
+    HDR_WORKER,
+    parse_targets,
+)
 from router.tokenize import TokenizerRegistry
 
 log = logging.getLogger(__name__)
@@ -263,7 +271,14 @@ async def _completion(request: Request, rt: Runtime, path: str, chat: bool) -> R
     sel = opened.sel
     rt.metrics.overhead.labels(*labels).observe(opened.selected_at - t0)
     rt.metrics.hit_rate.labels(*labels).observe(sel.predicted_hit_rate)
-    out_headers = {"x-request-id": request_id}
+    # What the router predicted for the worker that computes the prompt (the prefill worker when
+    # disaggregated), and which policy revisions scored it: an operator (or a test) compares the
+    # first with usage.prompt_tokens_details.cached_tokens.
+    out_headers = {
+        "x-request-id": request_id,
+        HDR_PREDICTED_CACHED: str(sel.cached_tokens),
+        HDR_POLICY_REVISIONS: ",".join(f"{k}={v}" for k, v in sorted(sel.revisions.items())),
+    }
     phase_started: float | None = None  # disaggregated: when the decode worker was selected
 
     if sel.disaggregated:

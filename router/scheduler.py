@@ -746,7 +746,9 @@ class Scheduler:
         disaggregated: bool = False,
     ) -> Selection:
         p = req.prompt_tokens
-        cached = min(p, overlap.total * slot.block_size)
+        # As vLLM does (and the mock engine), the last prompt token is always computed, so a hit
+        # covers at most the full blocks before it: a prompt of exactly k blocks hits k - 1.
+        cached = min(overlap.total, max(p - 1, 0) // slot.block_size) * slot.block_size
         hashes = req.hashes.get(slot.block_size, ())
         booking_id = req.request_id + PREFILL_BOOKING if disaggregated else req.request_id
         self.bookings.book(

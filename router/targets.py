@@ -33,6 +33,9 @@ HDR_WORKER = "x-worker-instance-id"
 HDR_PREFILL = "x-prefill-instance-id"
 HDR_DP_RANK = "x-dp-rank"
 HDR_PREFILL_DP_RANK = "x-prefill-dp-rank"
+# Response headers: the router's predicted prefix hit (tokens) and the policy revisions it used.
+HDR_PREDICTED_CACHED = "x-rudder-predicted-cached-tokens"
+HDR_POLICY_REVISIONS = "x-rudder-policy-revisions"
 
 _HEADER_OF = {
     "decode_worker_id": HDR_WORKER,

@@ -74,5 +74,50 @@ async def test_predicted_hit_matches_the_engines_cached_tokens(
     assert second.headers["x-worker-instance-id"] == owner
     usage = second.parse().usage
     assert usage is not None and usage.prompt_tokens_details is not None
-    assert (usage.prompt_tokens_details.cached_tokens or 0) >= len(system) // 2
+    cached = usage.prompt_tokens_details.cached_tokens or 0
+    assert cached >= len(system) // 2
+    # The router's prediction (from the engine's KV events) is exactly what the engine reports.
+    assert int(second.headers["x-rudder-predicted-cached-tokens"]) == cached
+    assert second.headers["x-rudder-policy-revisions"] == "busy_threshold=0,selection=0"
     await client.close()
+
+
+async def test_eviction_removes_blocks_from_the_router_index(nats_url: str) -> None:
+    """A pool too small for two long prompts: the first prompt's blocks are evicted, the engine
+    emits ``removed``, and the router stops predicting a hit for it (and the engine reports none)."""
+    model = "evict-model"
+    stop = asyncio.Event()
+    ready: list[Any] = []
+    settings = worker_settings.WorkerSettings(
+        nats_url=nats_url, model=model, heartbeat_s=0.2,
+        mock=worker_settings.MockEngineSettings(speedup_ratio=50.0, block_size=16, num_blocks=40),
+    )
+    task = asyncio.create_task(worker_agent.serve(settings, stop=stop, on_ready=ready.append))
+    await wait_for(lambda: bool(ready) or task.done(), within=20)
+    router = await InProcessRouter(router_settings(nats_url, model)).start()
+    try:
+        await wait_for(lambda: router.runtime.scheduler.view.workers.get(model) == 1, within=10)
+        client = openai.AsyncOpenAI(base_url=router.url + "/v1", api_key="none", max_retries=0)
+
+        async def ask(prompt: str) -> tuple[int, int]:
+            raw = await client.completions.with_raw_response.create(model=model, prompt=prompt, max_tokens=1)
+            usage = raw.parse().usage
+            assert usage is not None
+            details = usage.prompt_tokens_details
+            return int(raw.headers["x-rudder-predicted-cached-tokens"]), (details.cached_tokens or 0) if details else 0
+
+        first = "alpha " * 80  # 480 tokens = 30 blocks of 16
+        await ask(first)
+        await asyncio.sleep(0.3)
+        predicted, cached = await ask(first)
+        assert predicted == cached > 0
+        await ask("omega " * 80)  # needs 30 more blocks: most of the first prompt's are evicted
+        await asyncio.sleep(0.3)
+        predicted, cached = await ask(first)
+        assert predicted == cached
+        assert predicted < 30 * 16 - 16  # the evicted blocks left the index
+        await client.close()
+    finally:
+        await router.stop()
+        stop.set()
+        await asyncio.wait_for(task, 10)
