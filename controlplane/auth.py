@@ -19,7 +19,6 @@ import hashlib
 import hmac
 import secrets
 import time
-from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -27,9 +26,9 @@ from sqlalchemy import func, insert, select, update
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from controlplane.audit.records import format_time
-from controlplane.audit.store import DB_ERRORS, make_engine
+from controlplane.audit.store import bounded, make_engine
 from controlplane.audit.tables import api_tokens
-from controlplane.protocol.errors import AuditUnavailable, InvalidRequest
+from controlplane.protocol.errors import InvalidRequest
 
 TOKEN_PREFIX = "rdr_"
 
@@ -122,15 +121,8 @@ class TokenStore:
     def engine(self) -> AsyncEngine:
         return self._engine
 
-    @contextlib.asynccontextmanager
-    async def _db(self, what: str) -> AsyncIterator[None]:
-        try:
-            async with asyncio.timeout(self._timeout_s):
-                yield
-        except DB_ERRORS as exc:
-            raise AuditUnavailable(
-                f"token store unavailable ({what}): {type(exc).__name__}"
-            ) from exc
+    def _db(self, what: str) -> contextlib.AbstractAsyncContextManager[None]:
+        return bounded(f"token store ({what})", self._timeout_s)
 
     async def create(self, name: str, role: Role | str) -> tuple[str, int]:
         """Create a token; returns (plaintext, id). The plaintext is never stored or shown again.

@@ -311,21 +311,27 @@ class WritePath:
 
     # ---- operations ----------------------------------------------------------------------
 
+    def _versioned_write(self, ctx: RequestContext, a: Attempt, body: Any,
+                         extra: set[str]) -> tuple[Mapping[str, Any], str, PolicyKind]:
+        """The common head of PATCH and rollback: who, which document, at which revision."""
+        _hint(a, body)
+        self._authorize(ctx, Action.WRITE_POLICY)
+        b = _obj(body)
+        _check_keys(b, {"model", "kind", "expected_revision", "dry_run"} | extra)
+        a.model = _model(b)
+        a.kind = parse_kind(b.get("kind", PolicyKind.SELECTION.value))
+        if "expected_revision" not in b:
+            raise InvalidRequest("expected_revision is required (use the current revision, or 0 "
+                                 "for a new document)", field="expected_revision")
+        a.expected_revision = require_revision(b["expected_revision"])
+        a.dry_run = _bool(b, "dry_run")
+        return b, a.model, a.kind
+
     async def patch(self, ctx: RequestContext, body: Any) -> WriteResult:
         a = Attempt(op=PolicyOp.PATCH)
 
         async def prepare() -> None:
-            _hint(a, body)
-            self._authorize(ctx, Action.WRITE_POLICY)
-            b = _obj(body)
-            _check_keys(b, {"model", "kind", "expected_revision", "parameters", "reset", "dry_run"})
-            a.model = _model(b)
-            a.kind = parse_kind(b.get("kind", PolicyKind.SELECTION.value))
-            if "expected_revision" not in b:
-                raise InvalidRequest("expected_revision is required (use the current revision, or 0 "
-                                     "for a new document)", field="expected_revision")
-            a.expected_revision = require_revision(b["expected_revision"])
-            a.dry_run = _bool(b, "dry_run")
+            b, _, kind = self._versioned_write(ctx, a, body, {"parameters", "reset"})
             reset = _bool(b, "reset")
             if reset == ("parameters" in b):
                 raise InvalidRequest("give either parameters or reset: true", field="parameters")
@@ -333,7 +339,7 @@ class WritePath:
                 a.op = PolicyOp.RESET
                 a.changes = {}
             else:
-                a.changes = validate_changes(a.kind, b["parameters"])
+                a.changes = validate_changes(kind, b["parameters"])
             a.before = await self._head(a)
             _require_head(a)
             if reset:
@@ -347,24 +353,15 @@ class WritePath:
         a = Attempt(op=PolicyOp.ROLLBACK)
 
         async def prepare() -> None:
-            _hint(a, body)
-            self._authorize(ctx, Action.WRITE_POLICY)
-            b = _obj(body)
-            _check_keys(b, {"model", "kind", "to_revision", "expected_revision", "dry_run"})
-            a.model = _model(b)
-            a.kind = parse_kind(b.get("kind", PolicyKind.SELECTION.value))
+            b, model, kind = self._versioned_write(ctx, a, body, {"to_revision"})
             target_rev = require_revision(b.get("to_revision"), field="to_revision")
-            if "expected_revision" not in b:
-                raise InvalidRequest("expected_revision is required", field="expected_revision")
-            a.expected_revision = require_revision(b["expected_revision"])
-            a.dry_run = _bool(b, "dry_run")
             if target_rev == 0:
                 target_doc: Document = {}
             else:
-                target = await self.log.get(a.model, a.kind, target_rev)
+                target = await self.log.get(model, kind, target_rev)
                 if target is None or target.event is None:
                     raise NotFound(
-                        f"revision {target_rev} is not in the retained history of {a.model}/{a.kind.value}",
+                        f"revision {target_rev} is not in the retained history of {model}/{kind.value}",
                         field="to_revision",
                     )
                 target_doc = dict(target.event.document)

@@ -230,16 +230,8 @@ class AuditStore:
 
     # -- error translation -----------------------------------------------------------------
 
-    @contextlib.asynccontextmanager
-    async def _db(self, what: str) -> AsyncIterator[None]:
-        """Bound the block by ``timeout_s`` and translate database errors, once, right here."""
-        try:
-            async with asyncio.timeout(self._timeout_s):
-                yield
-        except DB_ERRORS as exc:
-            raise AuditUnavailable(
-                f"audit store unavailable ({what}): {_describe(exc)}"
-            ) from exc
+    def _db(self, what: str) -> contextlib.AbstractAsyncContextManager[None]:
+        return bounded(f"audit store ({what})", self._timeout_s)
 
     @contextlib.asynccontextmanager
     async def _read(self, what: str) -> AsyncIterator[AsyncConnection]:
@@ -623,6 +615,17 @@ class AuditStore:
             self._writer_conn = None
         if self._owns_engine:
             await self._engine.dispose()
+
+
+@contextlib.asynccontextmanager
+async def bounded(what: str, timeout_s: float) -> AsyncIterator[None]:
+    """Bound a database block by ``timeout_s`` and translate every database error, once, here:
+    the one place where asyncpg/SQLAlchemy/OS errors become ``AuditUnavailable``."""
+    try:
+        async with asyncio.timeout(timeout_s):
+            yield
+    except DB_ERRORS as exc:
+        raise AuditUnavailable(f"{what} unavailable: {_describe(exc)}") from exc
 
 
 def make_engine(url: str, *, pool_size: int = 10, timeout_s: float = 2.0) -> AsyncEngine:

@@ -23,21 +23,9 @@ from controlplane.protocol.events import (
 )
 from controlplane.protocol.policy import PolicyKind
 from controlplane.protocol.subjects import BUCKET_ROUTERS, acks_subject, membership_subject
-from migrations import upgrade_async
-from tests.integration.cp_support import Tokens, client, controlplane, make_tokens
+from tests.integration.cp_support import Tokens, client, controlplane
 
 pytestmark = pytest.mark.timeout(120)
-
-
-@pytest.fixture(scope="module")
-async def db(database_url: str) -> str:
-    await upgrade_async(database_url)
-    return database_url
-
-
-@pytest.fixture(scope="module")
-async def tokens(db: str) -> Tokens:
-    return await make_tokens(db)
 
 
 async def eventually(check: Callable[[], object], within_s: float = 5.0) -> None:

@@ -15,21 +15,9 @@ import pytest
 from controlplane.audit.store import AuditStore
 from controlplane.eventlog import PolicyLog, connect
 from controlplane.protocol.policy import PolicyKind
-from migrations import upgrade_async
-from tests.integration.cp_support import Tokens, client, controlplane, make_tokens
+from tests.integration.cp_support import Tokens, client, controlplane
 
 pytestmark = pytest.mark.timeout(120)
-
-
-@pytest.fixture(scope="module")
-async def db(database_url: str) -> str:
-    await upgrade_async(database_url)
-    return database_url
-
-
-@pytest.fixture(scope="module")
-async def tokens(db: str) -> Tokens:
-    return await make_tokens(db)
 
 
 @pytest.fixture(scope="module")
