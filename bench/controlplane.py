@@ -73,12 +73,42 @@ async def run_clients(concurrency: int, seconds: float, one: Any) -> dict[str, f
     }
 
 
+class KeepAliveClient:
+    """A minimal HTTP/1.1 keep-alive client on one connection: the load generator shares the two
+    cores with the server, so it must cost little (httpx's pool costs more CPU than the server's
+    own request handling, and its tail shows up in the server's figures)."""
+
+    def __init__(self, host: str, port: int, token: str) -> None:
+        self.host, self.port, self.token = host, port, token
+        self.reader: asyncio.StreamReader | None = None
+        self.writer: asyncio.StreamWriter | None = None
+
+    async def patch(self, path: str, body: bytes) -> tuple[int, bytes]:
+        if self.writer is None:
+            self.reader, self.writer = await asyncio.open_connection(self.host, self.port)
+        assert self.reader is not None
+        head = (f"PATCH {path} HTTP/1.1\r\nHost: {self.host}\r\nAuthorization: Bearer {self.token}\r\n"
+                f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n").encode()
+        self.writer.write(head + body)
+        status_line = await self.reader.readline()
+        status = int(status_line.split()[1])
+        length = 0
+        while (line := await self.reader.readline()) not in (b"\r\n", b""):
+            name, _, value = line.decode("latin-1").partition(":")
+            if name.lower() == "content-length":
+                length = int(value)
+        return status, await self.reader.readexactly(length)
+
+    def close(self) -> None:
+        if self.writer is not None:
+            self.writer.close()
+
+
 async def bench(nats_url: str, admin_url: str, token: str, seconds: float, levels: list[int]) -> list[dict[str, Any]]:
     nc = await nats.connect(nats_url)
     js = nc.jetstream()
-    limits = httpx.Limits(max_connections=64, max_keepalive_connections=64)
-    http = httpx.AsyncClient(base_url=admin_url, headers={"Authorization": f"Bearer {token}"}, limits=limits,
-                             timeout=30)
+    host, port = admin_url.removeprefix("http://").split(":")
+    clients: dict[str, KeepAliveClient] = {}
     rows = []
 
     async def bare(state: dict[str, Any]) -> bool:
@@ -91,12 +121,13 @@ async def bench(nats_url: str, admin_url: str, token: str, seconds: float, level
 
     async def patch(state: dict[str, Any]) -> bool:
         state["n"] += 1
-        r = await http.patch("/router_policy", json={
+        http = clients.setdefault(state["model"], KeepAliveClient(host, int(port), token))
+        status, body = await http.patch("/router_policy", json.dumps({
             "model": state["model"], "expected_revision": state["revision"],
-            "parameters": {"router_temperature": state["n"] / 1000}})
-        if r.status_code != 200:
+            "parameters": {"router_temperature": state["n"] / 1000}}).encode())
+        if status != 200:
             return False
-        state["revision"] = r.json()["revision"]
+        state["revision"] = json.loads(body)["revision"]
         return True
 
     try:
@@ -109,7 +140,8 @@ async def bench(nats_url: str, admin_url: str, token: str, seconds: float, level
                          "p50_ratio": full["p50_ms"] / base["p50_ms"]})
             print(f"  c={c}: {full['accepted_per_s']:.0f} patches/s (bare {base['accepted_per_s']:.0f}/s)", flush=True)
     finally:
-        await http.aclose()
+        for c in clients.values():
+            c.close()
         await nc.close()
     return rows
 
