@@ -168,7 +168,7 @@ def main() -> None:
                        RUDDER_ADMIN_PORT=str(port), RUDDER_LOG_LEVEL="WARNING", PYTHONPATH=str(ROOT))
             # RUDDER_BENCH_CP_SCRIPT: run the control plane through another script (e.g. a profiler wrapper)
             script = os.environ.get("RUDDER_BENCH_CP_SCRIPT")
-            cmd = [script] if script else ["-c", "from controlplane.server import run; run()"]
+            cmd = [script] if script else ["-m", "cli.main", "serve", "controlplane"]
             proc = subprocess.Popen([sys.executable, *cmd], env=env)
             url = f"http://127.0.0.1:{port}"
             for _ in range(200):

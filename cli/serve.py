@@ -20,10 +20,20 @@ app = shared.new_app("Run a control plane, router or worker in the foreground.")
 
 
 def _configure_logging(level: str) -> None:
+    """Logging, and the event loop every served process runs on: uvloop when installed
+    (``uvicorn[standard]`` brings it), since each package's ``run`` uses ``asyncio.run``."""
     logging.basicConfig(
         level=level.upper(),
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
+    try:
+        import asyncio
+
+        import uvloop
+
+        asyncio.set_event_loop_policy(uvloop.EventLoopPolicy())
+    except ImportError:
+        pass
 
 
 def _settings(module: str, cls: str, overrides: dict[str, Any]) -> Any:

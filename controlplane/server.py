@@ -159,12 +159,6 @@ def run(settings: ControlPlaneSettings | None = None) -> None:
     settings = settings or ControlPlaneSettings()
     logging.basicConfig(level=settings.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    try:  # uvloop when installed (uvicorn[standard]); asyncio.run would otherwise pick the default loop
-        import uvloop
-
-        asyncio.set_event_loop_policy(uvloop.EventLoopPolicy())
-    except ImportError:
-        pass
     asyncio.run(serve(settings))
 
 
