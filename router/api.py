@@ -54,6 +54,7 @@ from router.scheduler import (
     SelectWorker,
 )
 from router.settings import RouterSettings
+from router.sse import FirstTokenDetector
 from router.targets import (
     HDR_DP_RANK,
     HDR_POLICY_REVISIONS,
@@ -331,15 +332,18 @@ async def _completion(request: Request, rt: Runtime, path: str, chat: bool) -> R
     async def relay() -> AsyncIterator[bytes]:
         last: float | None = None
         status = "200"
+        first = FirstTokenDetector()  # a role-only opening chunk is not the first token
         try:
             async for chunk in resp.aiter_raw():
                 now = time.perf_counter()
                 if last is None:
-                    rt.scheduler.send(RequestFirstToken(booking))
-                    observe_first_token(now)
+                    if first.feed(chunk):
+                        rt.scheduler.send(RequestFirstToken(booking))
+                        observe_first_token(now)
+                        last = now
                 else:
                     rt.metrics.itl.labels(*labels).observe(now - last)
-                last = now
+                    last = now
                 yield chunk
         except httpx.HTTPError as exc:
             status = "502"

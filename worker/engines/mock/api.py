@@ -264,11 +264,16 @@ class MockApi:
                 f'"model":{self._model_json},"choices":[{{"index":0,')
         chunk: Callable[[str, str], str]
         if chat:
+            # As vLLM does, the role travels with the first token (not ahead of the prefill), so
+            # the first chunk a client sees marks the end of the prefill.
+            role = '"role":"assistant",'
+
             def chunk(text: str, finish: str) -> str:
-                return (f'{head}"delta":{{"content":{json.dumps(text)}}},"logprobs":null,'
-                        f'"finish_reason":{finish}}}]}}\n\n')
-            yield (f'{head}"delta":{{"role":"assistant","content":""}},"logprobs":null,'
-                   f'"finish_reason":null}}]}}\n\n')
+                nonlocal role
+                out = (f'{head}"delta":{{{role}"content":{json.dumps(text)}}},"logprobs":null,'
+                       f'"finish_reason":{finish}}}]}}\n\n')
+                role = ""
+                return out
         else:
             def chunk(text: str, finish: str) -> str:
                 return (f'{head}"text":{json.dumps(text)},"logprobs":null,'

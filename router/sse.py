@@ -1,0 +1,73 @@
+"""Spotting the first token in an OpenAI server-sent-event stream (pure).
+
+A stream's first bytes are not always its first token: a chat stream may open with a role-only
+chunk (``"delta": {"role": "assistant"}``) sent before the prompt is even prefilled. The router
+releases a request's prefill booking and measures TTFT at the first chunk that carries generated
+content, so it parses events only until that point and not after.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+_CONTENT_KEYS = ("content", "reasoning_content", "text", "tool_calls")
+
+
+def _carries_token(event: Any) -> bool:
+    if not isinstance(event, dict):
+        return False
+    if "error" in event:
+        return True  # an error ends the prefill phase as surely as a token
+    for choice in event.get("choices") or ():
+        if not isinstance(choice, dict):
+            continue
+        if choice.get("text"):  # /v1/completions
+            return True
+        delta = choice.get("delta")
+        if isinstance(delta, dict) and any(delta.get(k) for k in _CONTENT_KEYS):
+            return True
+        if choice.get("finish_reason"):  # finished without content: prefill is over too
+            return True
+    return False
+
+
+class FirstTokenDetector:
+    """Feed raw stream chunks; ``feed`` returns True once, at the chunk that completes the first
+    event carrying a token (or an error, or a finish). Events split across chunks are buffered."""
+
+    def __init__(self, *, max_buffer: int = 1 << 20) -> None:
+        self._buffer = b""
+        self._found = False
+        self._max = max_buffer
+
+    @property
+    def found(self) -> bool:
+        return self._found
+
+    def feed(self, chunk: bytes) -> bool:
+        if self._found:
+            return False
+        self._buffer += chunk
+        while b"\n" in self._buffer:
+            line, _, self._buffer = self._buffer.partition(b"\n")
+            line = line.strip()
+            if not line.startswith(b"data:"):
+                continue
+            data = line[5:].strip()
+            if data == b"[DONE]":
+                self._found = True
+                return True
+            try:
+                event = json.loads(data)
+            except ValueError:
+                continue
+            if _carries_token(event):
+                self._found = True
+                self._buffer = b""
+                return True
+        if len(self._buffer) > self._max:  # not SSE after all: count the bytes as the token
+            self._found = True
+            self._buffer = b""
+            return True
+        return False

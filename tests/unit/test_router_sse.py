@@ -1,0 +1,47 @@
+from __future__ import annotations
+
+from router.sse import FirstTokenDetector
+
+ROLE = b'data: {"choices":[{"index":0,"delta":{"role":"assistant","content":""}}]}\n\n'
+TOKEN = b'data: {"choices":[{"index":0,"delta":{"content":"a"}}]}\n\n'
+TEXT = b'data: {"choices":[{"index":0,"text":"a"}]}\n\n'
+
+
+def test_role_only_chunk_is_not_the_first_token() -> None:
+    d = FirstTokenDetector()
+    assert d.feed(ROLE) is False
+    assert d.feed(TOKEN) is True
+    assert d.feed(TOKEN) is False  # once
+
+
+def test_completions_text_counts() -> None:
+    assert FirstTokenDetector().feed(TEXT) is True
+
+
+def test_event_split_across_chunks() -> None:
+    d = FirstTokenDetector()
+    assert d.feed(TOKEN[:20]) is False
+    assert d.feed(TOKEN[20:]) is True
+
+
+def test_role_and_token_in_one_chunk() -> None:
+    assert FirstTokenDetector().feed(ROLE + TOKEN) is True
+
+
+def test_error_done_and_finish_end_the_prefill_too() -> None:
+    assert FirstTokenDetector().feed(b'data: {"error": {"message": "x"}}\n\n') is True
+    assert FirstTokenDetector().feed(b"data: [DONE]\n\n") is True
+    assert FirstTokenDetector().feed(b'data: {"choices":[{"delta":{},"finish_reason":"length"}]}\n\n') is True
+
+
+def test_usage_only_and_garbage_are_not_tokens() -> None:
+    d = FirstTokenDetector()
+    assert d.feed(b'data: {"choices":[],"usage":{"prompt_tokens":3}}\n\n') is False
+    assert d.feed(b"data: not json\n\n: comment\n\n") is False
+    assert d.found is False
+
+
+def test_non_sse_bytes_count_once_the_buffer_is_large() -> None:
+    d = FirstTokenDetector(max_buffer=16)
+    assert d.feed(b"x" * 8) is False
+    assert d.feed(b"x" * 16) is True
