@@ -1,6 +1,7 @@
 """Helpers shared by the fleet benchmarks (``routing_quality.py``, ``proxy_overhead.py``).
 
-Processes are real (``python -m worker`` / ``python -m router`` on one embedded ``nats-server``),
+Processes are real (``rudder serve worker|router``, or ``python -m worker|router``, on one
+embedded ``nats-server``),
 all on 127.0.0.1, each in its own session so a stop reaches its children. CPU is sampled with
 psutil so a run can show it was not CPU-bound (the dev box has 2 cores).
 """
@@ -119,6 +120,16 @@ async def wait_until(url: str, ok: Any = None, *, within: float = 60.0) -> Any:
     raise RuntimeError(f"{url} not ready within {within:.0f}s (last answer {last!r})")
 
 
+def serve_command(kind: str, launcher: str) -> list[str]:
+    """``python -m <kind>`` (asyncio loop) or ``rudder serve <kind>`` (uvloop when installed,
+    as ``rudder up`` runs it); both read their settings from the RUDDER_* environment."""
+    if launcher == "module":
+        return [sys.executable, "-m", kind]
+    if launcher == "cli":
+        return [sys.executable, "-m", "cli.main", "serve", kind]
+    raise ValueError(f"launcher must be 'module' or 'cli', not {launcher!r}")
+
+
 def worker_env(nats_url: str, model: str, port: int, **mock: Any) -> dict[str, str]:
     env = {
         "RUDDER_NATS_URL": nats_url, "RUDDER_MODEL": model, "RUDDER_PORT": str(port),
@@ -130,10 +141,11 @@ def worker_env(nats_url: str, model: str, port: int, **mock: Any) -> dict[str, s
 
 
 def router_env(nats_url: str, model: str, port: int, *, mode: str = "kv",
-               selection: dict[str, float] | None = None) -> dict[str, str]:
+               selection: dict[str, float] | None = None, kv_events: bool = True) -> dict[str, str]:
     env = {
         "RUDDER_NATS_URL": nats_url, "RUDDER_MODELS": json.dumps([model]),
         "RUDDER_PORT": str(port), "RUDDER_MODE": mode, "RUDDER_LOG_LEVEL": "WARNING",
+        "RUDDER_KV_EVENTS": "true" if kv_events else "false",
     }
     if selection:
         env["RUDDER_SELECTION"] = json.dumps(selection)
@@ -149,6 +161,7 @@ class Fleet:
     n: int
     mock: dict[str, Any] = field(default_factory=dict)
     log_dir: Path | None = None
+    launcher: str = "cli"
     ports: list[int] = field(default_factory=list)
     procs: list[subprocess.Popen[bytes]] = field(default_factory=list)
 
@@ -160,7 +173,7 @@ class Fleet:
         self.ports = [free_port() for _ in range(self.n)]
         for i, port in enumerate(self.ports):
             log = self.log_dir / f"worker{i}.log" if self.log_dir else None
-            self.procs.append(spawn([sys.executable, "-m", "worker"],
+            self.procs.append(spawn(serve_command("worker", self.launcher),
                                     worker_env(self.nats_url, self.model, port, **self.mock), log=log))
         for url in self.urls:
             await wait_until(url + "/health")
@@ -187,12 +200,13 @@ class Router:
     """One ``python -m router`` process; ready when it sees ``workers`` workers of the model."""
 
     def __init__(self, nats_url: str, model: str, *, mode: str = "kv",
-                 selection: dict[str, float] | None = None, log: Path | None = None) -> None:
+                 selection: dict[str, float] | None = None, kv_events: bool = True,
+                 log: Path | None = None, launcher: str = "cli") -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.model = model
-        self.proc = spawn([sys.executable, "-m", "router"],
-                          router_env(nats_url, model, self.port, mode=mode, selection=selection), log=log)
+        env = router_env(nats_url, model, self.port, mode=mode, selection=selection, kv_events=kv_events)
+        self.proc = spawn(serve_command("router", launcher), env, log=log)
 
     async def ready(self, workers: int) -> None:
         await wait_until(self.url + "/health")

@@ -1,7 +1,7 @@
 """Proxy overhead: what the router adds to a streamed request, versus calling the worker directly.
 
-One mock worker (``python -m worker``, high ``speedup_ratio`` so the engine itself is cheap) and one
-router (``python -m router``, mode ``kv``: the full path with prompt hashing, index lookup, cost
+One mock worker (``rudder serve worker``, high ``speedup_ratio`` so the engine itself is cheap) and
+one router (``rudder serve router``, mode ``kv``: the full path with prompt hashing, index lookup, cost
 and booking) on one embedded nats-server, all on 127.0.0.1. Both targets get the same streamed
 ``/v1/completions`` requests (a ~100-token prompt, 8 output tokens, ``include_usage``):
 
@@ -209,14 +209,14 @@ async def main(args: argparse.Namespace) -> None:
     with tempfile.TemporaryDirectory(prefix="po-") as tmp:
         server = EmbeddedNats(Path(tmp) / "nats")
         server.start()
-        fleet = Fleet(server.url, MODEL, 1, mock={"speedup_ratio": args.speedup})
+        fleet = Fleet(server.url, MODEL, 1, mock={"speedup_ratio": args.speedup}, launcher=args.launcher)
         router: Router | None = None
         try:
             nc = await nats.connect(server.url)
             await ensure_all(nc.jetstream(), history_depth=64, replicas=1, worker_ttl_s=10, heartbeat_s=1)
             await nc.close()
             await fleet.start()
-            router = Router(server.url, MODEL, mode=args.mode)
+            router = Router(server.url, MODEL, mode=args.mode, launcher=args.launcher)
             await router.ready(1)
             direct_url, router_url = fleet.urls[0], router.url
 
@@ -271,7 +271,8 @@ async def main(args: argparse.Namespace) -> None:
             fleet.stop()
             server.stop()
     out = {
-        "benchmark": "proxy_overhead", **machine(), "mode": args.mode, "speedup_ratio": args.speedup,
+        "benchmark": "proxy_overhead", **machine(), "mode": args.mode, "launcher": args.launcher,
+        "speedup_ratio": args.speedup,
         "prompt_chars": len(PROMPT), "max_tokens": MAX_TOKENS,
         "note": ("streamed /v1/completions; TTFT = send -> first body chunk; latency phase alternates "
                  "direct and router requests one at a time; throughput = closed loop, best phase"),
@@ -292,6 +293,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--speedup", type=float, default=1000.0, help="mock speedup_ratio")
     p.add_argument("--mode", default="kv")
+    p.add_argument("--launcher", default="cli", choices=("cli", "module"),
+                   help="cli = rudder serve (uvloop, as deployed); module = python -m (asyncio loop)")
     p.add_argument("--profile", default="", help="py-spy speedscope profiles of router and worker here")
     p.add_argument("--output", default="proxy_overhead")
     return p.parse_args(argv)
