@@ -27,7 +27,6 @@ from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass, replace
 from typing import Any, Protocol
 
-import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
@@ -65,6 +64,7 @@ from router.targets import (
     parse_targets,
 )
 from router.tokenize import TokenizerRegistry
+from router.upstream import UpstreamError, UpstreamResponse
 
 log = logging.getLogger(__name__)
 
@@ -163,7 +163,7 @@ def _prefill_body(body: dict[str, Any], sel: Selection, *, chat: bool) -> bytes:
 @dataclass(slots=True)
 class _Opened:
     sel: Selection
-    resp: httpx.Response
+    resp: UpstreamResponse
     selected_at: float  # perf_counter when the first selection of the phase was answered
 
 
@@ -213,8 +213,8 @@ async def _read_all(rt: Runtime, opened: _Opened) -> bytes:
     sel, resp = opened.sel, opened.resp
     try:
         return await resp.aread()
-    except httpx.HTTPError as exc:
-        raise ServiceUnavailable(f"worker {sel.instance_id} failed: {type(exc).__name__}") from exc
+    except UpstreamError as exc:
+        raise ServiceUnavailable(f"worker {sel.instance_id} failed: {exc}") from exc
     finally:
         await resp.aclose()
         rt.scheduler.send(RequestFirstToken(sel.booking_id))
@@ -345,10 +345,10 @@ async def _completion(request: Request, rt: Runtime, path: str, chat: bool) -> R
                     rt.metrics.itl.labels(*labels).observe(now - last)
                     last = now
                 yield chunk
-        except httpx.HTTPError as exc:
+        except UpstreamError as exc:
             status = "502"
-            log.warning("request %s: worker stream broke: %s", request_id, type(exc).__name__)
-            err = {"error": {"message": f"worker stream broke: {type(exc).__name__}",
+            log.warning("request %s: worker stream broke: %s", request_id, exc)
+            err = {"error": {"message": f"worker stream broke: {exc}",
                              "type": "service_unavailable", "param": None, "code": "worker_failed"}}
             yield f"data: {json.dumps(err)}\n\n".encode()
         except asyncio.CancelledError:

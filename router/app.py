@@ -16,7 +16,6 @@ import random
 from collections.abc import AsyncIterator
 from datetime import datetime
 
-import httpx
 import nats
 import uvicorn
 from fastapi import FastAPI
@@ -42,6 +41,7 @@ from router.scheduler import Scheduler
 from router.settings import RouterSettings, RoutingMode
 from router.streams import ensure_all
 from router.tokenize import TokenizerRegistry
+from router.upstream import UpstreamClient
 
 log = logging.getLogger(__name__)
 
@@ -69,8 +69,9 @@ class RouterRuntime:
         self.tasks = TaskSet()
         self.started_at: datetime = utcnow()
         self.nc: NATS | None = None
-        self.http: httpx.AsyncClient | None = None
-        self.proxy: Proxy = Proxy(httpx.AsyncClient())  # replaced in start(); never used before
+        self.http = UpstreamClient(connect_timeout_s=settings.connect_timeout_s,
+                                   read_timeout_s=settings.request_timeout_s)
+        self.proxy: Proxy = Proxy(self.http)
         self.status: StatusPublisher | None = None
         self.policy: PolicyConsumer | None = None
         self.membership: MembershipConsumer | None = None
@@ -78,12 +79,6 @@ class RouterRuntime:
 
     async def start(self) -> None:
         s = self.settings
-        await self.proxy.client.aclose()
-        self.http = httpx.AsyncClient(
-            timeout=httpx.Timeout(s.request_timeout_s, connect=s.connect_timeout_s),
-            limits=httpx.Limits(max_connections=None, max_keepalive_connections=256),
-        )
-        self.proxy = Proxy(self.http)
         self.scheduler.start()
         self.nc = await nats.connect(
             s.nats_url, name=f"rudder-router-{s.router_id}", max_reconnect_attempts=-1,

@@ -1,6 +1,6 @@
-"""Forwarding a request to the selected worker over HTTP (one httpx client per process).
+"""Forwarding a request to the selected worker over HTTP (one upstream client per process).
 
-httpx errors are translated here, once: a failure to connect (or the connection dropping before
+Client errors are translated here, once: a failure to connect (or the connection dropping before
 the response head) is :class:`WorkerUnreachable`, which the API retries on another worker unless
 the request is pinned; anything else that stops the exchange is ``ServiceUnavailable``.
 """
@@ -9,9 +9,8 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-import httpx
-
 from controlplane.protocol.errors import ServiceUnavailable
+from router.upstream import UpstreamClient, UpstreamError, UpstreamResponse, UpstreamUnreachable
 
 # Hop-by-hop and framing headers we never forward.
 _DROP = frozenset({
@@ -29,24 +28,17 @@ def forward_headers(headers: Mapping[str, str]) -> dict[str, str]:
 
 
 class Proxy:
-    def __init__(self, client: httpx.AsyncClient) -> None:
+    def __init__(self, client: UpstreamClient) -> None:
         self.client = client
 
     async def open(
         self, url: str, path: str, body: bytes, headers: Mapping[str, str]
-    ) -> httpx.Response:
+    ) -> UpstreamResponse:
         """Send the request and return once the response head is in (the body is streamed).
         Raises WorkerUnreachable (retry elsewhere) or ServiceUnavailable."""
-        request = self.client.build_request(
-            "POST", url.rstrip("/") + path, content=body, headers=dict(headers)
-        )
         try:
-            return await self.client.send(request, stream=True)
-        except (httpx.ConnectError, httpx.ConnectTimeout, httpx.RemoteProtocolError) as exc:
-            raise WorkerUnreachable(
-                f"worker at {url} is unreachable: {type(exc).__name__}", retry_after=1
-            ) from exc
-        except httpx.HTTPError as exc:
-            raise ServiceUnavailable(
-                f"worker at {url} failed: {type(exc).__name__}", retry_after=1
-            ) from exc
+            return await self.client.open(url, path, body, headers)
+        except UpstreamUnreachable as exc:
+            raise WorkerUnreachable(f"worker at {url} is unreachable: {exc}", retry_after=1) from exc
+        except UpstreamError as exc:
+            raise ServiceUnavailable(f"worker at {url} failed: {exc}", retry_after=1) from exc

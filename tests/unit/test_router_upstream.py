@@ -1,0 +1,172 @@
+"""The router's upstream HTTP client against real sockets (small asyncio servers on loopback)."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable
+
+import pytest
+
+from cli.embedded import free_port
+from router.upstream import UpstreamBroken, UpstreamClient, UpstreamUnreachable
+
+pytestmark = pytest.mark.timeout(30)
+
+Handler = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
+
+
+async def read_request(reader: asyncio.StreamReader) -> tuple[str, dict[str, str], bytes]:
+    line = (await reader.readline()).decode()
+    headers: dict[str, str] = {}
+    while (h := await reader.readline()) not in (b"\r\n", b""):
+        k, _, v = h.decode().partition(":")
+        headers[k.strip().lower()] = v.strip()
+    body = await reader.readexactly(int(headers.get("content-length", "0")))
+    return line, headers, body
+
+
+async def serve(handler: Handler) -> tuple[asyncio.Server, str]:
+    server = await asyncio.start_server(handler, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    return server, f"http://127.0.0.1:{port}"
+
+
+def client() -> UpstreamClient:
+    return UpstreamClient(connect_timeout_s=1, read_timeout_s=2)
+
+
+async def test_chunked_stream_and_keep_alive_reuse() -> None:
+    connections = 0
+    seen: list[tuple[str, dict[str, str], bytes]] = []
+
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        nonlocal connections
+        connections += 1
+        while not reader.at_eof():
+            try:
+                seen.append(await read_request(reader))
+            except asyncio.IncompleteReadError:
+                break
+            if not seen[-1][0]:
+                break
+            writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n")
+            for part in (b"data: a\n\n", b"data: bc\n\n"):
+                writer.write(f"{len(part):x}\r\n".encode() + part + b"\r\n")
+                await writer.drain()
+            writer.write(b"0\r\n\r\n")
+            await writer.drain()
+
+    server, url = await serve(handler)
+    c = client()
+    try:
+        for _ in range(3):
+            resp = await c.open(url, "/v1/completions", b'{"x":1}', {"x-dp-rank": "0"})
+            assert resp.status_code == 200 and resp.headers["content-type"] == "text/event-stream"
+            # chunks already received are forwarded together; the body is exactly the events
+            assert b"".join([chunk async for chunk in resp.aiter_raw()]) == b"data: a\n\ndata: bc\n\n"
+        assert connections == 1  # one keep-alive connection served all three
+        line, headers, body = seen[0]
+        assert line.startswith("POST /v1/completions HTTP/1.1")
+        assert headers["x-dp-rank"] == "0" and headers["content-length"] == "7" and body == b'{"x":1}'
+    finally:
+        await c.aclose()
+        server.close()
+
+
+async def test_content_length_and_close_framing() -> None:
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        line, _, _ = await read_request(reader)
+        if "/fixed" in line:
+            writer.write(b"HTTP/1.1 404 Not Found\r\nContent-Length: 5\r\n\r\nnope!")
+        else:
+            writer.write(b"HTTP/1.1 200 OK\r\nConnection: close\r\n\r\nuntil the end")
+            await writer.drain()
+            writer.close()
+
+    server, url = await serve(handler)
+    c = client()
+    try:
+        resp = await c.open(url, "/fixed", b"", {})
+        assert (resp.status_code, await resp.aread()) == (404, b"nope!")
+        resp = await c.open(url, "/close", b"", {})
+        assert await resp.aread() == b"until the end"
+    finally:
+        await c.aclose()
+        server.close()
+
+
+async def test_an_idle_connection_closed_by_the_worker_is_retried_once_fresh() -> None:
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await read_request(reader)
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok")
+        await writer.drain()
+        writer.close()  # the worker drops the keep-alive connection after one answer
+
+    server, url = await serve(handler)
+    c = client()
+    try:
+        for _ in range(3):
+            resp = await c.open(url, "/", b"", {})
+            assert await resp.aread() == b"ok"
+    finally:
+        await c.aclose()
+        server.close()
+
+
+async def test_refused_is_unreachable_and_a_broken_stream_is_broken() -> None:
+    c = client()
+    with pytest.raises(UpstreamUnreachable):
+        await c.open(f"http://127.0.0.1:{free_port()}", "/", b"", {})
+
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await read_request(reader)
+        writer.write(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n5\r\nhel")
+        await writer.drain()
+        writer.close()
+
+    server, url = await serve(handler)
+    try:
+        resp = await c.open(url, "/", b"", {})
+        with pytest.raises(UpstreamBroken):
+            await resp.aread()
+    finally:
+        await c.aclose()
+        server.close()
+
+
+async def test_silence_before_the_status_line_is_unreachable() -> None:
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await read_request(reader)
+        writer.close()  # accepted, then closed without a byte of response
+
+    server, url = await serve(handler)
+    c = client()
+    try:
+        with pytest.raises(UpstreamUnreachable):
+            await c.open(url, "/", b"{}", {})
+    finally:
+        await c.aclose()
+        server.close()
+
+
+async def test_slow_chunks_stream_one_by_one_and_trailers_are_consumed() -> None:
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        for _ in range(2):
+            await read_request(reader)
+            writer.write(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n")
+            for part in (b"data: 1\n\n", b"data: 2\n\n"):
+                writer.write(f"{len(part):x};ext=1\r\n".encode() + part + b"\r\n")
+                await writer.drain()
+                await asyncio.sleep(0.05)  # a token every 50 ms
+            writer.write(b"0\r\nX-Trailer: t\r\n\r\n")
+            await writer.drain()
+
+    server, url = await serve(handler)
+    c = client()
+    try:
+        for _ in range(2):  # the trailer is consumed: the connection is reusable
+            resp = await c.open(url, "/", b"", {})
+            assert [chunk async for chunk in resp.aiter_raw()] == [b"data: 1\n\n", b"data: 2\n\n"]
+    finally:
+        await c.aclose()
+        server.close()
