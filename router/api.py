@@ -29,6 +29,7 @@ from typing import Any, Protocol
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 from controlplane.protocol.errors import (
     ClientGone,
@@ -364,26 +365,64 @@ async def _completion(request: Request, rt: Runtime, path: str, chat: bool) -> R
     )
 
 
+def _rudder_error_response(rt: Runtime, request: Request, exc: RudderError) -> Response:
+    """The one mapping of a RudderError to the router's answer (OpenAI shape), with its metrics."""
+    overload = rt.settings.overload_status
+    status = overload if isinstance(exc, Overloaded) else exc.status_code
+    rt.metrics.rejections.labels(_reason(exc)).inc()
+    rt.metrics.requests.labels(getattr(request.state, "model", ""), request.url.path, str(status)).inc()
+    if status >= 500 and not isinstance(exc, (ServiceUnavailable, Overloaded)):
+        log.error("bug: %r", exc)
+    return error_response(exc, overload_status=overload)
+
+
+def _bug_response(rt: Runtime, request: Request) -> Response:
+    log.exception("unhandled error on %s", request.url.path)
+    rt.metrics.rejections.labels("internal_error").inc()
+    return error_response(RudderError("internal error"), overload_status=rt.settings.overload_status)
+
+
+_FAST_ROUTES = {"/v1/chat/completions": True, "/v1/completions": False}
+
+
+class InferenceFastPath:
+    """Plain ASGI: the two inference routes are served here, ahead of FastAPI's routing, exception
+    middleware and request/response wrappers, which cost a large share of the router's CPU per
+    proxied request (bench/proxy_overhead.py). The same handler and the same error mapping serve
+    them as the FastAPI routes declared in ``build_api`` (which remain for the OpenAPI schema)."""
+
+    def __init__(self, app: ASGIApp, *, rt: Runtime) -> None:
+        self.app = app
+        self.rt = rt
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        chat = _FAST_ROUTES.get(scope.get("path", "")) if scope["type"] == "http" else None
+        if chat is None or scope.get("method") != "POST":
+            await self.app(scope, receive, send)
+            return
+        request = Request(scope, receive)
+        response: Response
+        try:
+            response = await _completion(request, self.rt, scope["path"], chat=chat)
+        except RudderError as exc:
+            response = _rudder_error_response(self.rt, request, exc)
+        except Exception:
+            response = _bug_response(self.rt, request)
+        await response(scope, receive, send)
+
+
 def build_api(rt: Runtime, app: FastAPI) -> None:
     """Mount the routes and the error handlers on ``app``."""
-    overload = rt.settings.overload_status
 
     @app.exception_handler(RudderError)
     async def _rudder_error(request: Request, exc: RudderError) -> Response:
-        status = overload if isinstance(exc, Overloaded) else exc.status_code
-        rt.metrics.rejections.labels(_reason(exc)).inc()
-        rt.metrics.requests.labels(
-            getattr(request.state, "model", ""), request.url.path, str(status)
-        ).inc()
-        if status >= 500 and not isinstance(exc, (ServiceUnavailable, Overloaded)):
-            log.error("bug: %r", exc)
-        return error_response(exc, overload_status=overload)
+        return _rudder_error_response(rt, request, exc)
 
     @app.exception_handler(Exception)
     async def _bug(request: Request, exc: Exception) -> Response:
-        log.exception("unhandled error on %s", request.url.path)
-        rt.metrics.rejections.labels("internal_error").inc()
-        return error_response(RudderError("internal error"), overload_status=overload)
+        return _bug_response(rt, request)
+
+    app.add_middleware(InferenceFastPath, rt=rt)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
