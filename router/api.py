@@ -28,7 +28,7 @@ from dataclasses import dataclass, replace
 from typing import Any, Protocol
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from controlplane.protocol.errors import (
@@ -330,6 +330,8 @@ async def _completion(request: Request, rt: Runtime, path: str, chat: bool) -> R
         rt.metrics.requests.labels(model, path, str(resp.status_code)).inc()
         return Response(content, status_code=resp.status_code, media_type=content_type, headers=out_headers)
 
+    client_gone = False
+
     async def relay() -> AsyncIterator[bytes]:
         last: float | None = None
         status = "200"
@@ -347,11 +349,15 @@ async def _completion(request: Request, rt: Runtime, path: str, chat: bool) -> R
                     last = now
                 yield chunk
         except UpstreamError as exc:
-            status = "502"
-            log.warning("request %s: worker stream broke: %s", request_id, exc)
-            err = {"error": {"message": f"worker stream broke: {exc}",
-                             "type": "service_unavailable", "param": None, "code": "worker_failed"}}
-            yield f"data: {json.dumps(err)}\n\n".encode()
+            if client_gone:
+                status = "499"
+                log.info("request %s: client went away; worker stream closed", request_id)
+            else:
+                status = "502"
+                log.warning("request %s: worker stream broke: %s", request_id, exc)
+                err = {"error": {"message": f"worker stream broke: {exc}",
+                                 "type": "service_unavailable", "param": None, "code": "worker_failed"}}
+                yield f"data: {json.dumps(err)}\n\n".encode()
         except asyncio.CancelledError:
             status = "499"
             raise
@@ -360,9 +366,43 @@ async def _completion(request: Request, rt: Runtime, path: str, chat: bool) -> R
             rt.scheduler.send(RequestDone(booking))
             rt.metrics.requests.labels(model, path, status).inc()
 
-    return StreamingResponse(
-        relay(), status_code=resp.status_code, media_type=content_type, headers=out_headers,
-    )
+    def on_client_gone() -> None:
+        nonlocal client_gone
+        client_gone = True
+        resp.abort()  # the relay's pending read fails at once: booking freed, worker stops
+
+    return RelayResponse(relay(), status_code=resp.status_code, media_type=content_type,
+                         headers=out_headers, on_disconnect=on_client_gone)
+
+
+class RelayResponse(Response):
+    """A streamed answer written straight to ASGI. Starlette's ``StreamingResponse`` runs an anyio
+    task group with cancel scopes per response to notice a client that goes away; here one plain
+    task waits for ``http.disconnect`` (the request body is already read) and then calls
+    ``on_disconnect``, which closes the worker connection under the relay."""
+
+    def __init__(self, body: AsyncIterator[bytes], *, status_code: int, media_type: str,
+                 headers: Mapping[str, str], on_disconnect: Callable[[], None]) -> None:
+        super().__init__(status_code=status_code, media_type=media_type, headers=dict(headers))
+        # The base class sized an empty body; this one is streamed (chunked) instead.
+        self.raw_headers = [(k, v) for k, v in self.raw_headers if k != b"content-length"]
+        self.body_iterator = body
+        self.on_disconnect = on_disconnect
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        async def watch() -> None:
+            while (await receive())["type"] != "http.disconnect":
+                pass
+            self.on_disconnect()
+
+        watcher = asyncio.create_task(watch())
+        try:
+            await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
+            async for chunk in self.body_iterator:
+                await send({"type": "http.response.body", "body": chunk, "more_body": True})
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+        finally:
+            watcher.cancel()
 
 
 def _rudder_error_response(rt: Runtime, request: Request, exc: RudderError) -> Response:

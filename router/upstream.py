@@ -250,3 +250,10 @@ class UpstreamResponse:
         """Close early (client gone): the connection cannot be reused mid-body."""
         if not self._done:
             self._abandon()
+
+    def abort(self) -> None:
+        """Close the connection under a reader that may be waiting on it (from a callback): the
+        pending read fails with UpstreamBroken at once."""
+        conn = self._conn
+        if conn is not None and not self._done:
+            conn.writer.transport.abort()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -117,6 +118,47 @@ async def test_eviction_removes_blocks_from_the_router_index(nats_url: str) -> N
         assert predicted == cached
         assert predicted < 30 * 16 - 16  # the evicted blocks left the index
         await client.close()
+    finally:
+        await router.stop()
+        stop.set()
+        await asyncio.wait_for(task, 10)
+
+
+async def test_client_gone_mid_stream_frees_the_booking_at_once(nats_url: str) -> None:
+    """A client that disconnects while tokens stream: the router closes the worker stream, frees
+    the booking within a moment (not at the end of the generation) and counts a 499."""
+    model = "gone-model"
+    stop = asyncio.Event()
+    ready: list[Any] = []
+    settings = worker_settings.WorkerSettings(
+        nats_url=nats_url, model=model, heartbeat_s=0.2,
+        mock=worker_settings.MockEngineSettings(speedup_ratio=0.5, block_size=16),  # ~100 ms a token
+    )
+    task = asyncio.create_task(worker_agent.serve(settings, stop=stop, on_ready=ready.append))
+    await wait_for(lambda: bool(ready) or task.done(), within=20)
+    router = await InProcessRouter(router_settings(nats_url, model)).start()
+    sched = router.runtime.scheduler
+    try:
+        await wait_for(lambda: router.runtime.scheduler.view.workers.get(model) == 1, within=10)
+        host, port = router.url.removeprefix("http://").split(":")
+        reader, writer = await asyncio.open_connection(host, int(port))
+        body = json.dumps({"model": model, "prompt": "hello " * 10, "max_tokens": 200, "stream": True}).encode()
+        writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     + f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
+        await writer.drain()
+        got = b""
+        while b'"text"' not in got:  # the stream has started
+            data = await asyncio.wait_for(reader.read(4096), 10)
+            assert data, got
+            got += data
+        assert await sched.inspect(lambda s: len(s.bookings)) == 1
+        writer.close()  # the client goes away ~20 s before the generation would end
+        gone_at = asyncio.get_running_loop().time()
+        await wait_for(lambda: sched.inspect(lambda s: len(s.bookings) == 0), within=3)
+        assert asyncio.get_running_loop().time() - gone_at < 3
+        metrics = router.runtime.metrics.render().decode()
+        assert any(line.startswith("rudder_router_requests_total") and 'endpoint="/v1/completions"' in line
+                   and 'status="499"' in line for line in metrics.splitlines()), metrics
     finally:
         await router.stop()
         stop.set()
