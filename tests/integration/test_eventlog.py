@@ -1,0 +1,79 @@
+"""The policy event log on a real JetStream: CAS publish, the lost-ack retry, head by direct get,
+history, and stream settings (DESIGN §2)."""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import AsyncIterator
+from datetime import UTC, datetime
+
+import pytest
+
+from controlplane.eventlog import PolicyLog, connect
+from controlplane.protocol.errors import RevisionConflict
+from controlplane.protocol.events import PolicyEvent
+from controlplane.protocol.policy import PolicyKind, PolicyOp
+from controlplane.protocol.subjects import STREAM_POLICY
+
+pytestmark = pytest.mark.timeout(60)
+
+
+@pytest.fixture
+async def log(nats_url: str) -> AsyncIterator[PolicyLog]:
+    nc = await connect(nats_url)
+    policy_log = PolicyLog(nc)
+    await policy_log.ensure(history_depth=64, replicas=1, worker_ttl_s=10, router_heartbeat_s=1)
+    yield policy_log
+    await nc.close()
+
+
+def event(model: str, expected: int, temperature: float, event_id: uuid.UUID | None = None) -> PolicyEvent:
+    return PolicyEvent(event_id=event_id or uuid.uuid4(), model=model, kind=PolicyKind.SELECTION,
+                       op=PolicyOp.PATCH, expected_revision=expected,
+                       changes={"router_temperature": temperature},
+                       document={"router_temperature": temperature}, actor="t", request_id="r",
+                       at=datetime.now(UTC))
+
+
+@pytest.mark.parametrize("model", ["meta-llama/Llama-3.1-8B-Instruct", "qwen2.5:7b", "a model * > ü"])
+async def test_cas_publish_head_and_history(log: PolicyLog, model: str) -> None:
+    assert await log.head(model, PolicyKind.SELECTION) is None  # revision 0
+    first = await log.publish(event(model, 0, 0.1))
+    second = await log.publish(event(model, first.revision, 0.2))
+    assert second.revision > first.revision and not second.recovered
+    head = await log.head(model, PolicyKind.SELECTION)
+    assert head is not None and head.revision == second.revision and head.event is not None
+    assert head.event.document == {"router_temperature": 0.2}
+    assert [s.revision async for s in log.history(model, PolicyKind.SELECTION)] == [first.revision,
+                                                                                    second.revision]
+    assert (await log.get(model, PolicyKind.SELECTION, first.revision)) is not None
+    assert (await log.get(model, PolicyKind.BUSY_THRESHOLD, first.revision)) is None  # other subject
+
+
+async def test_stale_expectation_is_a_conflict_with_the_head(log: PolicyLog) -> None:
+    model = f"m-{uuid.uuid4().hex[:6]}"
+    first = await log.publish(event(model, 0, 0.1))
+    with pytest.raises(RevisionConflict) as exc:
+        await log.publish(event(model, 0, 0.3))
+    assert (exc.value.expected_revision, exc.value.head_revision) == (0, first.revision)
+    assert exc.value.status_code == 409
+
+
+async def test_retry_after_a_lost_ack_is_recognised_as_our_own_write(log: PolicyLog) -> None:
+    """CAS is checked before de-duplication: re-sending an event whose first publish succeeded
+    (its ack lost) gets 10071; the log reads the head back, finds our Nats-Msg-Id, and reports the
+    original revision instead of a conflict. Nothing is stored twice."""
+    model = f"m-{uuid.uuid4().hex[:6]}"
+    mine = event(model, 0, 0.5)
+    original = await log.publish(mine)
+    retried = await log.publish(mine)  # the same event, the same expectation
+    assert retried.recovered and retried.revision == original.revision
+    assert [s.revision async for s in log.history(model, PolicyKind.SELECTION)] == [original.revision]
+
+
+async def test_policy_stream_settings(log: PolicyLog) -> None:
+    info = await log.js.stream_info(STREAM_POLICY)
+    cfg = info.config
+    assert cfg.max_msgs_per_subject == 64 and cfg.allow_direct and cfg.deny_delete and cfg.deny_purge
+    assert cfg.duplicate_window == 120
+    assert cfg.num_replicas == 1
