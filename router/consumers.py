@@ -48,11 +48,11 @@ from controlplane.protocol.subjects import (
     STREAM_MEMBERSHIP,
     STREAM_POLICY,
     acks_subject,
-    encode_model_key,
     kv_filter,
     kvdump_subject,
     membership_filter,
     parse_policy_subject,
+    policy_filter,
     policy_subject,
     router_status_key,
 )
@@ -71,6 +71,16 @@ from router.scheduler import (
 log = logging.getLogger(__name__)
 
 _NATS_ERRORS = (nats.errors.Error, asyncio.TimeoutError, OSError)
+
+
+async def unsubscribe_all(subs: list[Any]) -> None:
+    """Unsubscribe every subscription (a NATS that is already gone is not an error) and forget them."""
+    for sub in subs:
+        try:
+            await sub.unsubscribe()
+        except _NATS_ERRORS:
+            pass
+    subs.clear()
 
 
 class TaskSet:
@@ -168,19 +178,14 @@ class PolicyConsumer:
     async def start(self) -> None:
         for model in self.models:
             sub = await self.js.subscribe(
-                f"rudder.policy.{encode_model_key(model)}.*", stream=STREAM_POLICY,
+                policy_filter(model), stream=STREAM_POLICY,
                 cb=self._on_msg, ordered_consumer=True,
                 deliver_policy=DeliverPolicy.LAST_PER_SUBJECT, idle_heartbeat=2.0,
             )
             self._subs.append(sub)
 
     async def stop(self) -> None:
-        for sub in self._subs:
-            try:
-                await sub.unsubscribe()
-            except _NATS_ERRORS:
-                pass
-        self._subs.clear()
+        await unsubscribe_all(self._subs)
 
     async def _on_msg(self, msg: Msg) -> None:
         try:
@@ -314,12 +319,7 @@ class MembershipConsumer:
             self.scheduler.send(DiscoveryComplete())
 
     async def stop(self) -> None:
-        for sub in self._subs:
-            try:
-                await sub.unsubscribe()
-            except _NATS_ERRORS:
-                pass
-        self._subs.clear()
+        await unsubscribe_all(self._subs)
 
     async def _on_msg(self, model: str, msg: Msg) -> None:
         try:
@@ -355,12 +355,7 @@ class KvEventSubscriber:
             self._subs.append(await self.nc.subscribe(kv_filter(model), cb=self._on_msg))
 
     async def stop(self) -> None:
-        for sub in self._subs:
-            try:
-                await sub.unsubscribe()
-            except _NATS_ERRORS:
-                pass
-        self._subs.clear()
+        await unsubscribe_all(self._subs)
 
     async def _on_msg(self, msg: Msg) -> None:
         try:

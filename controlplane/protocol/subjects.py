@@ -77,6 +77,11 @@ def policy_subject(model: str, kind: str) -> str:
     return f"{POLICY_PREFIX}.{encode_model_key(model)}.{kind}"
 
 
+def policy_filter(model: str) -> str:
+    """Both documents (every kind) of one model."""
+    return f"{POLICY_PREFIX}.{encode_model_key(model)}.*"
+
+
 def parse_policy_subject(subject: str) -> tuple[str, str]:
     """Return (model, kind) of a policy subject. Raises InvalidRequest."""
     parts = subject.split(".")
