@@ -61,11 +61,23 @@ def free_port() -> int:
         return port
 
 
-async def serve_in_task(app: Any, port: int, *, lifespan: str = "on") -> tuple[uvicorn.Server, asyncio.Task[None]]:
+def bind_socket(port: int = 0) -> socket.socket:
+    """A listening-ready socket on 127.0.0.1:``port`` (0 = the kernel picks). Binding here, before
+    the server starts, closes the window in which a port picked by ``free_port`` could be taken by
+    an outgoing connection; a taken fixed port fails at once with OSError, not inside uvicorn."""
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind(("127.0.0.1", port))
+    return sock
+
+
+async def serve_in_task(app: Any, port: int, *, lifespan: str = "on",
+                        sock: socket.socket | None = None) -> tuple[uvicorn.Server, asyncio.Task[None]]:
+    sock = sock or bind_socket(port)
     config = uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", lifespan=lifespan)
     server = uvicorn.Server(config)
     server.install_signal_handlers = lambda: None  # type: ignore[method-assign]
-    task = asyncio.create_task(server.serve())
+    task = asyncio.create_task(server.serve(sockets=[sock]))
     deadline = time.monotonic() + 15
     while not server.started:
         if task.done():
@@ -266,6 +278,9 @@ class InProcessRouter:
     """A router app served by uvicorn inside the test's event loop."""
 
     def __init__(self, settings: RouterSettings) -> None:
+        # Bound now, on a port the kernel picks: the advertised URL carries the real port.
+        self._sock = bind_socket(0)
+        settings = settings.model_copy(update={"port": self._sock.getsockname()[1]})
         self.settings = settings
         self.app = create_app(settings)
         self._server: uvicorn.Server | None = None
@@ -280,7 +295,7 @@ class InProcessRouter:
         return self.app.state.runtime
 
     async def start(self) -> InProcessRouter:
-        self._server, self._task = await serve_in_task(self.app, self.settings.port)
+        self._server, self._task = await serve_in_task(self.app, self.settings.port, sock=self._sock)
         return self
 
     async def stop(self) -> None:
