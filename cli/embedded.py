@@ -174,6 +174,8 @@ class EmbeddedPostgres:
 
     def __init__(self, data_dir: Path, *, port: int | None = None):
         self.data_dir = Path(data_dir).absolute()
+        self._auto_port = port is None
+        self._started = False
         self.port = port or free_port()
         self.system_user: str | None = None
 
@@ -221,9 +223,19 @@ class EmbeddedPostgres:
         if not (self.data_dir / "PG_VERSION").exists():
             self._run([self._bin("initdb"), "-D", str(self.data_dir), "--auth=trust",
                        "--encoding=utf8", "-U", "postgres"], timeout=120)
-        opts = f"-p {self.port} -h 127.0.0.1 -k {self.data_dir} -c max_connections=200"
-        self._run([self._bin("pg_ctl"), "-D", str(self.data_dir), "-w", "-t", "60", "-o", opts,
-                   "-l", str(self.data_dir / "server.log"), "start"], timeout=90)
+        for attempt in range(3):
+            opts = f"-p {self.port} -h 127.0.0.1 -k {self.data_dir} -c max_connections=200"
+            try:
+                self._run([self._bin("pg_ctl"), "-D", str(self.data_dir), "-w", "-t", "60", "-o", opts,
+                           "-l", str(self.data_dir / "server.log"), "start"], timeout=90)
+                break
+            except subprocess.CalledProcessError:
+                # A port picked here may have been taken before the server bound it: on the first
+                # start only (a restart must keep its address), try a fresh one.
+                if not self._auto_port or self._started or attempt == 2:
+                    raise
+                self.port = free_port()
+        self._started = True
 
     def stop(self, *, mode: str = "fast") -> None:
         if not (self.data_dir / "postmaster.pid").exists():
