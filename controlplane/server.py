@@ -130,7 +130,7 @@ async def serving(settings: ControlPlaneSettings, *, failpoints: Failpoints | No
     """Run a control plane inside this event loop (tests, embedding); yields once it listens."""
     app = create_app(settings, failpoints=failpoints)
     config = uvicorn.Config(app, host=settings.admin_host, port=settings.admin_port, log_level="warning",
-                            lifespan="on", access_log=False)
+                            lifespan="on", access_log=False, timeout_graceful_shutdown=10)
     server = uvicorn.Server(config)
     task = asyncio.create_task(server.serve(), name="admin-api")
     while not server.started:
@@ -151,7 +151,8 @@ async def serving(settings: ControlPlaneSettings, *, failpoints: Failpoints | No
 
 async def serve(settings: ControlPlaneSettings) -> None:
     config = uvicorn.Config(create_app(settings), host=settings.admin_host, port=settings.admin_port,
-                            log_level=settings.log_level.lower(), lifespan="on", access_log=False)
+                            log_level=settings.log_level.lower(), lifespan="on", access_log=False,
+                            timeout_graceful_shutdown=10)
     await uvicorn.Server(config).serve()
 
 

@@ -179,7 +179,7 @@ async def serve(settings: RouterSettings) -> None:
     app = create_app(settings)
     config = uvicorn.Config(
         app, host=settings.host, port=settings.port, log_level=settings.log_level.lower(),
-        access_log=False, lifespan="on",
+        access_log=False, lifespan="on", timeout_graceful_shutdown=settings.shutdown_grace_s,
     )
     await uvicorn.Server(config).serve()
 

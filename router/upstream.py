@@ -122,6 +122,9 @@ class UpstreamClient:
         except (OSError, TimeoutError, asyncio.IncompleteReadError) as exc:
             conn.close()
             raise UpstreamUnreachable(f"no response from {key[0]}:{key[1]}: {type(exc).__name__}") from exc
+        except BaseException:  # cancelled mid-exchange: the connection is in an unknown state
+            conn.close()
+            raise
         try:
             parts = status_line.split(None, 2)
             status = int(parts[1])
@@ -138,6 +141,9 @@ class UpstreamClient:
         except (OSError, TimeoutError, ValueError, IndexError, asyncio.LimitOverrunError) as exc:
             conn.close()
             raise UpstreamBroken(f"bad response head from {key[0]}:{key[1]}: {type(exc).__name__}") from exc
+        except BaseException:
+            conn.close()
+            raise
         return UpstreamResponse(self, key, conn, status, headers)
 
     async def aclose(self) -> None:

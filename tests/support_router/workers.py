@@ -74,7 +74,9 @@ def bind_socket(port: int = 0) -> socket.socket:
 async def serve_in_task(app: Any, port: int, *, lifespan: str = "on",
                         sock: socket.socket | None = None) -> tuple[uvicorn.Server, asyncio.Task[None]]:
     sock = sock or bind_socket(port)
-    config = uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", lifespan=lifespan)
+    # Bounded shutdown: a connection left mid-response must not hold a test's teardown forever.
+    config = uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", lifespan=lifespan,
+                            timeout_graceful_shutdown=3)
     server = uvicorn.Server(config)
     server.install_signal_handlers = lambda: None  # type: ignore[method-assign]
     task = asyncio.create_task(server.serve(sockets=[sock]))
