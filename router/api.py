@@ -23,7 +23,7 @@ import json
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable, Mapping
+from collections.abc import AsyncGenerator, Awaitable, Callable, Mapping
 from dataclasses import dataclass, replace
 from typing import Any, Protocol
 
@@ -331,8 +331,20 @@ async def _completion(request: Request, rt: Runtime, path: str, chat: bool) -> R
         return Response(content, status_code=resp.status_code, media_type=content_type, headers=out_headers)
 
     client_gone = False
+    finished = False
 
-    async def relay() -> AsyncIterator[bytes]:
+    async def finish(status: str) -> None:
+        """Release the worker connection and the booking, once, whoever gets here first: the relay
+        when it ends, or the response when it ends without the relay having run."""
+        nonlocal finished
+        if finished:
+            return
+        finished = True
+        await resp.aclose()
+        rt.scheduler.send(RequestDone(booking))
+        rt.metrics.requests.labels(model, path, status).inc()
+
+    async def relay() -> AsyncGenerator[bytes, None]:
         last: float | None = None
         status = "200"
         first = FirstTokenDetector()  # a role-only opening chunk is not the first token
@@ -362,9 +374,7 @@ async def _completion(request: Request, rt: Runtime, path: str, chat: bool) -> R
             status = "499"
             raise
         finally:
-            await resp.aclose()
-            rt.scheduler.send(RequestDone(booking))
-            rt.metrics.requests.labels(model, path, status).inc()
+            await finish(status)
 
     def on_client_gone() -> None:
         nonlocal client_gone
@@ -372,7 +382,7 @@ async def _completion(request: Request, rt: Runtime, path: str, chat: bool) -> R
         resp.abort()  # the relay's pending read fails at once: booking freed, worker stops
 
     return RelayResponse(relay(), status_code=resp.status_code, media_type=content_type,
-                         headers=out_headers, on_disconnect=on_client_gone)
+                         headers=out_headers, on_disconnect=on_client_gone, on_close=finish)
 
 
 class RelayResponse(Response):
@@ -381,13 +391,15 @@ class RelayResponse(Response):
     task waits for ``http.disconnect`` (the request body is already read) and then calls
     ``on_disconnect``, which closes the worker connection under the relay."""
 
-    def __init__(self, body: AsyncIterator[bytes], *, status_code: int, media_type: str,
-                 headers: Mapping[str, str], on_disconnect: Callable[[], None]) -> None:
+    def __init__(self, body: AsyncGenerator[bytes, None], *, status_code: int, media_type: str,
+                 headers: Mapping[str, str], on_disconnect: Callable[[], None],
+                 on_close: Callable[[str], Awaitable[None]]) -> None:
         super().__init__(status_code=status_code, media_type=media_type, headers=dict(headers))
         # The base class sized an empty body; this one is streamed (chunked) instead.
         self.raw_headers = [(k, v) for k, v in self.raw_headers if k != b"content-length"]
         self.body_iterator = body
         self.on_disconnect = on_disconnect
+        self.on_close = on_close
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         async def watch() -> None:
@@ -403,6 +415,8 @@ class RelayResponse(Response):
             await send({"type": "http.response.body", "body": b"", "more_body": False})
         finally:
             watcher.cancel()
+            await self.body_iterator.aclose()  # runs the relay's own cleanup if it had started
+            await self.on_close("499")  # and releases everything if it never had (a no-op otherwise)
 
 
 def _rudder_error_response(rt: Runtime, request: Request, exc: RudderError) -> Response:
