@@ -41,6 +41,16 @@ log = logging.getLogger(__name__)
 AckSink = Callable[[ApplyAck], Awaitable[None]]
 
 
+async def cancel_all(tasks: list[asyncio.Task[None]]) -> None:
+    """Cancel background tasks and wait for them to end (their errors were logged where they ran)."""
+    for task in tasks:
+        task.cancel()
+    for task in tasks:
+        with contextlib.suppress(asyncio.CancelledError, Exception):
+            await task
+    tasks.clear()
+
+
 class FleetView:
     def __init__(self, nc: NATS, *, worker_ttl_s: float, router_heartbeat_s: float,
                  clock: Callable[[], datetime] = lambda: datetime.now(UTC)) -> None:
@@ -79,12 +89,7 @@ class FleetView:
         for sub in self._subs:
             with contextlib.suppress(Exception):
                 await sub.unsubscribe()
-        for task in self._tasks:
-            task.cancel()
-        for task in self._tasks:
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await task
-        self._tasks.clear()
+        await cancel_all(self._tasks)
         self._subs.clear()
 
     async def _watch_routers(self) -> None:

@@ -20,7 +20,7 @@ from controlplane.audit.store import AuditStore
 from controlplane.auth import TokenStore
 from controlplane.eventlog import PolicyLog, connect
 from controlplane.failpoints import Failpoints
-from controlplane.fleet import FleetView
+from controlplane.fleet import FleetView, cancel_all
 from controlplane.protocol.errors import RudderError
 from controlplane.queries import Queries
 from controlplane.reconcile import Reconciler
@@ -73,12 +73,7 @@ class ControlPlane:
                 await asyncio.sleep(0.5)
 
     async def stop(self) -> None:
-        for task in self._tasks:
-            task.cancel()
-        for task in self._tasks:
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await task
-        self._tasks.clear()
+        await cancel_all(self._tasks)
         with contextlib.suppress(Exception):
             await self.fleet.stop()
         with contextlib.suppress(Exception):
