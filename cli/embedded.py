@@ -20,6 +20,8 @@ import time
 import urllib.request
 from pathlib import Path
 
+from bus.tls import TlsFiles
+
 log = logging.getLogger(__name__)
 
 
@@ -75,18 +77,54 @@ class _EarlyExit(RuntimeError):
     """The server process ended during start-up (a port taken meanwhile, most often)."""
 
 
+def nats_server_config(
+    *, port: int, monitor_port: int, store_dir: Path, auth_include: Path | None,
+    tls: TlsFiles | None = None, server_name: str | None = None, sync_always: bool = False,
+    cluster: tuple[str, int, list[int]] | None = None, host: str = "127.0.0.1",
+) -> str:
+    """A nats-server config: JetStream, our decentralised auth (``auth_include``) and TLS.
+
+    ``cluster`` = (cluster name, this node's route port, every node's route port)."""
+    lines = []
+    if server_name:
+        lines.append(f"server_name: {server_name}")
+    lines += [f"listen: {host}:{port}", f"http: {host}:{monitor_port}",
+              "jetstream {", f'  store_dir: "{store_dir}"']
+    if sync_always:
+        lines.append("  sync_interval: always")
+    lines.append("}")
+    if cluster is not None:
+        name, route_port, all_ports = cluster
+        routes = ", ".join(f"nats-route://{host}:{p}" for p in all_ports)
+        lines += ["cluster {", f"  name: {name}", f"  listen: {host}:{route_port}", f"  routes: [{routes}]", "}"]
+    if tls is not None:
+        lines += ["tls {", f'  cert_file: "{tls.cert}"', f'  key_file: "{tls.key}"', "  timeout: 2", "}"]
+    if auth_include is not None:
+        # nats-server resolves `include` relative to the including file only: embed the text.
+        lines.append(auth_include.read_text())
+    return "\n".join(lines) + "\n"
+
+
 class EmbeddedNats:
-    """A real ``nats-server -js`` on loopback with its store under ``data_dir``."""
+    """A real ``nats-server -js`` on loopback with its store under ``data_dir``.
+
+    With ``auth`` (the bus authority's server include) anonymous connections are refused and every
+    client needs credentials that authority issued; with ``tls`` clients must use TLS.
+    """
 
     def __init__(
         self,
         data_dir: Path,
         *,
+        auth: Path | None,
+        tls: TlsFiles | None = None,
         port: int | None = None,
         monitor_port: int | None = None,
         tie_to_parent: bool = False,
     ):
         self.data_dir = Path(data_dir)
+        self.auth = auth
+        self.tls = tls
         self._auto_ports = port is None and monitor_port is None
         self.port = port or free_port()
         self.monitor_port = monitor_port or free_port()
@@ -95,7 +133,8 @@ class EmbeddedNats:
 
     @property
     def url(self) -> str:
-        return f"nats://127.0.0.1:{self.port}"
+        scheme = "tls" if self.tls is not None else "nats"
+        return f"{scheme}://127.0.0.1:{self.port}"
 
     def start(self, timeout: float = 15.0) -> None:
         """Start and wait until JetStream is healthy. Ports picked here (none given) may be taken
@@ -112,11 +151,13 @@ class EmbeddedNats:
     def _start_once(self, timeout: float) -> None:
         self.data_dir.mkdir(parents=True, exist_ok=True)
         logfile = open(self.data_dir / "nats.log", "ab")  # owned by the child
+        config = self.data_dir / "nats.conf"
+        config.write_text(nats_server_config(
+            port=self.port, monitor_port=self.monitor_port, store_dir=self.data_dir,
+            auth_include=self.auth, tls=self.tls,
+        ))
         self.proc = subprocess.Popen(
-            [
-                nats_server_binary(), "-js", "-sd", str(self.data_dir), "-p", str(self.port),
-                "-a", "127.0.0.1", "-m", str(self.monitor_port),
-            ],
+            [nats_server_binary(), "-c", str(config)],
             stdout=logfile, stderr=subprocess.STDOUT, start_new_session=True,
             preexec_fn=die_with_parent if self.tie_to_parent else None,
         )

@@ -28,7 +28,7 @@ async def test_leader_killed_under_writes_loses_nothing(tmp_path: Path, database
         tokens = await make_tokens(database_url)
         model = f"ha/{uuid.uuid4().hex[:6]}"
         # Streams may be refused until the cluster has formed: the control plane's start retries.
-        cp_ctx = controlplane(cluster.url, database_url, policy_replicas=3, history_depth=100_000)
+        cp_ctx = controlplane(cluster.url, database_url, stream_replicas=3, history_depth=100_000)
         running = await cp_ctx.__aenter__()
         try:
             accepted: list[int] = []
