@@ -10,6 +10,8 @@ Credentials are a file path: the secret never enters settings, logs, ``repr`` or
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import logging
 import ssl
 from collections.abc import Awaitable, Callable
@@ -50,8 +52,8 @@ class BusOptions:
     ca: Path | None = None
     name: str = "rudder"
     connect_timeout_s: float = 2.0
-    # First connect: how many times to try every server before giving up (-1: forever).
-    initial_attempts: int = 3
+    # First connect: how long to keep trying the servers before giving up.
+    initial_timeout_s: float = 30.0
     stats: BusStats = field(default_factory=BusStats, compare=False)
 
     @classmethod
@@ -110,9 +112,15 @@ async def connect(opts: BusOptions, *, on_error: Callable[[Exception], Awaitable
     stats = opts.stats
     name = opts.name
 
+    refused = asyncio.Event()
+    connected = False
+
     async def error_cb(exc: Exception) -> None:
         text = str(exc)
         stats.last_error = text
+        if "authorization violation" in text.lower() and not connected:
+            refused.set()  # wrong credentials: retrying will not help, stop start-up
+            return
         if "permissions violation" in text:
             stats.permission_errors += 1
             log.error("bus %s: the server refused: %s", name, text)
@@ -136,23 +144,29 @@ async def connect(opts: BusOptions, *, on_error: Callable[[Exception], Awaitable
     tls = opts.tls_context()
     if tls is not None:
         kwargs["tls"] = tls
-    last: Exception | None = None
-    attempts = opts.initial_attempts
-    for _ in range(attempts if attempts > 0 else 1_000_000):
-        try:
-            return await nats.connect(
-                list(opts.servers), name=name, user_credentials=str(opts.creds),
-                max_reconnect_attempts=-1, reconnect_time_wait=0.5, pending_size=0,
-                connect_timeout=max(1, int(opts.connect_timeout_s)), allow_reconnect=True,
-                error_cb=error_cb, disconnected_cb=disconnected_cb, reconnected_cb=reconnected_cb,
-                **kwargs,
-            )
-        except nats.errors.Error as exc:
-            if "Authorization Violation" in str(exc) or "authorization" in str(exc).lower():
-                raise ConfigurationError(
-                    f"NATS refused the credentials in RUDDER_NATS_CREDS ({opts.creds}) as {name}",
-                    field="nats_creds") from exc
-            last = exc
-        except (OSError, TimeoutError) as exc:
-            last = exc
-    raise LogUnavailable(f"no NATS server answered at {', '.join(opts.servers)}: {last}", retry_after=2)
+    connecting = asyncio.ensure_future(nats.connect(
+        list(opts.servers), name=name, user_credentials=str(opts.creds),
+        max_reconnect_attempts=-1, reconnect_time_wait=0.5, pending_size=0,
+        connect_timeout=max(1, int(opts.connect_timeout_s)), allow_reconnect=True,
+        error_cb=error_cb, disconnected_cb=disconnected_cb, reconnected_cb=reconnected_cb,
+        **kwargs,
+    ))
+    refusal = asyncio.ensure_future(refused.wait())
+    try:
+        done, _ = await asyncio.wait({connecting, refusal}, timeout=opts.initial_timeout_s,
+                                     return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        refusal.cancel()
+    if connecting in done:
+        nc: NATS = connecting.result()
+        connected = True
+        return nc
+    connecting.cancel()
+    with contextlib.suppress(BaseException):
+        await connecting
+    if refused.is_set():
+        raise ConfigurationError(
+            f"NATS refused the credentials in RUDDER_NATS_CREDS ({opts.creds}) as {name}",
+            field="nats_creds")
+    raise LogUnavailable(f"no NATS server answered at {', '.join(opts.servers)} within "
+                         f"{opts.initial_timeout_s:g} s: {stats.last_error}", retry_after=2)

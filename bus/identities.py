@@ -114,7 +114,7 @@ def permissions(identity: Identity) -> Permissions:
             f"{ACKS_PREFIX}.{identity.router_id}",
             f"$KV.{BUCKET_ROUTERS}.{identity.router_id}",
             f"{KVDUMP_PREFIX}.*",
-            "$JS.API.INFO",
+            "$JS.API.INFO", "$JS.API.STREAM.NAMES",
             f"$JS.API.STREAM.INFO.{STREAM_ACKS}",
             *_js_read(STREAM_POLICY, consumers=True),
             *_js_read(STREAM_MEMBERSHIP, consumers=True),

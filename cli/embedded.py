@@ -19,8 +19,16 @@ import sysconfig
 import time
 import urllib.request
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from bus.tls import TlsFiles
+from bus.authority import BusAuthority
+from bus.connect import BusOptions
+from bus.identities import Identity, IdentityKind
+from bus.streams import BusLayout
+from bus.tls import TlsFiles, make_server_tls
+
+if TYPE_CHECKING:
+    from nats.aio.client import Client as NATS
 
 log = logging.getLogger(__name__)
 
@@ -329,3 +337,59 @@ class EmbeddedPostgres:
         self._run([self._bin("psql"), "-h", "127.0.0.1", "-p", str(self.port), "-U", "postgres",
                    "-d", "postgres", "-c", f'CREATE DATABASE "{name}"'])
         return f"postgresql+asyncpg://postgres@127.0.0.1:{self.port}/{name}"
+
+
+class LocalBus:
+    """A bus on one machine: the bus authority, one nats-server trusting it (optionally TLS),
+    and the streams created by the bus admin. ``rudder up`` and the benchmarks run on it; each
+    process they start gets :meth:`env` for its own identity."""
+
+    def __init__(self, data_dir: Path, *, authority: BusAuthority | None = None, tls: bool = False,
+                 port: int | None = None, tie_to_parent: bool = False) -> None:
+        self.data_dir = Path(data_dir)
+        self.authority = authority or BusAuthority.open(self.data_dir / "bus")
+        self.tls = make_server_tls(self.data_dir / "bus" / "tls") if tls else None
+        self.server = EmbeddedNats(self.data_dir / "nats", auth=self.authority.server_config,
+                                   tls=self.tls, port=port, tie_to_parent=tie_to_parent)
+
+    @property
+    def url(self) -> str:
+        return self.server.url
+
+    def creds(self, identity: Identity) -> Path:
+        return self.authority.issue(identity)
+
+    def options(self, identity: Identity, *, name: str | None = None) -> BusOptions:
+        return BusOptions(servers=(self.url,), creds=self.creds(identity),
+                          ca=self.tls.ca if self.tls else None, name=name or f"rudder-{identity.name}")
+
+    def env(self, identity: Identity) -> dict[str, str]:
+        """The bus settings of one process: its own credentials (a file path, never the secret)."""
+        env = {"RUDDER_NATS_URL": self.url, "RUDDER_NATS_CREDS": str(self.creds(identity))}
+        if self.tls is not None:
+            env["RUDDER_NATS_CA"] = str(self.tls.ca)
+        return env
+
+    def start(self, layout: BusLayout | None = None) -> list[str]:
+        """Start the server, then create the streams as the bus admin; returns what bus init did.
+        The admin credentials are removed again: they are for that one job."""
+        import asyncio
+
+        from bus.admin import bus_init
+
+        self.server.start()
+        opts = self.options(Identity(IdentityKind.ADMIN), name="rudder-bus-init")
+        try:
+            return asyncio.run(bus_init(opts, layout or BusLayout(), timeout_s=30))
+        finally:
+            assert opts.creds is not None
+            opts.creds.unlink(missing_ok=True)
+
+    async def admin_connect(self) -> NATS:
+        """A connection with the bus admin's rights (benchmarks publishing around the control plane)."""
+        from bus.connect import connect
+
+        return await connect(self.options(Identity(IdentityKind.ADMIN), name="rudder-admin"))
+
+    def stop(self) -> None:
+        self.server.stop()

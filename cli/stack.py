@@ -23,10 +23,9 @@ from pathlib import Path
 
 import httpx
 
-from bus.authority import BusAuthority
 from bus.identities import Identity
-from bus.tls import TlsFiles
-from cli.embedded import EmbeddedNats, EmbeddedPostgres, die_with_parent, free_port, port_is_free
+from bus.streams import BusLayout
+from cli.embedded import EmbeddedNats, EmbeddedPostgres, LocalBus, die_with_parent, free_port, port_is_free
 from cli.errors import CliError, ExitCode
 
 Progress = Callable[[str], None]
@@ -122,56 +121,35 @@ class Stack:
     progress: Progress
     nats: EmbeddedNats | None = None
     postgres: EmbeddedPostgres | None = None
-    authority: BusAuthority | None = None
-    tls: TlsFiles | None = None
+    bus: LocalBus | None = None
     children: list[Child] = field(default_factory=list)
 
     # -- servers -----------------------------------------------------------------------------
     def start_nats(self, port: int, *, tls: bool = False, replicas: int = 1) -> EmbeddedNats:
         """Start nats-server with the bus authority's decentralised auth (anonymous connections
         refused), optionally TLS, then create the streams as the bus admin (``rudder bus init``)."""
-        import asyncio
-
-        from bus.admin import bus_init
-        from bus.authority import BusAuthority
-        from bus.connect import BusOptions
-        from bus.identities import Identity, IdentityKind
-        from bus.streams import BusLayout
-        from bus.tls import make_server_tls
         from controlplane.protocol.errors import RudderError
 
-        self.authority = BusAuthority.open(self.data_dir / "bus")
-        self.tls = make_server_tls(self.data_dir / "bus" / "tls") if tls else None
-        nats = EmbeddedNats(self.data_dir / "nats", auth=self.authority.server_config, tls=self.tls,
-                            port=port, tie_to_parent=True)
+        bus = LocalBus(self.data_dir, tls=tls, port=port, tie_to_parent=True)
         began = time.monotonic()
         try:
-            nats.start()
+            changed = bus.start(BusLayout(replicas=replicas))
         except RuntimeError as exc:
             raise CliError(ExitCode.ERROR, f"nats-server: {exc}") from exc
-        self.nats = nats
-        admin = self.authority.issue(Identity(IdentityKind.ADMIN))
-        opts = BusOptions(servers=(nats.url,), creds=admin, ca=self.tls.ca if self.tls else None,
-                          name="rudder-bus-init")
-        try:
-            changed = asyncio.run(bus_init(opts, BusLayout(replicas=replicas), timeout_s=30))
         except RudderError as exc:
             raise CliError(ExitCode.ERROR, f"bus init: {exc.message}") from exc
         finally:
-            admin.unlink(missing_ok=True)  # the admin identity is for this one job only
-        secured = "auth on, TLS on" if self.tls else "auth on, TLS off (--tls to turn it on)"
-        self.progress(f"nats-server   {nats.url}   ready in {time.monotonic() - began:.1f}s ({secured}; "
+            self.nats = bus.server
+        self.bus = bus
+        secured = "auth on, TLS on" if bus.tls else "auth on, TLS off (--tls to turn it on)"
+        self.progress(f"nats-server   {bus.url}   ready in {time.monotonic() - began:.1f}s ({secured}; "
                       f"bus init: {len(changed)} change(s))")
-        return nats
+        return bus.server
 
     def bus_env(self, identity: Identity) -> dict[str, str]:
         """The bus settings of one child: its own credentials (a file path, never the secret)."""
-        assert self.nats is not None and self.authority is not None
-        env = {"RUDDER_NATS_URL": self.nats.url,
-               "RUDDER_NATS_CREDS": str(self.authority.issue(identity))}
-        if self.tls is not None:
-            env["RUDDER_NATS_CA"] = str(self.tls.ca)
-        return env
+        assert self.bus is not None
+        return self.bus.env(identity)
 
     def start_postgres(self, port: int, database: str) -> str:
         pg = EmbeddedPostgres(self.data_dir / "pgdata", port=port)
