@@ -7,6 +7,9 @@
   (``--home`` / ``RUDDER_BUS_HOME``: operator and account keys).
 - ``rudder bus authority``: create the authority folder and print the server include to put in
   nats-server's config.
+- ``rudder bus setup``: everything a deployment needs before its first start, in one folder: the
+  authority, the NATS auth include, TLS material for the NATS host names and one ``.creds`` file
+  per identity (compose mounts each as its service's secret; Kubernetes makes Secrets of them).
 """
 
 from __future__ import annotations
@@ -113,3 +116,63 @@ def authority_cmd(home: HomeOpt = None) -> None:
                     "account": authority.account_public_key})
     else:
         say(f"authority in {authority.home}; add to nats-server's config: include \"{authority.server_config}\"")
+
+
+def parse_identity(text: str) -> Any:
+    """``admin`` | ``controlplane`` | ``router:<router_id>`` | ``worker:<model>:<instance_id>``."""
+    from bus.identities import Identity, IdentityKind
+
+    kind, _, rest = text.partition(":")
+    try:
+        if kind == "router":
+            return Identity(IdentityKind.ROUTER, router_id=rest)
+        if kind == "worker":
+            model, _, iid = rest.rpartition(":")
+            return Identity(IdentityKind.WORKER, model=model, instance_id=int(iid))
+        if kind in ("admin", "controlplane") and not rest:
+            return Identity(IdentityKind(kind))
+    except ValueError as exc:
+        raise typer.BadParameter(f"{text!r}: {exc}", param_hint="--identity") from None
+    raise typer.BadParameter(
+        f"{text!r}: expected admin, controlplane, router:<id> or worker:<model>:<instance_id>",
+        param_hint="--identity")
+
+
+@app.command("setup")
+def setup(
+    out: Annotated[Path, typer.Option("--out", help="Folder for authority, TLS and credentials.")],
+    identity: Annotated[list[str], typer.Option(
+        "--identity", help="admin | controlplane | router:<id> | worker:<model>:<instance_id> (repeatable).")],
+    tls_host: Annotated[list[str] | None, typer.Option(
+        "--tls-host", help="NATS host name or IP for the server certificate (repeatable).")] = None,
+    uid: Annotated[int | None, typer.Option(
+        "--uid", help="Give the credentials files to this user id (the image runs as 10001).")] = None,
+) -> None:
+    """Create (or reuse) the authority under OUT and issue credentials for every identity."""
+    import shutil
+
+    from bus.authority import BusAuthority
+    from bus.tls import make_server_tls
+
+    identities = [parse_identity(text) for text in identity]
+    authority = BusAuthority.open(out / "authority", create=True)
+    shutil.copyfile(authority.server_config, out / "nats-auth.conf")
+    tls = make_server_tls(out / "tls", hosts=tuple(tls_host)) if tls_host else None
+    written = [str(authority.issue(who, out / f"{who.name}.creds")) for who in identities]
+    if uid is not None:
+        import os
+
+        for path in written:
+            os.chown(path, uid, -1)
+        if tls is not None:
+            os.chown(tls.key, uid, -1)
+    if shared.json_mode():
+        print_json({"authority": str(authority.home), "nats_auth": str(out / "nats-auth.conf"),
+                    "tls_ca": str(tls.ca) if tls else None, "credentials": written})
+        return
+    say(f"authority     {authority.home} (keep it offline: it can mint any identity)")
+    say(f"nats include  {out / 'nats-auth.conf'}")
+    if tls is not None:
+        say(f"tls           CA {tls.ca}, server {tls.cert}")
+    for path in written:
+        say(f"credentials   {path}")
