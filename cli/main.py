@@ -54,6 +54,7 @@ app.add_typer(admin.db_app, name="db")
 app.add_typer(bus.app, name="bus")
 app.add_typer(serve.app, name="serve")
 app.command("up")(up.up)
+app.command("status")(up.status)
 
 
 def main() -> None:

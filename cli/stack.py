@@ -12,6 +12,7 @@ which then stops them in order) and tied to the parent on Linux (``PR_SET_PDEATH
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import signal
 import subprocess
@@ -53,8 +54,15 @@ class Child:
     env: dict[str, str]
     log_path: Path
     proc: subprocess.Popen[bytes] | None = None
+    restarts: int = 0
+    state: str = "starting"  # starting | running | exited | restarting | stopped
+    last_exit: int | None = None
+    restart_at: float | None = None  # monotonic time of the next restart (backoff)
+    started_at: float = 0.0
 
     def start(self, cwd: Path | None = None) -> None:
+        self.started_at = time.monotonic()
+        self.state = "starting"
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         with open(self.log_path, "ab") as log:
             self.proc = subprocess.Popen(
@@ -97,7 +105,20 @@ class Child:
                        f"{self.name} was not healthy at {self.health_url} after {timeout:g}s; "
                        f"log {self.log_path}:\n{self.log_tail()}")
 
+    def healthy_now(self) -> bool:
+        """One health probe (no waiting): used while supervising."""
+        try:
+            return httpx.get(self.health_url, timeout=0.5).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    def status(self) -> dict[str, object]:
+        return {"name": self.name, "kind": self.kind, "url": self.url, "pid": self.pid,
+                "state": self.state, "restarts": self.restarts, "last_exit": self.last_exit,
+                "log": str(self.log_path)}
+
     def terminate(self) -> None:
+        self.state = "stopped"
         if self.proc is not None and self.proc.poll() is None:
             with contextlib.suppress(ProcessLookupError):
                 self.proc.send_signal(signal.SIGTERM)
@@ -123,6 +144,8 @@ class Stack:
     postgres: EmbeddedPostgres | None = None
     bus: LocalBus | None = None
     children: list[Child] = field(default_factory=list)
+    ready: bool = False
+    extra_status: list[Callable[[], dict[str, object]]] = field(default_factory=list)
 
     # -- servers -----------------------------------------------------------------------------
     def start_nats(self, port: int, *, tls: bool = False, replicas: int = 1) -> EmbeddedNats:
@@ -175,13 +198,57 @@ class Stack:
         child.start()
         self.children.append(child)
         took = child.wait_healthy(timeout)
+        child.state = "running"
+        self.write_status()
         self.progress(f"{child.name:<13} {child.url}   ready in {took:.1f}s (pid {child.pid})")
 
-    def first_exited(self) -> Child | None:
+    def supervise(self, *, backoff_s: float = 0.5, max_backoff_s: float = 10.0,
+                  stable_s: float = 30.0) -> None:
+        """One supervision pass: a child that exited is restarted after a backoff that doubles
+        with each restart in a row (reset once it stayed up ``stable_s``); printed, never fatal.
+        Call it every fraction of a second while ``rudder up`` runs."""
+        now = time.monotonic()
+        changed = False
         for child in self.children:
-            if child.exited is not None:
-                return child
-        return None
+            code = child.exited
+            if child.state == "restarting" and child.restart_at is not None and now >= child.restart_at:
+                child.restart_at = None
+                child.restarts += 1
+                child.start()
+                self.progress(f"{child.name:<13} restarted (pid {child.pid}, restart {child.restarts})")
+                changed = True
+            elif code is not None and child.state in ("starting", "running"):
+                child.last_exit = code
+                up_for = now - child.started_at
+                streak = 0 if up_for >= stable_s else child.restarts
+                delay = min(max_backoff_s, backoff_s * (2 ** min(streak, 8)))
+                child.state = "restarting"
+                child.restart_at = now + delay
+                self.progress(f"{child.name:<13} exited with {code} after {up_for:.1f}s; "
+                              f"restarting in {delay:.1f}s. log {child.log_path}")
+                changed = True
+            elif child.state == "starting" and code is None and child.healthy_now():
+                child.state = "running"
+                changed = True
+        if changed:
+            self.write_status()
+
+    def write_status(self) -> None:
+        """``<data-dir>/status.json``: what ``rudder status`` shows (atomically replaced)."""
+        rows: list[dict[str, object]] = []
+        if self.nats is not None:
+            rows.append({"name": "nats", "kind": "nats", "url": self.nats.url,
+                         "pid": self.nats.proc.pid if self.nats.proc else None,
+                         "state": "running" if self.nats.running else "exited", "restarts": 0,
+                         "last_exit": None, "log": str(self.nats.data_dir / "nats.log")})
+        for extra in self.extra_status:
+            rows.append(extra())
+        rows += [c.status() for c in self.children]
+        body = {"pid": os.getpid(), "data_dir": str(self.data_dir), "ready": self.ready,
+                "processes": rows}
+        tmp = self.data_dir / "status.json.tmp"
+        tmp.write_text(json.dumps(body, indent=2) + "\n")
+        os.replace(tmp, self.data_dir / "status.json")
 
     # -- stop --------------------------------------------------------------------------------
     def stop(self, timeout: float = 15.0) -> None:
@@ -192,6 +259,9 @@ class Stack:
                 child.terminate()
             for child in tier:
                 child.reap(timeout)
+        self.ready = False
+        with contextlib.suppress(OSError):
+            (self.data_dir / "status.json").unlink()
         self.children.clear()
         if self.nats is not None:
             self.nats.stop()

@@ -2,9 +2,11 @@
 
 Starts NATS (JetStream) and PostgreSQL as real servers, applies the migrations, creates an admin
 token the first time (kept in ``.rudder/credentials``, mode 0600, reused later), then the control
-plane, routers and workers as child processes, each waited for until healthy. Ctrl-C or SIGTERM
-stops everything it started and exits 0; a child that dies on its own stops the rest and exits 1
-(a half-running stack is harder to notice than a stopped one).
+plane, routers and workers as child processes, each waited for until healthy. It says "ready" and
+writes ``.rudder/credentials`` only once every router serves the model with every worker joined.
+Then it supervises: a child that exits on its own is restarted with backoff and the restart is
+printed (``rudder status`` shows each process, its state and restarts). Ctrl-C or SIGTERM stops
+everything it started and exits 0.
 """
 
 from __future__ import annotations
@@ -101,13 +103,11 @@ def up(
                nats_port=nats_port, postgres_port=postgres_port,
                routers=0 if no_router else routers, workers=0 if no_workers else workers,
                engine=engine, model=model, timeout=timeout, tls=tls)
+        stack.ready = True
+        stack.write_status()
         say("rudder up: ready (Ctrl-C to stop)")
         while True:
-            died = stack.first_exited()
-            if died is not None:
-                raise CliError(ExitCode.ERROR,
-                               f"{died.name} exited with {died.exited}; stopping everything. "
-                               f"log {died.log_path}:\n{died.log_tail()}")
+            stack.supervise()
             time.sleep(0.25)
     except _StopRequested as stop:
         note(f"{stop}: stopping")
@@ -169,10 +169,6 @@ def _start(
     if not fresh and not _token_works(server, token):
         note("the stored admin token is not known to this database; creating a new one")
         token = admin.create_token(database_url, TOKEN_NAME, "admin")
-    write_credentials(creds_path, {
-        "RUDDER_SERVER": server, "RUDDER_TOKEN": token,
-        "RUDDER_DATABASE_URL": database_url, "RUDDER_NATS_URL": nats.url,
-    })
 
     if workers and not available(WORKER_ENTRY):
         note(f"workers: {WORKER_ENTRY} is not in this installation; starting no workers")
@@ -208,6 +204,15 @@ def _start(
             log_path=logs / f"worker-{i + 1}.log",
         ), worker_timeout)
 
+    routers_started = [c for c in stack.children if c.kind == "router"]
+    if routers_started and workers:
+        _wait_fleet(routers_started, model, workers, timeout)
+    # Only now: a script that waits for this file finds a fleet that can serve.
+    write_credentials(creds_path, {
+        "RUDDER_SERVER": server, "RUDDER_TOKEN": token,
+        "RUDDER_DATABASE_URL": database_url, "RUDDER_NATS_URL": nats.url,
+    })
+
     rows: list[tuple[str, str, str, str]] = [
         ("nats", nats.url, str(nats.proc.pid if nats.proc else "-"), str(data_dir / "nats"))]
     if stack.postgres is not None:
@@ -222,3 +227,51 @@ def _start(
     if stack.children and any(c.kind == "router" for c in stack.children):
         router_url = next(c.url for c in stack.children if c.kind == "router")
         say(f"try:          curl {router_url}/v1/models ; rudder policy list")
+
+
+def _wait_fleet(routers: list[Child], model: str, workers: int, timeout: float) -> None:
+    """Wait until every router lists ``model`` with ``workers`` workers (its discovery view)."""
+    deadline = time.monotonic() + timeout
+    for router in routers:
+        seen = -1
+        while True:
+            with contextlib.suppress(httpx.HTTPError, ValueError, KeyError):
+                body = httpx.get(f"{router.url}/v1/models", timeout=2).json()
+                seen = max((int(m.get("workers", 0)) for m in body["data"] if m["id"] == model), default=0)
+                if seen >= workers:
+                    break
+            if time.monotonic() > deadline:
+                raise CliError(ExitCode.UNAVAILABLE,
+                               f"{router.name} sees {max(seen, 0)} of {workers} workers of {model} after "
+                               f"{timeout:g}s; log {router.log_path}:\n{router.log_tail()}")
+            time.sleep(0.1)
+    say(f"fleet         every router sees {workers} worker(s) of {model}")
+
+
+def status(
+    data_dir: Annotated[
+        Path, typer.Option("--data-dir", help="The folder `rudder up` runs on.")
+    ] = Path(".rudder"),
+) -> None:
+    """Show what `rudder up` runs: each process, its state, pid and restarts (exit 6 if not running)."""
+    import json
+
+    from cli import app as shared
+    from cli.output import print_json
+    from cli.stack import pid_alive
+
+    path = data_dir.absolute() / "status.json"
+    try:
+        body = json.loads(path.read_text())
+    except (OSError, ValueError):
+        body = None
+    if not body or not pid_alive(int(body.get("pid", 0))):
+        raise CliError(ExitCode.NOT_FOUND, f"rudder up is not running on {data_dir.absolute()}")
+    if shared.json_mode():
+        print_json(body)
+        return
+    rows = [(p["name"], p["state"], str(p.get("pid") or "-"), str(p.get("restarts", 0)),
+             "-" if p.get("last_exit") is None else str(p["last_exit"]), p.get("url") or "-")
+            for p in body["processes"]]
+    show(table(["process", "state", "pid", "restarts", "last exit", "url"], rows))
+    say(f"rudder up (pid {body['pid']}) {'ready' if body.get('ready') else 'starting'} on {body['data_dir']}")
