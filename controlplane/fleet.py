@@ -15,6 +15,7 @@ from collections.abc import Awaitable, Callable
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
+import nats.errors
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 from nats.js.api import DeliverPolicy
@@ -58,6 +59,7 @@ class FleetView:
         self.js = nc.jetstream()
         self.worker_ttl = timedelta(seconds=worker_ttl_s)
         self.router_ttl = timedelta(seconds=3 * router_heartbeat_s)
+        self.stall_s = max(2.0, 2 * router_heartbeat_s)
         self.clock = clock
         self._routers: dict[str, RouterStatus] = {}
         self._workers: dict[int, MembershipEvent] = {}
@@ -68,7 +70,7 @@ class FleetView:
         self._tasks.append(asyncio.create_task(self._watch_routers(), name="fleet-routers"))
         self._subs.append(await self.js.subscribe(
             MEMBERSHIP_SUBJECTS, ordered_consumer=True, cb=self._on_membership,
-            deliver_policy=DeliverPolicy.LAST_PER_SUBJECT,
+            deliver_policy=DeliverPolicy.LAST_PER_SUBJECT, idle_heartbeat=0.5,
         ))
         if ack_sink is not None:
             async def on_ack(msg: Msg) -> None:
@@ -97,7 +99,16 @@ class FleetView:
             try:
                 kv = await self.js.key_value(BUCKET_ROUTERS)
                 watcher = await kv.watchall()
-                async for entry in watcher:
+                while True:
+                    try:
+                        # Routers write every heartbeat: silence this long means the watch's
+                        # consumer went with a JetStream node; start a new one.
+                        entry = await watcher.updates(timeout=self.stall_s)
+                    except nats.errors.TimeoutError:
+                        log.info("router watch silent for %.1fs; restarting it", self.stall_s)
+                        with contextlib.suppress(Exception):
+                            await watcher.stop()
+                        break
                     if entry is None:
                         continue
                     if entry.operation in ("DEL", "PURGE") or not entry.value:

@@ -106,6 +106,7 @@ class RouterRuntime:
         await self.status.put()
         self.tasks.spawn(every(s.tick_s, lambda: tick(self.scheduler), "tick"), name="tick")
         self.tasks.spawn(every(s.heartbeat_s, self.status.put, "status"), name="status")
+        self.tasks.spawn(self.status.run(), name="status-writer")
         self.tasks.spawn(every(s.tick_s, self._prewarm_tokenizers, "tokenizers"), name="tokenizers")
         # /health answers 503 until the membership replay is applied; the API serves meanwhile.
         self.tasks.spawn(self.membership.wait_complete(), name="first-discovery")

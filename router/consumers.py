@@ -4,12 +4,13 @@ Each turns bus messages into scheduler commands and scheduler answers into bus m
 routing state. nats exceptions are caught here, at the edge, and logged with their ids: a router
 keeps serving with its last good state while NATS is away.
 
-- :class:`PolicyConsumer`: one ordered consumer per served model on ``rudder.policy.<key>.*``,
-  starting with the last message per subject, then live. The revision is the message's stream
-  sequence. Each event goes through :class:`~router.scheduler.ApplyPolicy`; the answer is
-  published as an :class:`ApplyAck` on ``rudder.acks.<router_id>`` and the status is rewritten.
+- :class:`PolicyConsumer`: one ordered consumer for all served models (a multi-subject filter of
+  ``rudder.policy.<key>.*``), starting with the last message per subject, then live. The
+  revision is the message's stream sequence. Each event goes through
+  :class:`~router.scheduler.ApplyPolicy`; the answer is published as an :class:`ApplyAck` on
+  ``rudder.acks.<router_id>`` and a status write is requested (coalesced, off the message path).
   A reported gap re-reads the document's head with a direct get and applies it if newer.
-- :class:`MembershipConsumer`: the same on ``rudder.workers.<key>.*``; the first discovery is
+- :class:`MembershipConsumer`: the same, one consumer on ``rudder.workers.<key>.*``; the first discovery is
   complete when the replay has been applied (``num_pending`` reaches 0, or nothing was there).
 - :class:`KvEventSubscriber`: core subscription on ``rudder.kv.<key>.*``; gaps and new workers
   lead to a full dump over ``rudder.kvdump.<instance_id>`` (:class:`KvDumper`).
@@ -19,7 +20,6 @@ keeps serving with its last good state while NATS is away.
 from __future__ import annotations
 
 import asyncio
-import functools
 import logging
 from collections.abc import Awaitable, Callable, Coroutine
 from datetime import datetime
@@ -29,7 +29,7 @@ import nats.errors
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 from nats.js import JetStreamContext
-from nats.js.api import DeliverPolicy
+from nats.js.api import ConsumerConfig, DeliverPolicy
 from nats.js.kv import KeyValue
 
 from controlplane.protocol.errors import InvalidRequest, RudderError
@@ -71,6 +71,22 @@ from router.scheduler import (
 log = logging.getLogger(__name__)
 
 _NATS_ERRORS = (nats.errors.Error, asyncio.TimeoutError, OSError)
+
+
+# Ordered consumers notice a consumer lost with a node after two missed idle heartbeats: short
+# heartbeats bound how long a router misses policy events after a JetStream node dies.
+IDLE_HEARTBEAT_S = 0.5
+
+
+async def ordered_consumer(js: JetStreamContext, stream: str, filters: list[str],
+                           cb: Callable[[Msg], Awaitable[None]]) -> Any:
+    """An ordered push consumer on ``stream`` over every subject in ``filters``, starting with the
+    last message per subject (the current state), then live."""
+    config = ConsumerConfig(filter_subjects=filters) if len(filters) > 1 else None
+    return await js.subscribe(
+        filters[0] if len(filters) == 1 else "", stream=stream, cb=cb, ordered_consumer=True,
+        deliver_policy=DeliverPolicy.LAST_PER_SUBJECT, idle_heartbeat=IDLE_HEARTBEAT_S, config=config,
+    )
 
 
 async def unsubscribe_all(subs: list[Any]) -> None:
@@ -140,6 +156,7 @@ class StatusPublisher:
             "started_at": started_at,
         }
         self._lock = asyncio.Lock()
+        self._dirty = asyncio.Event()
 
     def status(self) -> RouterStatus:
         return RouterStatus(
@@ -148,10 +165,22 @@ class StatusPublisher:
 
     async def put(self) -> None:
         async with self._lock:
+            self._dirty.clear()
             try:
                 await self.kv.put(router_status_key(self.router_id), self.status().to_bytes())
             except _NATS_ERRORS as exc:
                 log.warning("router status not written: %s", type(exc).__name__)
+
+    def request(self) -> None:
+        """Ask for a status write soon, without waiting for it: a burst of applied events costs
+        one write, and a bucket electing a leader never holds up the policy consumer."""
+        self._dirty.set()
+
+    async def run(self) -> None:
+        """The writer behind :meth:`request` (a task of the router's lifespan)."""
+        while True:
+            await self._dirty.wait()
+            await self.put()
 
     async def delete(self) -> None:
         try:
@@ -176,13 +205,10 @@ class PolicyConsumer:
         self._subs: list[Any] = []
 
     async def start(self) -> None:
-        for model in self.models:
-            sub = await self.js.subscribe(
-                policy_filter(model), stream=STREAM_POLICY,
-                cb=self._on_msg, ordered_consumer=True,
-                deliver_policy=DeliverPolicy.LAST_PER_SUBJECT, idle_heartbeat=2.0,
-            )
-            self._subs.append(sub)
+        """One ordered consumer for every served model (a multi-subject filter): a router's
+        consumers do not grow with its models (JetStream limits consumers per stream)."""
+        self._subs.append(await ordered_consumer(
+            self.js, STREAM_POLICY, [policy_filter(m) for m in self.models], self._on_msg))
 
     async def stop(self) -> None:
         await unsubscribe_all(self._subs)
@@ -209,7 +235,7 @@ class PolicyConsumer:
         await self._ack(result)
         if self.on_result is not None:
             self.on_result(result)
-        await self.status.put()
+        self.status.request()
         if result.gap:
             log.warning(
                 "policy %s|%s: gap before revision %d; re-reading the head", model, kind.value,
@@ -281,24 +307,19 @@ class MembershipConsumer:
         self.dumper = dumper
         self.models = models
         self.ready_timeout_s = ready_timeout_s
-        self._pending_models: set[str] = set(models)
         self._subs: list[Any] = []
         self._complete = asyncio.Event()
 
     async def start(self) -> None:
-        for model in self.models:
-            sub = await self.js.subscribe(
-                membership_filter(model), stream=STREAM_MEMBERSHIP,
-                cb=functools.partial(self._on_msg, model), ordered_consumer=True,
-                deliver_policy=DeliverPolicy.LAST_PER_SUBJECT, idle_heartbeat=2.0,
-            )
-            self._subs.append(sub)
-            try:
-                info = await sub.consumer_info()
-                if info.num_pending == 0 and (info.delivered is None or not info.delivered.consumer_seq):
-                    self._model_done(model)
-            except (*_NATS_ERRORS, nats.js.errors.Error):
-                pass
+        sub = await ordered_consumer(self.js, STREAM_MEMBERSHIP,
+                                     [membership_filter(m) for m in self.models], self._on_msg)
+        self._subs.append(sub)
+        try:
+            info = await sub.consumer_info()
+            if info.num_pending == 0 and (info.delivered is None or not info.delivered.consumer_seq):
+                self._declare()  # nothing to replay: discovery is complete (and empty)
+        except (*_NATS_ERRORS, nats.js.errors.Error):
+            pass
 
     async def wait_complete(self) -> None:
         """Wait for the first discovery; give up waiting (and declare it) after the timeout."""
@@ -308,10 +329,6 @@ class MembershipConsumer:
             log.warning("membership replay not confirmed in %.1fs; serving anyway", self.ready_timeout_s)
             self._declare()
 
-    def _model_done(self, model: str) -> None:
-        self._pending_models.discard(model)
-        if not self._pending_models:
-            self._declare()
 
     def _declare(self) -> None:
         if not self._complete.is_set():
@@ -321,7 +338,7 @@ class MembershipConsumer:
     async def stop(self) -> None:
         await unsubscribe_all(self._subs)
 
-    async def _on_msg(self, model: str, msg: Msg) -> None:
+    async def _on_msg(self, msg: Msg) -> None:
         try:
             event = decode_membership_event(msg.data)
         except InvalidRequest as exc:
@@ -336,7 +353,7 @@ class MembershipConsumer:
                 self.dumper.request(event.worker.instance_id)
         try:
             if msg.metadata.num_pending == 0:
-                self._model_done(model)
+                self._declare()  # the replay of the last state of every worker is applied
         except (ValueError, AttributeError):
             pass
 

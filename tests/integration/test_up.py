@@ -58,9 +58,10 @@ def _alive(pid: int) -> bool:
 
 
 class Up:
-    def __init__(self, cwd: Path, ports: dict[str, int], *, extra: list[str] | None = None) -> None:
+    def __init__(self, cwd: Path, ports: dict[str, int], *, extra: list[str] | None = None,
+                 env: dict[str, str] | None = None) -> None:
         self.cwd = cwd
-        env = {**os.environ, "PYTHONUNBUFFERED": "1", "COLUMNS": "200"}
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", "COLUMNS": "200", **(env or {})}
         for name in ("RUDDER_SERVER", "RUDDER_TOKEN", "RUDDER_DATABASE_URL", "RUDDER_NATS_URL"):
             env.pop(name, None)
         self.proc = subprocess.Popen(
