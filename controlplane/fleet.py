@@ -103,11 +103,11 @@ class FleetView:
                     try:
                         # Routers write every heartbeat: silence this long means the watch's
                         # consumer went with a JetStream node; start a new one.
-                        entry = await watcher.updates(timeout=self.stall_s)
+                        entry = await watcher.updates(timeout=self.stall_s)  # type: ignore[no-untyped-call]
                     except nats.errors.TimeoutError:
                         log.info("router watch silent for %.1fs; restarting it", self.stall_s)
                         with contextlib.suppress(Exception):
-                            await watcher.stop()
+                            await watcher.stop()  # type: ignore[no-untyped-call]
                         break
                     if entry is None:
                         continue
