@@ -9,10 +9,12 @@ from __future__ import annotations
 
 import enum
 import secrets
+from pathlib import Path
 
 from pydantic import Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from controlplane.protocol.errors import KeyFileInvalid
 from controlplane.protocol.events import RouterRole
 from controlplane.protocol.policy import (
     ALL_CACHE_INPUTS,
@@ -21,6 +23,7 @@ from controlplane.protocol.policy import (
     PolicyKind,
     validate_value,
 )
+from controlplane.protocol.signing import load_keyring
 
 
 class RoutingMode(enum.StrEnum):
@@ -71,6 +74,18 @@ class RouterSettings(BaseSettings):
     max_retries: int = Field(default=3, ge=0)
     max_body_bytes: int = Field(default=16 * 1024 * 1024, gt=0)
     log_level: str = "INFO"
+    # Public keys that may sign policy events (DESIGN §9), "<key id> <base64>" per line. Required:
+    # a router without it does not start. Re-read on every tick when the file changes (rotation).
+    policy_verify_keys: Path
+
+    @field_validator("policy_verify_keys")
+    @classmethod
+    def _verify_keys(cls, value: Path) -> Path:
+        try:
+            load_keyring(value)
+        except KeyFileInvalid as exc:
+            raise ValueError(exc.message) from exc
+        return value
 
     @field_validator("overload_status")
     @classmethod

@@ -11,10 +11,11 @@ from datetime import UTC, datetime
 
 import pytest
 
-from controlplane.eventlog import PolicyLog, connect
+from controlplane.eventlog import connect
 from controlplane.protocol.events import PolicyEvent
 from controlplane.protocol.policy import PolicyKind, PolicyOp
 from tests.integration.cp_support import Tokens, client, controlplane
+from tests.policy_keys import session_keys
 from tests.support_router.workers import InProcessRouter, router_settings, wait_for
 
 pytestmark = pytest.mark.timeout(120)
@@ -40,7 +41,7 @@ async def test_nack_of_a_cache_free_router_is_shown_by_the_control_plane(nats_ur
             # Written around the control plane, it reaches the router, which NACKs it.
             nc = await connect(nats_url)
             try:
-                bad = (await PolicyLog(nc).publish(PolicyEvent(
+                bad = (await session_keys().policy_log(nc).publish(PolicyEvent(
                     event_id=uuid.uuid4(), model=model, kind=PolicyKind.SELECTION, op=PolicyOp.PATCH,
                     expected_revision=good, changes={"host_cache_hit_weight": 0.5},
                     document={"router_temperature": 0.25, "host_cache_hit_weight": 0.5},

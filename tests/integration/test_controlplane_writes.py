@@ -16,6 +16,7 @@ from controlplane.audit.store import AuditStore
 from controlplane.eventlog import PolicyLog, connect
 from controlplane.protocol.policy import PolicyKind
 from tests.integration.cp_support import Tokens, client, controlplane
+from tests.policy_keys import session_keys
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -30,7 +31,7 @@ async def audit(db: str) -> AsyncIterator[AuditStore]:
 @pytest.fixture(scope="module")
 async def policy_log(nats_url: str) -> AsyncIterator[PolicyLog]:
     nc = await connect(nats_url)
-    yield PolicyLog(nc)
+    yield session_keys().policy_log(nc)
     await nc.close()
 
 

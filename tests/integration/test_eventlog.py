@@ -14,6 +14,7 @@ from controlplane.protocol.errors import RevisionConflict
 from controlplane.protocol.events import PolicyEvent
 from controlplane.protocol.policy import PolicyKind, PolicyOp
 from controlplane.protocol.subjects import STREAM_POLICY
+from tests.policy_keys import session_keys
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -21,7 +22,7 @@ pytestmark = pytest.mark.timeout(60)
 @pytest.fixture
 async def log(nats_url: str) -> AsyncIterator[PolicyLog]:
     nc = await connect(nats_url)
-    policy_log = PolicyLog(nc)
+    policy_log = session_keys().policy_log(nc)
     await policy_log.ensure(history_depth=64, replicas=1, worker_ttl_s=10, router_heartbeat_s=1)
     yield policy_log
     await nc.close()
