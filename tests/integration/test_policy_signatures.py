@@ -291,6 +291,10 @@ async def test_rotation_both_keys_valid_while_both_listed(
                 stored = await cp_a.controlplane.log.get(model, SELECTION, revision)
                 assert stored is not None and stored.signed_by == new.key_id
                 assert all(a.status is AckStatus.ACK for a in (await acks.wait(revision, routers)).values())
+                history = (await op_a.get("/router_policy/history", params={"model": model})).json()
+                items = history["revisions"]
+                assert [e["signed_by"] for e in items] == [new.key_id, new.key_id, old.key_id, new.key_id,
+                                                           old.key_id]
             # Step 4: the old key is retired from the file; an event it signs is refused now.
             write_keyring(keys.verify_path, Keyring.of([new.public_key]))
             await wait_for(lambda: all(r.runtime.scheduler.policy.keyring.key_ids == [new.key_id]
