@@ -31,6 +31,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from cli.embedded import free_port  # noqa: E402
+from cli.keys import ensure_keys  # noqa: E402
 
 
 def pct(values: Iterable[float], q: float) -> float:
@@ -140,12 +141,32 @@ def worker_env(nats_url: str, model: str, port: int, **mock: Any) -> dict[str, s
     return env
 
 
+_KEYS: tuple[Path, Path] | None = None
+
+
+def policy_key_files() -> tuple[Path, Path]:
+    """(seed, verify-keys) of this run's policy signing key, made once per process under a temporary
+    folder: routers always verify policy signatures, benchmarks included."""
+    global _KEYS
+    if _KEYS is None:
+        import atexit
+        import shutil
+        import tempfile
+
+        folder = Path(tempfile.mkdtemp(prefix="rudder-bench-keys-"))
+        atexit.register(shutil.rmtree, folder, True)
+        seed, pub, _ = ensure_keys(folder)
+        _KEYS = (seed, pub)
+    return _KEYS
+
+
 def router_env(nats_url: str, model: str, port: int, *, mode: str = "kv",
                selection: dict[str, float] | None = None, kv_events: bool = True) -> dict[str, str]:
     env = {
         "RUDDER_NATS_URL": nats_url, "RUDDER_MODELS": json.dumps([model]),
         "RUDDER_PORT": str(port), "RUDDER_MODE": mode, "RUDDER_LOG_LEVEL": "WARNING",
         "RUDDER_KV_EVENTS": "true" if kv_events else "false",
+        "RUDDER_POLICY_VERIFY_KEYS": str(policy_key_files()[1]),
     }
     if selection:
         env["RUDDER_SELECTION"] = json.dumps(selection)
