@@ -60,6 +60,7 @@ class RouterRuntime:
             )
             for kind in PolicyKind
         }
+        assert settings.policy_verify_keys is not None  # the settings refuse to exist without it
         self.verify_keys = KeyringFile(settings.policy_verify_keys, field="RUDDER_POLICY_VERIFY_KEYS")
         self.scheduler = Scheduler(
             router_id=settings.router_id, models=settings.models, role=settings.role,

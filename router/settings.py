@@ -76,11 +76,14 @@ class RouterSettings(BaseSettings):
     log_level: str = "INFO"
     # Public keys that may sign policy events (DESIGN §9), "<key id> <base64>" per line. Required:
     # a router without it does not start. Re-read on every tick when the file changes (rotation).
-    policy_verify_keys: Path
+    policy_verify_keys: Path | None = Field(default=None, validate_default=True)
 
     @field_validator("policy_verify_keys")
     @classmethod
-    def _verify_keys(cls, value: Path) -> Path:
+    def _verify_keys(cls, value: Path | None) -> Path:
+        if value is None:
+            raise ValueError("required: the path of the file of public keys that may sign policy events "
+                             "(RUDDER_POLICY_VERIFY_KEYS; `rudder keys new` makes one)")
         try:
             load_keyring(value)
         except KeyFileInvalid as exc:

@@ -166,7 +166,7 @@ def test_keyring_file_reloads_on_change_and_keeps_the_last_good_one(tmp_path: Pa
 def test_router_settings_refuse_to_start_without_verify_keys(tmp_path: Path,
                                                              monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("RUDDER_POLICY_VERIFY_KEYS", raising=False)
-    with pytest.raises(ValueError, match="policy_verify_keys"):
+    with pytest.raises(ValueError, match="RUDDER_POLICY_VERIFY_KEYS"):
         RouterSettings(models=["m"])
     with pytest.raises(ValueError, match="does not exist"):
         RouterSettings(models=["m"], policy_verify_keys=tmp_path / "missing.pub")
