@@ -23,7 +23,9 @@ from pathlib import Path
 
 import httpx
 
-from cli.embedded import EmbeddedNats, EmbeddedPostgres, die_with_parent, free_port, port_is_free
+from bus.identities import Identity
+from bus.streams import BusLayout
+from cli.embedded import EmbeddedNats, EmbeddedPostgres, LocalBus, die_with_parent, free_port, port_is_free
 from cli.errors import CliError, ExitCode
 
 Progress = Callable[[str], None]
@@ -119,19 +121,35 @@ class Stack:
     progress: Progress
     nats: EmbeddedNats | None = None
     postgres: EmbeddedPostgres | None = None
+    bus: LocalBus | None = None
     children: list[Child] = field(default_factory=list)
 
     # -- servers -----------------------------------------------------------------------------
-    def start_nats(self, port: int) -> EmbeddedNats:
-        nats = EmbeddedNats(self.data_dir / "nats", port=port, tie_to_parent=True)
+    def start_nats(self, port: int, *, tls: bool = False, replicas: int = 1) -> EmbeddedNats:
+        """Start nats-server with the bus authority's decentralised auth (anonymous connections
+        refused), optionally TLS, then create the streams as the bus admin (``rudder bus init``)."""
+        from controlplane.protocol.errors import RudderError
+
+        bus = LocalBus(self.data_dir, tls=tls, port=port, tie_to_parent=True)
         began = time.monotonic()
         try:
-            nats.start()
+            changed = bus.start(BusLayout(replicas=replicas))
         except RuntimeError as exc:
             raise CliError(ExitCode.ERROR, f"nats-server: {exc}") from exc
-        self.nats = nats
-        self.progress(f"nats-server   {nats.url}   ready in {time.monotonic() - began:.1f}s")
-        return nats
+        except RudderError as exc:
+            raise CliError(ExitCode.ERROR, f"bus init: {exc.message}") from exc
+        finally:
+            self.nats = bus.server
+        self.bus = bus
+        secured = "auth on, TLS on" if bus.tls else "auth on, TLS off (--tls to turn it on)"
+        self.progress(f"nats-server   {bus.url}   ready in {time.monotonic() - began:.1f}s ({secured}; "
+                      f"bus init: {len(changed)} change(s))")
+        return bus.server
+
+    def bus_env(self, identity: Identity) -> dict[str, str]:
+        """The bus settings of one child: its own credentials (a file path, never the secret)."""
+        assert self.bus is not None
+        return self.bus.env(identity)
 
     def start_postgres(self, port: int, database: str) -> str:
         pg = EmbeddedPostgres(self.data_dir / "pgdata", port=port)

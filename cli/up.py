@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import enum
+import secrets
 import signal
 import time
 from pathlib import Path
@@ -20,6 +21,7 @@ from typing import Annotated
 import httpx
 import typer
 
+from bus.identities import Identity, IdentityKind
 from cli import admin
 from cli.config import CREDENTIALS_FILE, read_credentials, write_credentials
 from cli.embedded import free_port
@@ -84,6 +86,9 @@ def up(
     timeout: Annotated[
         float, typer.Option("--timeout", help="Seconds to wait for each process to be healthy.")
     ] = 120.0,
+    tls: Annotated[
+        bool, typer.Option("--tls", help="TLS on every NATS connection (a private CA under the data dir).")
+    ] = False,
 ) -> None:
     """Start NATS, PostgreSQL, the control plane, routers and workers; Ctrl-C stops them all."""
     data_dir = data_dir.absolute()
@@ -96,7 +101,7 @@ def up(
         _start(stack, data_dir=data_dir, admin_port=admin_port, router_port=router_port,
                nats_port=nats_port, postgres_port=postgres_port,
                routers=0 if no_router else routers, workers=0 if no_workers else workers,
-               engine=engine, model=model, timeout=timeout)
+               engine=engine, model=model, timeout=timeout, tls=tls)
         say("rudder up: ready (Ctrl-C to stop)")
         while True:
             died = stack.first_exited()
@@ -137,9 +142,10 @@ def _start(
     engine: Engine,
     model: str,
     timeout: float,
+    tls: bool = False,
 ) -> None:
     admin_port = pick_port(admin_port, 8080, "admin API")
-    nats = stack.start_nats(pick_port(nats_port, 4222, "NATS"))
+    nats = stack.start_nats(pick_port(nats_port, 4222, "NATS"), tls=tls)
     database_url = stack.start_postgres(pick_port(postgres_port, 5432, "PostgreSQL"), DATABASE)
     began = time.monotonic()
     admin.upgrade(database_url)
@@ -155,14 +161,14 @@ def _start(
     # start and reused after; `rudder keys rotate` replaces it without a restart.
     seed, verify_keys, made = ensure_keys(data_dir / "keys")
     say(f"policy keys   {'made' if made else 'reused'}: {seed} (signing), {verify_keys} (verify)")
-    env = child_env({"RUDDER_NATS_URL": nats.url, "RUDDER_DATABASE_URL": database_url,
-                     "RUDDER_POLICY_VERIFY_KEYS": str(verify_keys)})
+    env = child_env({"RUDDER_DATABASE_URL": database_url, "RUDDER_POLICY_VERIFY_KEYS": str(verify_keys)})
     logs = data_dir / "logs"
     server = f"http://127.0.0.1:{admin_port}"
     stack.start_child(Child(
         name="controlplane", kind="controlplane", url=server, health_url=f"{server}/readyz",
         args=["serve", "controlplane"],
-        env={**env, "RUDDER_ADMIN_HOST": "127.0.0.1", "RUDDER_ADMIN_PORT": str(admin_port),
+        env={**env, **stack.bus_env(Identity(IdentityKind.CONTROLPLANE)),
+             "RUDDER_ADMIN_HOST": "127.0.0.1", "RUDDER_ADMIN_PORT": str(admin_port),
              "RUDDER_POLICY_SIGNING_KEY": str(seed)},
         log_path=logs / "controlplane.log",
     ), timeout)
@@ -190,17 +196,22 @@ def _start(
         stack.start_child(Child(
             name=f"router-{i + 1}", kind="router", url=url, health_url=f"{url}/live",
             args=["serve", "router", "--model", model, "--port", str(port)],
-            env=env, log_path=logs / f"router-{i + 1}.log",
+            env={**env, **stack.bus_env(Identity(IdentityKind.ROUTER, router_id=f"router-{i + 1}")),
+                 "RUDDER_ROUTER_ID": f"router-{i + 1}"},
+            log_path=logs / f"router-{i + 1}.log",
         ), timeout)
     worker_timeout = max(timeout, 600.0) if engine is Engine.VLLM else timeout
     for i in range(workers):
         port = free_port()
+        instance_id = secrets.randbelow(2**63) + 1  # bound to its credentials below
         url = f"http://127.0.0.1:{port}"
         stack.start_child(Child(
             name=f"worker-{i + 1}", kind="worker", url=url, health_url=f"{url}/health",
             args=["serve", "worker", "--engine", engine.value, "--model", model,
                   "--port", str(port)],
-            env=env, log_path=logs / f"worker-{i + 1}.log",
+            env={**env, **stack.bus_env(Identity(IdentityKind.WORKER, model=model, instance_id=instance_id)),
+                 "RUDDER_INSTANCE_ID": str(instance_id)},
+            log_path=logs / f"worker-{i + 1}.log",
         ), worker_timeout)
 
     rows: list[tuple[str, str, str, str]] = [

@@ -10,18 +10,19 @@ import os
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
-import nats.errors
 import uvicorn
 from fastapi import FastAPI
 from nats.aio.client import Client as NATS
 
+from bus.connect import connect
+from bus.streams import CONTROLPLANE_STREAMS, check, wait_ready
 from controlplane.api import build_app
 from controlplane.audit.store import AuditStore
 from controlplane.auth import TokenStore
-from controlplane.eventlog import PolicyLog, connect
+from controlplane.eventlog import PolicyLog
 from controlplane.failpoints import Failpoints
 from controlplane.fleet import FleetView, cancel_all
-from controlplane.protocol.errors import KeyFileInvalid, RudderError
+from controlplane.protocol.errors import ConfigurationError, KeyFileInvalid, RudderError
 from controlplane.protocol.signing import Keyring, KeyringFile, SigningKeyFile
 from controlplane.queries import Queries
 from controlplane.reconcile import Reconciler
@@ -46,7 +47,7 @@ class ControlPlane:
         self.signing_key = SigningKeyFile(s.policy_signing_key, field="RUDDER_POLICY_SIGNING_KEY")
         self.verify_keys = (KeyringFile(s.policy_verify_keys, field="RUDDER_POLICY_VERIFY_KEYS")
                             if s.policy_verify_keys is not None else None)
-        self.nc: NATS = await connect(s.nats_url)
+        self.nc: NATS = await connect(s.bus_options("rudder-controlplane"))
         self.log = PolicyLog(self.nc, signer=self.signing_key.key, keyring=self._keyring())
         await self._ensure_streams()
         self.audit = AuditStore.from_url(s.database_url.get_secret_value())
@@ -88,20 +89,12 @@ class ControlPlane:
             self.refresh_keys()
 
     async def _ensure_streams(self) -> None:
-        """Create streams and bucket, retrying while the bus is not ready (a cluster still forming,
-        or started in the same breath as us) up to ``startup_timeout_s``."""
+        """Wait for the streams the bus admin creates (``rudder bus init``) and check their
+        settings; a stream that differs from ours stops start-up naming the setting."""
         s = self.settings
-        deadline = asyncio.get_running_loop().time() + s.startup_timeout_s
-        while True:
-            try:
-                await self.log.ensure(history_depth=s.history_depth, replicas=s.policy_replicas,
-                                      worker_ttl_s=s.worker_ttl_s, router_heartbeat_s=s.router_heartbeat_s)
-                return
-            except (RudderError, nats.errors.Error) as exc:
-                if asyncio.get_running_loop().time() > deadline:
-                    raise RuntimeError(f"JetStream not ready after {s.startup_timeout_s}s: {exc}") from exc
-                log.info("JetStream not ready yet (%s); retrying", exc)
-                await asyncio.sleep(0.5)
+        await wait_ready(self.nc.jetstream(), s.bus_layout(worker_ttl_s=s.worker_ttl_s,
+                                                          router_heartbeat_s=s.router_heartbeat_s),
+                         CONTROLPLANE_STREAMS, timeout_s=s.startup_timeout_s)
 
     async def stop(self) -> None:
         await cancel_all(self._tasks)
@@ -115,6 +108,16 @@ class ControlPlane:
     async def readiness(self) -> dict[str, str]:
         checks: dict[str, str] = {}
         checks["nats"] = "ok" if self.nc.is_connected else "disconnected"
+        s = self.settings
+        layout = s.bus_layout(worker_ttl_s=s.worker_ttl_s, router_heartbeat_s=s.router_heartbeat_s)
+        try:
+            for stream in CONTROLPLANE_STREAMS:
+                await asyncio.wait_for(check(self.nc.jetstream(timeout=1.0), layout, stream), 1.5)
+            checks["streams"] = "ok"
+        except ConfigurationError as exc:
+            checks["streams"] = exc.message
+        except Exception as exc:  # the bus did not answer: say so without its internals
+            checks["streams"] = f"unavailable ({type(exc).__name__})"
         try:
             await self.audit.ping()
             checks["postgres"] = "ok"

@@ -22,6 +22,7 @@ from typer.testing import CliRunner, Result
 from cli.errors import ExitCode
 from cli.main import app
 from controlplane.settings import ControlPlaneSettings
+from tests import buskit
 from tests.policy_keys import session_keys
 
 pytestmark = pytest.mark.timeout(120)
@@ -103,8 +104,8 @@ def env(nats_url: str, database_url: str) -> Iterator[Env]:
         tokens[role] = body["token"]
     settings = ControlPlaneSettings(
         nats_url=nats_url, database_url=SecretStr(database_url), admin_port=0,
-        reconcile_interval_s=3600.0, policy_signing_key=session_keys().seed_path,
-        policy_verify_keys=session_keys().verify_path,
+        reconcile_interval_s=3600.0, nats_creds=buskit.controlplane_creds(),
+        policy_signing_key=session_keys().seed_path, policy_verify_keys=session_keys().verify_path,
     )
     cp = ThreadedControlPlane(settings)
     cp.start()

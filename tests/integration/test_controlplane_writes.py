@@ -12,9 +12,11 @@ from collections.abc import AsyncIterator
 import httpx
 import pytest
 
+from bus.identities import Identity, IdentityKind
 from controlplane.audit.store import AuditStore
-from controlplane.eventlog import PolicyLog, connect
+from controlplane.eventlog import PolicyLog
 from controlplane.protocol.policy import PolicyKind
+from tests import buskit
 from tests.integration.cp_support import Tokens, client, controlplane
 from tests.policy_keys import session_keys
 
@@ -30,7 +32,7 @@ async def audit(db: str) -> AsyncIterator[AuditStore]:
 
 @pytest.fixture(scope="module")
 async def policy_log(nats_url: str) -> AsyncIterator[PolicyLog]:
-    nc = await connect(nats_url)
+    nc = await buskit.connect_as(nats_url, Identity(IdentityKind.CONTROLPLANE))
     yield session_keys().policy_log(nc)
     await nc.close()
 

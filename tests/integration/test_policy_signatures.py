@@ -21,7 +21,6 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-import nats
 import pytest
 from nats.aio.client import Client as NATS
 from typer.testing import CliRunner
@@ -30,8 +29,6 @@ from cli.embedded import EmbeddedNats
 from cli.main import app as cli_app
 from controlplane.audit.records import AuditEntry, AuditStage, Decision
 from controlplane.audit.store import AuditStore
-from controlplane.eventlog import ensure_stream
-from controlplane.protocol import streams
 from controlplane.protocol.events import AckStatus, ApplyAck, PolicyEvent, decode_apply_ack
 from controlplane.protocol.policy import PolicyKind, PolicyOp
 from controlplane.protocol.signing import Keyring, SigningKey, write_keyring, write_signing_key
@@ -43,6 +40,7 @@ from controlplane.protocol.subjects import (
     STREAM_POLICY,
     policy_subject,
 )
+from tests import buskit
 from tests.integration.cp_support import Tokens, client, controlplane
 from tests.policy_keys import PolicyKeys, make_policy_keys
 from tests.support_router.workers import InProcessRouter, router_settings, wait_for
@@ -77,7 +75,7 @@ class Acks:
 
 @pytest.fixture
 async def acks(nats_url: str) -> AsyncIterator[Acks]:
-    nc = await nats.connect(nats_url)
+    nc = await buskit.admin_connect(nats_url)
     sink = Acks()
     await nc.subscribe("rudder.acks.>", cb=sink.on_msg)
     try:
@@ -103,7 +101,8 @@ def _event(model: str, document: dict[str, float], expected: int) -> PolicyEvent
 
 
 async def publish_around(nc: NATS, event: PolicyEvent, signature: dict[str, str] | None) -> int:
-    """Straight to JetStream on a plain connection, with CAS like the control plane, not through it."""
+    """Straight to JetStream around the control plane (on a connection with the bus admin's rights,
+    i.e. NATS permissions bypassed), with CAS like the control plane."""
     subject = policy_subject(event.model, event.kind.value)
     headers = {HDR_EXPECTED_LAST_SUBJECT_SEQ: str(event.expected_revision), HDR_MSG_ID: str(event.event_id),
                **(signature or {})}
@@ -215,10 +214,12 @@ async def test_reconcile_reports_document_mismatch_and_reused_msg_id(
     both reported."""
     model = f"sig/{uuid.uuid4().hex[:6]}"
     subject = policy_subject(model, SELECTION.value)
-    async with await nats.connect(own_nats.url) as nc:
+    async with await buskit.admin_connect(own_nats.url) as nc:
         # A stream whose duplicate window is short, so that the test need not wait two minutes
-        # for a replayed Nats-Msg-Id to be stored again (the control plane leaves it as it is).
-        await ensure_stream(nc.jetstream(), {**streams.policy_stream(), "duplicate_window": 0.5})
+        # for a replayed Nats-Msg-Id to be stored again (the bus admin may set it so).
+        info = await nc.jetstream().stream_info(STREAM_POLICY)
+        info.config.duplicate_window = 0.5
+        await nc.jetstream().update_stream(info.config)
         async with controlplane(own_nats.url, db, **_cp_keys(keys)) as cp, client(cp, tokens.operator) as op, \
                 client(cp, tokens.auditor) as auditor:
             good = await patch(op, model, 0, 0.5)
@@ -299,7 +300,7 @@ async def test_rotation_both_keys_valid_while_both_listed(
             write_keyring(keys.verify_path, Keyring.of([new.public_key]))
             await wait_for(lambda: all(r.runtime.scheduler.policy.keyring.key_ids == [new.key_id]
                                        for r in routers))
-            async with await nats.connect(nats_url) as nc:
+            async with await buskit.admin_connect(nats_url) as nc:
                 late_old = _event(model, {"router_temperature": 0.2}, revision)
                 subject = policy_subject(model, SELECTION.value)
                 stale = await publish_around(nc, late_old, old.sign(subject, late_old.to_bytes()))

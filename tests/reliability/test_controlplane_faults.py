@@ -8,12 +8,13 @@ import uuid
 
 import pytest
 
+from bus.identities import Identity, IdentityKind
 from cli.embedded import EmbeddedNats, EmbeddedPostgres
 from controlplane.audit.store import AuditStore
-from controlplane.eventlog import connect
 from controlplane.failpoints import Failpoints
 from controlplane.protocol.policy import PolicyKind
 from migrations import upgrade_async
+from tests import buskit
 from tests.integration.cp_support import client, controlplane, make_tokens
 from tests.policy_keys import session_keys
 
@@ -25,7 +26,7 @@ def model_name() -> str:
 
 
 async def revisions(nats_url: str, model: str) -> list[int]:
-    nc = await connect(nats_url)
+    nc = await buskit.connect_as(nats_url, Identity(IdentityKind.CONTROLPLANE))
     try:
         return [s.revision async for s in session_keys().policy_log(nc).history(model, PolicyKind.SELECTION)]
     finally:
