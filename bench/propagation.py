@@ -32,11 +32,13 @@ sys.path.insert(0, str(ROOT))
 
 import httpx  # noqa: E402
 
+from bench.common import policy_key_files  # noqa: E402
 from bus.connect import connect  # noqa: E402
 from bus.identities import Identity, IdentityKind  # noqa: E402
 from cli.embedded import LocalBus, free_port  # noqa: E402
 from controlplane.protocol.events import PolicyEvent, decode_apply_ack  # noqa: E402
 from controlplane.protocol.policy import PolicyKind, PolicyOp  # noqa: E402
+from controlplane.protocol.signing import load_signing_key  # noqa: E402
 from controlplane.protocol.subjects import (  # noqa: E402
     ACKS_SUBJECTS,
     HDR_EXPECTED_LAST_SUBJECT_SEQ,
@@ -102,6 +104,7 @@ async def measure(bus: LocalBus, n: int, revision: int) -> tuple[dict[str, Any],
             procs.append(spawn([sys.executable, "-m", "router"], {
                 **bus.env(Identity(IdentityKind.ROUTER, router_id=rid)), "RUDDER_MODELS": json.dumps([MODEL]),
                 "RUDDER_PORT": str(port), "RUDDER_ROUTER_ID": rid, "RUDDER_LOG_LEVEL": "WARNING",
+                "RUDDER_POLICY_VERIFY_KEYS": str(policy_key_files()[1]),
             }))
         for port in ref_ports:
             procs.append(spawn([sys.executable, __file__, "--reference-server", str(port)], {}))
@@ -127,6 +130,7 @@ async def measure(bus: LocalBus, n: int, revision: int) -> tuple[dict[str, Any],
         await nc.subscribe(ACKS_SUBJECTS, cb=on_ack)
         await asyncio.sleep(0.3)
         subject = policy_subject(MODEL, PolicyKind.BUSY_THRESHOLD.value)
+        signer = load_signing_key(policy_key_files()[0])  # sign as the control plane does
         bus: list[float] = []
         for i in range(PATCHES):
             doc = {"active_prefill_tokens_threshold": 1000 + i}
@@ -142,8 +146,10 @@ async def measure(bus: LocalBus, n: int, revision: int) -> tuple[dict[str, Any],
             waiting[expected_seq] = set(router_ids)
             done[expected_seq] = fut
             t0 = time.perf_counter()
-            ack = await js.publish(subject, event.to_bytes(), headers={
+            payload = event.to_bytes()
+            ack = await js.publish(subject, payload, headers={
                 HDR_EXPECTED_LAST_SUBJECT_SEQ: str(revision), HDR_MSG_ID: str(event.event_id),
+                **signer.sign(subject, payload),
             })
             assert ack.seq == expected_seq, (ack.seq, expected_seq)
             revision = ack.seq

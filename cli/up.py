@@ -28,6 +28,7 @@ from cli import admin
 from cli.config import CREDENTIALS_FILE, read_credentials, write_credentials
 from cli.embedded import free_port
 from cli.errors import CliError, ExitCode
+from cli.keys import ensure_keys
 from cli.loader import available
 from cli.output import note, report_error, say, show, table
 from cli.stack import Child, Stack, UpLock, child_env, pick_port
@@ -164,7 +165,11 @@ def _start(
     if fresh:
         token = admin.create_token(database_url, TOKEN_NAME, "admin")
 
-    env = child_env({"RUDDER_DATABASE_URL": database_url,
+    # Policy events are signed (DESIGN §9): one key pair under .rudder/keys, made on the first
+    # start and reused after; `rudder keys rotate` replaces it without a restart.
+    seed, verify_keys, made = ensure_keys(data_dir / "keys")
+    say(f"policy keys   {'made' if made else 'reused'}: {seed} (signing), {verify_keys} (verify)")
+    env = child_env({"RUDDER_DATABASE_URL": database_url, "RUDDER_POLICY_VERIFY_KEYS": str(verify_keys),
                      "RUDDER_STREAM_REPLICAS": "3" if ha else "1"})
     logs = data_dir / "logs"
     server = f"http://127.0.0.1:{admin_port}"
@@ -176,7 +181,8 @@ def _start(
             name=name, kind="controlplane", url=url, health_url=f"{url}/readyz",
             args=["serve", "controlplane"],
             env={**env, **stack.bus_env(Identity(IdentityKind.CONTROLPLANE)),
-                 "RUDDER_ADMIN_HOST": "127.0.0.1", "RUDDER_ADMIN_PORT": str(port)},
+                 "RUDDER_ADMIN_HOST": "127.0.0.1", "RUDDER_ADMIN_PORT": str(port),
+                 "RUDDER_POLICY_SIGNING_KEY": str(seed)},
             log_path=logs / f"{name}.log",
         ), timeout)
     if not fresh and not _token_works(server, token):

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from starlette.datastructures import MutableHeaders
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -33,6 +33,7 @@ from controlplane.protocol.errors import (
     UnsupportedMediaType,
 )
 from controlplane.protocol.policy import PolicyKind, PolicyOp, parse_kind
+from controlplane.reconcile import ReconcileReport
 from controlplane.writepath import Attempt, RequestContext
 
 if TYPE_CHECKING:
@@ -62,6 +63,20 @@ class Metrics:
                                  buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5))
         self.writes = Counter("rudder_policy_writes", "Policy write decisions", ["decision", "code"],
                               registry=self.registry)
+        # From the reconciler's last report (it runs every reconcile_interval_s).
+        self.reconcile_problems = Gauge("rudder_reconcile_problems",
+                                        "Findings of the last stream/audit reconciliation, by kind",
+                                        ["kind"], registry=self.registry)
+        self.reconcile_last_run = Gauge("rudder_reconcile_last_run_timestamp_seconds",
+                                        "When the last reconciliation finished (0 = not yet)",
+                                        registry=self.registry)
+
+    def observe_reconcile(self, report: ReconcileReport | None, at: datetime | None) -> None:
+        if report is None or at is None:
+            return
+        for kind, count in report.problems().items():
+            self.reconcile_problems.labels(kind).set(count)
+        self.reconcile_last_run.set(at.timestamp())
 
 
 class ObserveMiddleware:
@@ -330,6 +345,7 @@ def build_app(cp: ControlPlane, *, lifespan: Any = None) -> FastAPI:
 
     @app.get("/metrics")
     async def prom() -> PlainTextResponse:
+        metrics.observe_reconcile(cp.reconciler.last_report, cp.reconciler.last_run_at)
         return PlainTextResponse(generate_latest(metrics.registry).decode(), media_type=CONTENT_TYPE_LATEST)
 
     return app

@@ -35,7 +35,7 @@ def _event_view(stored: StoredEvent) -> dict[str, Any]:
         "revision": stored.revision, "event_id": str(ev.event_id), "op": ev.op.value,
         "expected_revision": ev.expected_revision, "actor": ev.actor, "at": _iso(ev.at),
         "changes": ev.changes, "document": ev.document, "rollback_to": ev.rollback_to,
-        "request_id": ev.request_id,
+        "request_id": ev.request_id, "signed_by": stored.signed_by,
     }
 
 

@@ -7,11 +7,12 @@ keeps serving with its last good state while NATS is away.
 - :class:`PolicyConsumer`: one ordered consumer for all served models (a multi-subject filter of
   ``rudder.policy.<key>.*``), starting with the last message per subject, then live. The
   revision is the message's stream sequence. Each event goes through
-  :class:`~router.scheduler.ApplyPolicy`; the answer is published as an :class:`ApplyAck` on
-  ``rudder.acks.<router_id>`` and a status write is requested (coalesced, off the message path).
+  :class:`~router.scheduler.ApplyPolicy` with its headers, so its signature is checked (replayed
+  or live, re-read or not) in the policy state; the answer is published as an :class:`ApplyAck`
+  on ``rudder.acks.<router_id>`` and a status write is requested (coalesced, off the path).
   A reported gap re-reads the document's head with a direct get and applies it if newer.
-- :class:`MembershipConsumer`: the same, one consumer on ``rudder.workers.<key>.*``; the first discovery is
-  complete when the replay has been applied (``num_pending`` reaches 0, or nothing was there).
+- :class:`MembershipConsumer`: the same, one consumer on ``rudder.workers.<key>.*``; the first
+  discovery is complete when the replay has been applied (``num_pending`` reaches 0, or nothing was there).
 - :class:`KvEventSubscriber`: core subscription on ``rudder.kv.<key>.*``; gaps and new workers
   lead to a full dump over ``rudder.kvdump.<instance_id>`` (:class:`KvDumper`).
 - :class:`StatusPublisher`: the router's :class:`RouterStatus` in ``RUDDER_ROUTERS``.
@@ -221,11 +222,13 @@ class PolicyConsumer:
         except (InvalidRequest, ValueError) as exc:
             log.warning("ignoring message on %s: %s", msg.subject, exc)
             return
-        await self._apply(model, kind, revision, msg.data)
+        await self._apply(model, kind, revision, msg.data, msg.headers)
 
-    async def _apply(self, model: str, kind: PolicyKind, revision: int, payload: bytes) -> None:
+    async def _apply(
+        self, model: str, kind: PolicyKind, revision: int, payload: bytes, headers: dict[str, str] | None,
+    ) -> None:
         try:
-            applied = await self.scheduler.call(ApplyPolicy(model, kind, revision, payload))
+            applied = await self.scheduler.call(ApplyPolicy(model, kind, revision, payload, headers))
         except RudderError as exc:
             log.warning("policy %s|%s revision %d not applied: %s", model, kind.value, revision, exc)
             return
@@ -250,7 +253,7 @@ class PolicyConsumer:
             log.warning("head of %s|%s not re-read: %s", model, kind.value, type(exc).__name__)
             return
         if msg.seq is not None and msg.seq > revision and msg.data is not None:
-            await self._apply(model, kind, msg.seq, msg.data)
+            await self._apply(model, kind, msg.seq, msg.data, msg.headers)
 
     async def _ack(self, result: ApplyResult) -> None:
         ack = ApplyAck(

@@ -45,6 +45,7 @@ from controlplane.protocol.events import (
     utcnow,
 )
 from controlplane.protocol.policy import CacheInput, Number, PolicyKind
+from controlplane.protocol.signing import Keyring
 from router.bookings import Bookings
 from router.busy import Thresholds, rank_busy
 from router.discovery import Change, Discovery, Health, WorkerState
@@ -159,6 +160,14 @@ class ApplyPolicy(_Command[PolicyApplied]):
     kind: PolicyKind
     revision: int
     payload: bytes
+    headers: dict[str, str] | None  # the message's headers: the signature is among them
+
+
+@dataclass(slots=True)
+class UseVerifyKeys(_Command[None]):
+    """The verify-keys file changed: check policy signatures against this keyring from now on."""
+
+    keyring: Keyring
 
 
 @dataclass(slots=True)
@@ -243,7 +252,7 @@ class Scheduler:
         startup: dict[PolicyKind, dict[str, Number | None]],
         worker_ttl_s: float, worker_stale_s: float, approx_ttl_s: float = 120.0,
         clock: Callable[[], float] = time.monotonic, wall: Callable[[], datetime] = utcnow,
-        rng: random.Random | None = None,
+        keyring: Keyring, rng: random.Random | None = None,
     ) -> None:
         self.router_id = router_id
         self.models = list(models)
@@ -263,7 +272,8 @@ class Scheduler:
         self.wall = wall
         self.rng = rng or random.Random()
         self.policy = PolicyState(
-            router_id=router_id, models=models, startup=startup, cache_inputs=cache_inputs
+            router_id=router_id, models=models, startup=startup, cache_inputs=cache_inputs,
+            keyring=keyring,
         )
         self.discovery = Discovery(ttl_s=worker_ttl_s, stale_s=worker_stale_s, models=frozenset(models))
         self.index = PrefixIndex()
@@ -394,6 +404,9 @@ class Scheduler:
                 return self._select(cmd.request, cmd.seq)
             case ApplyPolicy():
                 return self._apply_policy(cmd)
+            case UseVerifyKeys():
+                self.policy.use_keyring(cmd.keyring)
+                return None
             case ApplyMembership():
                 return self._apply_membership(cmd.event)
             case ApplyKvEvents():
@@ -436,7 +449,7 @@ class Scheduler:
         )
 
     def _apply_policy(self, cmd: ApplyPolicy) -> PolicyApplied:
-        result = self.policy.apply(cmd.model, cmd.kind, cmd.revision, cmd.payload)
+        result = self.policy.apply(cmd.model, cmd.kind, cmd.revision, cmd.payload, cmd.headers)
         if result.outcome is Outcome.ACK:
             self.stats["applied"] += 1
             self._refresh_policy(cmd.model)

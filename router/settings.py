@@ -9,11 +9,13 @@ from __future__ import annotations
 
 import enum
 import secrets
+from pathlib import Path
 
 from pydantic import Field, field_validator, model_validator
 from pydantic_settings import SettingsConfigDict
 
 from bus.settings import BusSettings
+from controlplane.protocol.errors import KeyFileInvalid
 from controlplane.protocol.events import RouterRole
 from controlplane.protocol.policy import (
     ALL_CACHE_INPUTS,
@@ -22,6 +24,7 @@ from controlplane.protocol.policy import (
     PolicyKind,
     validate_value,
 )
+from controlplane.protocol.signing import load_keyring
 
 
 class RoutingMode(enum.StrEnum):
@@ -69,6 +72,21 @@ class RouterSettings(BusSettings):
     max_retries: int = Field(default=3, ge=0)
     max_body_bytes: int = Field(default=16 * 1024 * 1024, gt=0)
     log_level: str = "INFO"
+    # Public keys that may sign policy events (DESIGN §9), "<key id> <base64>" per line. Required:
+    # a router without it does not start. Re-read on every tick when the file changes (rotation).
+    policy_verify_keys: Path | None = Field(default=None, validate_default=True)
+
+    @field_validator("policy_verify_keys")
+    @classmethod
+    def _verify_keys(cls, value: Path | None) -> Path:
+        if value is None:
+            raise ValueError("required: the path of the file of public keys that may sign policy events "
+                             "(RUDDER_POLICY_VERIFY_KEYS; `rudder keys new` makes one)")
+        try:
+            load_keyring(value)
+        except KeyFileInvalid as exc:
+            raise ValueError(exc.message) from exc
+        return value
 
     @field_validator("overload_status")
     @classmethod

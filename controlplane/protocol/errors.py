@@ -5,7 +5,11 @@
     │   ├── ValidationFailed         (422) well-formed but not allowed (range, type, unknown name)
     │   │   └── CapabilityMismatch   (422) a weight needs a cache input a live router lacks
     │   ├── PayloadTooLarge          (413)
-    │   └── UnsupportedMediaType     (415)
+    │   ├── UnsupportedMediaType     (415)
+    │   ├── SignatureInvalid         a policy event is unsigned, signed by an unknown key, or its
+    │   │                            signature does not verify; ``reason_code`` says which
+    │   └── KeyFileInvalid           a signing or verify-keys file is missing, too open or malformed;
+    │                                ``field`` names the setting
     ├── Unauthenticated              (401)
     ├── Forbidden                    (403)
     ├── NotFound                     (404)
@@ -71,6 +75,24 @@ class PayloadTooLarge(InvalidRequest):
 class UnsupportedMediaType(InvalidRequest):
     status_code = 415
     code = "unsupported_media_type"
+
+
+class SignatureInvalid(InvalidRequest):
+    """A policy event that does not carry a valid signature by a configured key (DESIGN §9).
+
+    ``reason_code`` is one of ``signature_missing``, ``signature_unknown_key``,
+    ``signature_invalid``; routers put it first in their NACK detail."""
+
+    code = "signature_invalid"
+
+    def __init__(self, message: str, *, reason_code: str, key_id: str | None = None) -> None:
+        super().__init__(message, reason_code=reason_code, key_id=key_id)
+        self.reason_code = reason_code
+        self.key_id = key_id
+
+
+class KeyFileInvalid(InvalidRequest):
+    code = "key_file_invalid"
 
 
 class Unauthenticated(RudderError):

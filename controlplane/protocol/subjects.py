@@ -30,6 +30,9 @@ ACKS_SUBJECTS = f"{ACKS_PREFIX}.*"
 
 HDR_EXPECTED_LAST_SUBJECT_SEQ = "Nats-Expected-Last-Subject-Sequence"
 HDR_MSG_ID = "Nats-Msg-Id"
+# Policy event signature (DESIGN §9): key id and base64 Ed25519 signature over subject + payload.
+HDR_KEY_ID = "Rudder-Key-Id"
+HDR_SIGNATURE = "Rudder-Signature"
 
 # JetStream API error codes we branch on.
 JS_ERR_WRONG_LAST_SEQUENCE = 10071

@@ -24,8 +24,9 @@ from router.bookings import Bookings
 from router.busy import Thresholds, rank_busy
 from router.discovery import Change, Discovery, Health
 from router.index import KvApplied, PrefixIndex
-from router.policy_state import Outcome, PolicyState
+from router.policy_state import ApplyResult, Outcome, PolicyState
 from router.selection import Overlap
+from tests.policy_keys import session_keys
 
 T0 = datetime(2025, 1, 1, tzinfo=UTC)
 
@@ -194,17 +195,23 @@ def _event(doc: dict[str, float], *, expected: int, kind: str = "selection", mod
 
 def _state(inputs: frozenset[CacheInput] = ALL_CACHE_INPUTS) -> PolicyState:
     startup = {k: startup_values(k, cache_inputs=inputs) for k in PolicyKind}
-    return PolicyState(router_id="r-1", models=["m"], startup=startup, cache_inputs=inputs)
+    return PolicyState(router_id="r-1", models=["m"], startup=startup, cache_inputs=inputs,
+                       keyring=session_keys().keyring)
+
+
+def _apply(st: PolicyState, model: str, kind: PolicyKind, revision: int, payload: bytes) -> ApplyResult:
+    """Apply an event signed by the session's control-plane key, as on the stream."""
+    return st.apply(model, kind, revision, payload, session_keys().headers_for(model, kind, payload))
 
 
 def test_policy_apply_in_order_idempotent_with_gap_report() -> None:
     st = _state()
-    r = st.apply("m", PolicyKind.SELECTION, 5, _event({"router_temperature": 0.5}, expected=3))
+    r = _apply(st, "m", PolicyKind.SELECTION, 5, _event({"router_temperature": 0.5}, expected=3))
     assert r.outcome is Outcome.ACK and not r.gap  # the first one after start is never a gap
     assert st.get("m", PolicyKind.SELECTION).effective["router_temperature"] == 0.5
-    assert st.apply("m", PolicyKind.SELECTION, 5, b"{}").outcome is Outcome.SKIP
-    assert st.apply("m", PolicyKind.SELECTION, 4, b"{}").outcome is Outcome.SKIP
-    r = st.apply("m", PolicyKind.SELECTION, 9, _event({}, expected=7))
+    assert _apply(st, "m", PolicyKind.SELECTION, 5, b"{}").outcome is Outcome.SKIP
+    assert _apply(st, "m", PolicyKind.SELECTION, 4, b"{}").outcome is Outcome.SKIP
+    r = _apply(st, "m", PolicyKind.SELECTION, 9, _event({}, expected=7))
     assert r.outcome is Outcome.ACK and r.gap
     assert st.get("m", PolicyKind.SELECTION).effective["router_temperature"] == 0.0
 
@@ -212,18 +219,18 @@ def test_policy_apply_in_order_idempotent_with_gap_report() -> None:
 def test_policy_nack_keeps_last_good_values() -> None:
     st = _state(frozenset())  # a cache-free router
     assert st.get("m", PolicyKind.SELECTION).startup["host_cache_hit_weight"] == 0.0
-    st.apply("m", PolicyKind.SELECTION, 1, _event({"router_temperature": 0.2}, expected=0))
-    r = st.apply("m", PolicyKind.SELECTION, 2, _event({"host_cache_hit_weight": 0.5}, expected=1))
+    _apply(st, "m", PolicyKind.SELECTION, 1, _event({"router_temperature": 0.2}, expected=0))
+    r = _apply(st, "m", PolicyKind.SELECTION, 2, _event({"host_cache_hit_weight": 0.5}, expected=1))
     assert r.outcome is Outcome.NACK
     assert "host_cache_hit_weight" in r.detail and "host" in r.detail
     doc = st.get("m", PolicyKind.SELECTION)
     assert doc.revision == 1 and doc.effective["router_temperature"] == 0.2
     assert doc.effective["host_cache_hit_weight"] == 0.0
     assert doc.last_nack_revision == 2
-    bad = st.apply("m", PolicyKind.SELECTION, 3, b"not json")
+    bad = _apply(st, "m", PolicyKind.SELECTION, 3, b"not json")
     assert bad.outcome is Outcome.NACK and "malformed" in bad.detail
-    wrong = st.apply("m", PolicyKind.SELECTION, 4, _event({}, expected=3, model="other"))
+    wrong = _apply(st, "m", PolicyKind.SELECTION, 4, _event({}, expected=3, model="other"))
     assert wrong.outcome is Outcome.NACK
-    invalid = st.apply("m", PolicyKind.SELECTION, 5, _event({"router_temperature": -1}, expected=4))
+    invalid = _apply(st, "m", PolicyKind.SELECTION, 5, _event({"router_temperature": -1}, expected=4))
     assert invalid.outcome is Outcome.NACK and "router_temperature" in invalid.detail
     assert st.applied()["m|selection"].revision == 1
