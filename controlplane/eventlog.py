@@ -27,7 +27,7 @@ from nats.js.errors import (
 )
 
 from controlplane.protocol.errors import InvalidRequest, LogUnavailable, RevisionConflict
-from controlplane.protocol.events import PolicyEvent, decode_policy_event
+from controlplane.protocol.events import PolicyEvent, check_policy_subject, decode_policy_event
 from controlplane.protocol.policy import PolicyKind
 from controlplane.protocol.subjects import (
     HDR_EXPECTED_LAST_SUBJECT_SEQ,
@@ -104,6 +104,9 @@ class PolicyLog:
         headers = msg.headers or {}
         try:
             event: PolicyEvent | None = decode_policy_event(msg.data or b"")
+            assert event is not None
+            # An event naming another document than its subject is malformed here too.
+            check_policy_subject(msg.subject, event)
             error = None
         except Exception as exc:  # a malformed message on the stream must not break reads
             event, error = None, str(exc)

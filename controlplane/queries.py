@@ -96,6 +96,8 @@ class Queries:
                 for r in routers
             ],
             "heads": heads,
+            # Status entries dropped as unusable (naive timestamp, key ≠ router_id, too large).
+            "rejected": [{"key": k, "reason": why} for k, why in sorted(self.fleet.bad_routers.items())],
         }
 
     def workers(self, model: str | None = None) -> list[dict[str, Any]]:
