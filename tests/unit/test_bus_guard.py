@@ -221,7 +221,7 @@ def test_naive_timestamps_are_refused_everywhere() -> None:
         decode_policy_event(policy)
     with pytest.raises(ValidationError):
         ApplyAck(router_id="r-a", model=MODEL, kind=PolicyKind.SELECTION, revision=1,
-                 status=AckStatus.ACK, at=datetime(2026, 1, 1))  # noqa: DTZ001 - the point of the test
+                 status=AckStatus.ACK, at=datetime(2026, 1, 1))  # naive: the point of the test
     # Any zone is fine (it is compared correctly with UTC).
     status["heartbeat_at"] = "2026-01-01T02:00:00+02:00"
     assert decode_router_status(status).heartbeat_at == T0
