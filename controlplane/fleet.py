@@ -194,6 +194,10 @@ class FleetView:
             key=lambda w: (w.worker.model, w.worker.instance_id),
         )
 
+    def last_seen(self, instance_id: int) -> datetime | None:
+        """When the bus stored the worker's last membership event (what liveness uses)."""
+        return self._worker_seen.get(instance_id)
+
     def serves(self, model: str) -> bool:
         return bool(self.live_routers(model) or self.live_workers(model))
 

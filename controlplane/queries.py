@@ -92,6 +92,7 @@ class Queries:
                     "applied": {k: v.model_dump() for k, v in r.applied.items()},
                     "startup": r.startup, "heartbeat_at": _iso(r.heartbeat_at),
                     "started_at": _iso(r.started_at),
+                    "policy_resync": r.policy_resync.model_dump(mode="json") if r.policy_resync else None,
                 }
                 for r in routers
             ],
@@ -104,7 +105,7 @@ class Queries:
         return [
             {
                 **w.worker.model_dump(mode="json"),
-                "last_seen": _iso(w.at), "state": w.op.value,
+                "last_seen": _iso(self.fleet.last_seen(w.worker.instance_id) or w.at), "state": w.op.value,
                 "load": [load.model_dump() for load in w.load],
             }
             for w in self.fleet.live_workers(model)
