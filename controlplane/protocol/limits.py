@@ -29,7 +29,7 @@ MAX_CACHE_TIERS = 8
 MAX_LOAD_VALUE = 2**40
 
 # KV events and dumps.
-MAX_KV_EVENT_BLOCKS = 16384  # blocks stored or removed by one event
+MAX_KV_EVENT_BLOCKS = 65536  # blocks stored or removed by one event (NATS max_payload binds first by default)
 MAX_KV_DUMP_BLOCKS = 2**22  # blocks of one rank in a full dump
 
 # Routers (status, ACKs) and policy events.

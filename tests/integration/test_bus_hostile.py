@@ -260,6 +260,20 @@ async def test_malformed_head_is_nacked_and_replaced_by_an_audited_cas_write(
             r = await op.patch("/router_policy", json={"model": model, "expected_revision": fixed["revision"],
                                                         "parameters": {"router_temperature": 0.6}})
             assert r.status_code == 200 and r.json()["document"] == {"router_temperature": 0.6}, r.text
+
+            # The compatible threshold API: without expected_revision it never builds on a
+            # malformed head (409 at once, no retry loop); naming the revision replaces it.
+            ack = await nc.jetstream().publish(policy_subject(model, "busy_threshold"), b"not json",
+                                               headers={HDR_EXPECTED_LAST_SUBJECT_SEQ: "0"})
+            r = await op.post("/busy_threshold", json={"model": model, "active_decode_blocks_threshold": 0.9})
+            assert r.status_code == 409 and r.json()["error"]["malformed_head"] is True, r.text
+            r = await op.post("/busy_threshold", json={"model": model, "active_decode_blocks_threshold": 0.9,
+                                                        "expected_revision": ack.seq})
+            assert r.status_code == 200, r.text
+            assert r.json()["thresholds"] == {"active_decode_blocks_threshold": 0.9}
+            refusals = [i for i in (await auditor.get("/audit", params={"model": model, "kind": "busy_threshold"}))
+                        .json()["items"] if i["reason_code"] == "revision_conflict"]
+            assert len(refusals) == 1  # one refusal recorded, not one per retry
     finally:
         await router.stop()
 
