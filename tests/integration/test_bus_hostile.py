@@ -8,6 +8,10 @@ with real routers, a real control plane and process-local workers (``TestWorker`
   ``/router_policy`` still answer, the entry is flagged; a future stamp keeps no router alive;
 - a malformed head on ``RUDDER_POLICY`` is NACKed by routers and replaced by an audited CAS write;
 - a recreated ``RUDDER_POLICY`` stream makes a router re-sync and apply the later revisions.
+
+Each forgery is published with the narrowest identity NATS lets publish it (a worker on its own
+subject, a router on its own key and ACK subject): permissions pass it, these rules must not. What
+no service may publish at all (a policy message, a stream deletion) uses the bus admin (``nc``).
 """
 
 from __future__ import annotations
@@ -22,7 +26,8 @@ import httpx
 import pytest
 from nats.aio.client import Client as NATS
 
-from controlplane.eventlog import PolicyLog
+from bus.identities import Identity, IdentityKind
+from bus.streams import BusLayout, ensure_all
 from controlplane.protocol.events import (
     AckStatus,
     ApplyAck,
@@ -40,6 +45,7 @@ from controlplane.protocol.subjects import (
     membership_subject,
     policy_subject,
 )
+from tests import buskit
 from tests.integration.cp_support import Tokens, client, controlplane
 from tests.support_router.workers import InProcessRouter, TestWorker, router_settings, wait_for
 
@@ -62,7 +68,7 @@ class LocalhostWorker(TestWorker):
         return f"http://localhost:{self.port}"
 
 
-async def test_forged_membership_and_disallowed_url_never_receive_traffic(nats_url: str, nc: NATS) -> None:
+async def test_forged_membership_and_disallowed_url_never_receive_traffic(nats_url: str) -> None:
     model = f"forge/{uuid.uuid4().hex[:6]}"
     victim = await TestWorker(nats_url, model).start()
     attacker = TestWorker(nats_url, model)  # serves HTTP, never announces itself honestly
@@ -75,12 +81,18 @@ async def test_forged_membership_and_disallowed_url_never_receive_traffic(nats_u
     try:
         await wait_for(lambda: sched.view.workers.get(model) == 1)
         await wait_for(lambda: _drops(router, "membership", "url_not_allowed") >= 1)
-        # On its own subject, the attacker speaks for the victim's id with its own URL.
+        # On its own subject (all its credentials allow), the attacker speaks for the victim's id
+        # with its own URL.
         forged = victim.record().model_copy(update={"url": attacker.url})
-        js = nc.jetstream()
-        for op in (MembershipOp.JOIN, MembershipOp.HEARTBEAT):
-            event = MembershipEvent(op=op, worker=forged, load=victim.load, at=datetime.now(UTC))
-            await js.publish(membership_subject(model, attacker.instance_id), event.to_bytes())
+        attacker_nc = await buskit.connect_as(nats_url, Identity(
+            IdentityKind.WORKER, model=model, instance_id=attacker.instance_id))
+        try:
+            js = attacker_nc.jetstream()
+            for op in (MembershipOp.JOIN, MembershipOp.HEARTBEAT):
+                event = MembershipEvent(op=op, worker=forged, load=victim.load, at=datetime.now(UTC))
+                await js.publish(membership_subject(model, attacker.instance_id), event.to_bytes())
+        finally:
+            await attacker_nc.close()
         await wait_for(lambda: _drops(router, "membership", "subject_mismatch") >= 2)
 
         async with httpx.AsyncClient(base_url=router.url, timeout=10) as http:
@@ -111,7 +123,7 @@ async def test_forged_membership_and_disallowed_url_never_receive_traffic(nats_u
         await victim.stop()
 
 
-async def test_join_with_a_million_ranks_is_refused_without_slowing_selections(nats_url: str, nc: NATS) -> None:
+async def test_join_with_a_million_ranks_is_refused_without_slowing_selections(nats_url: str) -> None:
     model = f"wide/{uuid.uuid4().hex[:6]}"
     worker = await TestWorker(nats_url, model).start()
     router = await InProcessRouter(router_settings(nats_url, model)).start()
@@ -133,8 +145,13 @@ async def test_join_with_a_million_ranks_is_refused_without_slowing_selections(n
             payload = json.loads(MembershipEvent(op=MembershipOp.JOIN, worker=hostile.record(),
                                                  at=datetime.now(UTC)).to_bytes())
             payload["worker"]["dp_size"] = 10**6
-            await nc.jetstream().publish(membership_subject(model, hostile.instance_id),
-                                         json.dumps(payload).encode())
+            hostile_nc = await buskit.connect_as(nats_url, Identity(
+                IdentityKind.WORKER, model=model, instance_id=hostile.instance_id))
+            try:
+                await hostile_nc.jetstream().publish(membership_subject(model, hostile.instance_id),
+                                                     json.dumps(payload).encode())
+            finally:
+                await hostile_nc.close()
             await wait_for(lambda: _drops(router, "membership", "malformed") >= 1)
             after = await timed_selections(20)
         # Refused: no slot was made for it, a selection still scans one rank.
@@ -155,17 +172,18 @@ async def test_naive_timestamp_in_router_status_breaks_nothing(nats_url: str, db
     async with controlplane(nats_url, db, router_heartbeat_s=heartbeat_s) as cp, \
             client(cp, tokens.operator) as op, client(cp, tokens.auditor) as auditor:
         fleet = cp.controlplane.fleet
-        kv = await nc.jetstream().key_value(BUCKET_ROUTERS)
         now = datetime.now(UTC)
         good = json.loads(RouterStatus(router_id="r-naive", models=[model], started_at=now,
                                        heartbeat_at=now).to_bytes())
         naive = dict(good, heartbeat_at=now.replace(tzinfo=None).isoformat())
-        await kv.put("r-naive", json.dumps(naive).encode())
-        # Another router's status stored under someone else's key, and one stamped a year ahead.
-        await kv.put("r-other", RouterStatus(router_id="r-victim", models=[model], started_at=now,
-                                             heartbeat_at=now).to_bytes())
-        await kv.put("r-future", RouterStatus(router_id="r-future", models=[model], started_at=now,
-                                              heartbeat_at=now + timedelta(days=365)).to_bytes())
+        # Each router writes only its own key: a naive stamp, another router's id under its own
+        # key, and a stamp a year ahead.
+        await _put_own_status("r-naive", json.dumps(naive).encode(), nats_url)
+        await _put_own_status("r-other", RouterStatus(router_id="r-victim", models=[model], started_at=now,
+                                                      heartbeat_at=now).to_bytes(), nats_url)
+        await _put_own_status("r-future", RouterStatus(
+            router_id="r-future", models=[model], started_at=now,
+            heartbeat_at=now + timedelta(days=365)).to_bytes(), nats_url)
         await wait_for(lambda: {"r-naive", "r-other"} <= set(fleet.bad_routers))
         assert "heartbeat_at" in fleet.bad_routers["r-naive"]
 
@@ -191,9 +209,13 @@ async def test_naive_timestamp_in_router_status_breaks_nothing(nats_url: str, db
         forged = ApplyAck(router_id="r-victim", model=model, kind=PolicyKind.SELECTION, revision=rev,
                           status=AckStatus.NACK, detail="forged", at=datetime.now(UTC))
         honest = forged.model_copy(update={"router_id": "r-honest", "detail": "honest"})
-        await nc.publish(acks_subject("r-honest"), forged.to_bytes())
-        await nc.publish(acks_subject("r-honest"), honest.to_bytes())
-        await nc.flush()
+        router_nc = await buskit.connect_as(nats_url, Identity(IdentityKind.ROUTER, router_id="r-honest"))
+        try:
+            for ack in (forged, honest):  # as a router publishes them (the ACK stream keeps them)
+                await router_nc.publish(acks_subject("r-honest"), ack.to_bytes())
+            await router_nc.flush()
+        finally:
+            await router_nc.close()
 
         async def recorded() -> list[dict[str, Any]]:
             acks: list[dict[str, Any]] = (await auditor.get("/routers/acks", params={"model": model})).json()["acks"]
@@ -202,8 +224,18 @@ async def test_naive_timestamp_in_router_status_breaks_nothing(nats_url: str, db
         await wait_for(lambda: _has(recorded(), "r-honest"))
         assert {a["router_id"] for a in await recorded()} == {"r-honest"}
         assert fleet.drops.totals[("ack", "subject_mismatch")] == 1
+        kv = await nc.jetstream().key_value(BUCKET_ROUTERS)
         for key in ("r-naive", "r-other", "r-future"):
             await kv.delete(key)
+
+
+async def _put_own_status(router_id: str, value: bytes, nats_url: str) -> None:
+    router_nc = await buskit.connect_as(nats_url, Identity(IdentityKind.ROUTER, router_id=router_id))
+    try:
+        kv = await router_nc.jetstream().key_value(BUCKET_ROUTERS)
+        await kv.put(router_id, value)
+    finally:
+        await router_nc.close()
 
 
 async def _has(acks: Any, router_id: str) -> bool:
@@ -297,7 +329,7 @@ async def test_recreated_policy_stream_makes_a_router_resync_and_apply_later_rev
             # An operator deletes and re-creates the stream: its sequence starts again at 1.
             js = nc.jetstream()
             await js.delete_stream(STREAM_POLICY)
-            await PolicyLog(nc).ensure(history_depth=64, replicas=1, worker_ttl_s=10, router_heartbeat_s=1)
+            await ensure_all(js, BusLayout())  # as `rudder bus init` does
             r = await op.patch("/router_policy", json={"model": model, "expected_revision": 0,
                                                         "parameters": {"router_temperature": 0.9}})
             assert r.status_code == 200, r.text
