@@ -142,4 +142,10 @@ class Drops:
                                  "new ones (still counted)", self.max_sources)
             return
         self._logged.add(seen)
-        self.log.warning("dropped %s from %s (%s): %s", kind, source, reason, detail)
+        self.log.warning("dropped %s from %s (%s): %s", kind, _printable(source), reason, _printable(detail))
+
+
+def _printable(text: str, limit: int = 500) -> str:
+    """Payload-chosen text made safe for one log line: control characters escaped, truncated."""
+    clean = text if text.isprintable() else repr(text)[1:-1]
+    return clean if len(clean) <= limit else clean[:limit] + "…"

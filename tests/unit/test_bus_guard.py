@@ -305,6 +305,14 @@ def test_drops_log_once_per_source_and_count_every_time(caplog: pytest.LogCaptur
     assert sum("no longer logging" in line for line in lines) == 1
 
 
+def test_drops_log_payload_text_on_one_line(caplog: pytest.LogCaptureFixture) -> None:
+    drops = Drops(logging.getLogger("test.drops.line"))
+    with caplog.at_level(logging.WARNING, logger="test.drops.line"):
+        drops.drop("router_status", "malformed", "key r-a", "bad\nFAKE LOG LINE " + "x" * 2000)
+    (line,) = [r.getMessage() for r in caplog.records]
+    assert "\n" not in line and "bad\\nFAKE" in line and len(line) < 700
+
+
 # -- a policy stream that went backwards -----------------------------------------------------------
 
 
