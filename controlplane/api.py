@@ -9,7 +9,7 @@ import json
 import logging
 import time
 import uuid
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Callable, Iterator
 from datetime import datetime
 from typing import TYPE_CHECKING, Any
 
@@ -17,6 +17,8 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily
+from prometheus_client.registry import Collector
 from starlette.datastructures import MutableHeaders
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -79,6 +81,23 @@ class Metrics:
         self.reconcile_last_run.set(at.timestamp())
 
 
+class BusDropsCollector(Collector):
+    """``rudder_controlplane_bus_dropped_total{kind, reason}``: bus messages the fleet view dropped
+    as hostile or malformed (read at scrape time from the running fleet view's counts)."""
+
+    def __init__(self, totals: Callable[[], dict[tuple[str, str], int]]) -> None:
+        self.totals = totals
+
+    def collect(self) -> Iterator[CounterMetricFamily]:
+        family = CounterMetricFamily(
+            "rudder_controlplane_bus_dropped", "Bus messages dropped as hostile or malformed",
+            labels=["kind", "reason"],
+        )
+        for (kind, reason), n in sorted(self.totals().items()):
+            family.add_metric([kind, reason], n)
+        yield family
+
+
 class ObserveMiddleware:
     """Plain ASGI: a request id for every request (``X-Request-Id`` in, or a new one), echoed in
     the response, plus request counts and latency by route. (Starlette's ``BaseHTTPMiddleware``
@@ -123,6 +142,9 @@ def build_app(cp: ControlPlane, *, lifespan: Any = None) -> FastAPI:
     app = FastAPI(title="Rudder admin API", version="1", lifespan=lifespan,
                   description="The only write path for router policy. See docs/api.md.")
     metrics = Metrics()
+    metrics.registry.register(BusDropsCollector(
+        lambda: dict(cp.fleet.drops.totals) if hasattr(cp, "fleet") else {}
+    ))
     max_body = cp.settings.max_body_bytes
 
     # ---- edges ---------------------------------------------------------------------------

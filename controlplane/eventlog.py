@@ -32,7 +32,7 @@ from nats.js.errors import (
 )
 
 from controlplane.protocol.errors import InvalidRequest, LogUnavailable, RevisionConflict, SignatureInvalid
-from controlplane.protocol.events import PolicyEvent, decode_policy_event
+from controlplane.protocol.events import PolicyEvent, check_policy_subject, decode_policy_event
 from controlplane.protocol.policy import PolicyKind
 from controlplane.protocol.signing import Keyring, SigningKey
 from controlplane.protocol.subjects import (
@@ -124,6 +124,9 @@ class PolicyLog:
                                signature_error=exc.reason_code)
         try:
             event: PolicyEvent | None = decode_policy_event(data)
+            assert event is not None
+            # An event naming another document than its subject is malformed here too.
+            check_policy_subject(msg.subject, event)
             error = None
         except Exception as exc:  # a malformed message on the stream must not break reads
             event, error = None, str(exc)

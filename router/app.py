@@ -24,6 +24,7 @@ from bus.connect import connect
 from bus.streams import ROUTER_STREAMS, wait_ready
 from controlplane.protocol.errors import KeyFileInvalid
 from controlplane.protocol.events import utcnow
+from controlplane.protocol.guard import Drops
 from controlplane.protocol.policy import Number, PolicyKind, startup_values
 from controlplane.protocol.signing import KeyringFile
 from controlplane.protocol.subjects import BUCKET_ROUTERS
@@ -71,6 +72,10 @@ class RouterRuntime:
             keyring=self.verify_keys.keyring, rng=rng,
         )
         self.metrics = RouterMetrics()
+        self.drops = Drops(
+            logging.getLogger("router.bus"),
+            count=lambda kind, reason: self.metrics.bus_drops.labels(kind, reason).inc(),
+        )
         self.tokenizers = TokenizerRegistry()
         self.tasks = TaskSet()
         self.started_at: datetime = utcnow()
@@ -98,20 +103,25 @@ class RouterRuntime:
         )
         dumper = None
         if s.mode is RoutingMode.KV and s.kv_events:
-            dumper = KvDumper(self.nc, self.scheduler, self.tasks, timeout_s=s.kvdump_timeout_s)
-            self.kv = KvEventSubscriber(self.nc, self.scheduler, dumper, models=list(s.models))
+            dumper = KvDumper(self.nc, self.scheduler, self.tasks, timeout_s=s.kvdump_timeout_s,
+                              drops=self.drops)
+            self.kv = KvEventSubscriber(self.nc, self.scheduler, dumper, models=list(s.models),
+                                        drops=self.drops)
             await self.kv.start()
-        self.membership = MembershipConsumer(js, self.scheduler, dumper, models=list(s.models))
+        self.membership = MembershipConsumer(js, self.scheduler, dumper, models=list(s.models),
+                                             allow=s.url_allow_list, drops=self.drops)
         await self.membership.start()
         self.policy = PolicyConsumer(
             self.nc, js, self.scheduler, self.status, router_id=s.router_id,
-            models=list(s.models), on_result=self._count,
+            models=list(s.models), on_result=self._count, on_resync=self.metrics.policy_resyncs.inc,
         )
         await self.policy.start()
         await self.status.put()
         self.tasks.spawn(every(s.tick_s, lambda: tick(self.scheduler), "tick"), name="tick")
         self.tasks.spawn(every(s.heartbeat_s, self.status.put, "status"), name="status")
         self.tasks.spawn(self.status.run(), name="status-writer")
+        self.tasks.spawn(every(s.heartbeat_s, self.policy.check_stream, "policy stream check"),
+                         name="policy-stream-check")
         self.tasks.spawn(every(s.tick_s, self._prewarm_tokenizers, "tokenizers"), name="tokenizers")
         self.tasks.spawn(every(s.tick_s, self.refresh_verify_keys, "verify keys"), name="verify-keys")
         # /health answers 503 until the membership replay is applied; the API serves meanwhile.

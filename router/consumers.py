@@ -16,11 +16,18 @@ keeps serving with its last good state while NATS is away.
 - :class:`KvEventSubscriber`: core subscription on ``rudder.kv.<key>.*``; gaps and new workers
   lead to a full dump over ``rudder.kvdump.<instance_id>`` (:class:`KvDumper`).
 - :class:`StatusPublisher`: the router's :class:`RouterStatus` in ``RUDDER_ROUTERS``.
+
+Hostile but well-formed input is dropped here, before it reaches the scheduler (DESIGN §9): a
+payload whose ids differ from its subject's, a worker URL outside ``RUDDER_WORKER_URL_ALLOW``,
+anything past the size bounds (refused at decode). Each drop is logged once per source and counted
+(:class:`~controlplane.protocol.guard.Drops`). A policy stream whose sequence went backwards (it
+was deleted and created again) is noticed by :meth:`PolicyConsumer.check_stream`, which re-syncs.
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 from collections.abc import Awaitable, Callable, Coroutine
 from datetime import datetime
@@ -33,17 +40,23 @@ from nats.js import JetStreamContext
 from nats.js.api import ConsumerConfig, DeliverPolicy
 from nats.js.kv import KeyValue
 
-from controlplane.protocol.errors import InvalidRequest, RudderError
+from controlplane.protocol.errors import InvalidRequest, RudderError, SubjectMismatch, ValidationFailed
 from controlplane.protocol.events import (
     AckStatus,
     ApplyAck,
+    MembershipEvent,
+    PolicyResync,
     RouterRole,
     RouterStatus,
+    check_kv_dump,
+    check_kv_subject,
+    check_membership_subject,
     decode_kv_dump,
     decode_kv_event,
     decode_membership_event,
     utcnow,
 )
+from controlplane.protocol.guard import Drops, UrlAllowList
 from controlplane.protocol.policy import CacheInput, Number, PolicyKind
 from controlplane.protocol.subjects import (
     STREAM_MEMBERSHIP,
@@ -58,18 +71,23 @@ from controlplane.protocol.subjects import (
     router_status_key,
 )
 from router.discovery import Change
-from router.policy_state import ApplyResult, Outcome
+from router.policy_state import ApplyResult, Outcome, stream_went_backwards
 from router.scheduler import (
     ApplyKvEvents,
     ApplyMembership,
     ApplyPolicy,
     DiscoveryComplete,
     LoadKvDump,
+    ResyncPolicy,
     Scheduler,
     Tick,
 )
 
 log = logging.getLogger(__name__)
+
+
+def _reason(exc: InvalidRequest) -> str:
+    return "subject_mismatch" if isinstance(exc, SubjectMismatch) else "malformed"
 
 _NATS_ERRORS = (nats.errors.Error, asyncio.TimeoutError, OSError)
 
@@ -158,10 +176,12 @@ class StatusPublisher:
         }
         self._lock = asyncio.Lock()
         self._dirty = asyncio.Event()
+        self.resync: PolicyResync | None = None  # set by the policy consumer when it re-syncs
 
     def status(self) -> RouterStatus:
         return RouterStatus(
-            **self._static, applied=self.scheduler.view.applied, heartbeat_at=utcnow()
+            **self._static, applied=self.scheduler.view.applied, heartbeat_at=utcnow(),
+            policy_resync=self.resync,
         )
 
     async def put(self) -> None:
@@ -195,6 +215,7 @@ class PolicyConsumer:
         self, nc: NATS, js: JetStreamContext, scheduler: Scheduler, status: StatusPublisher, *,
         router_id: str, models: list[str],
         on_result: Callable[[ApplyResult], None] | None = None,
+        on_resync: Callable[[], None] | None = None,
     ) -> None:
         self.nc = nc
         self.js = js
@@ -203,9 +224,68 @@ class PolicyConsumer:
         self.router_id = router_id
         self.models = models
         self.on_result = on_result
+        self.on_resync = on_resync
         self._subs: list[Any] = []
+        self._stream_created: datetime | None = None
+        self._resync_lock = asyncio.Lock()
+        self.resyncs = 0
 
     async def start(self) -> None:
+        info = await self._stream_info()
+        if info is not None:
+            self._stream_created = info.created
+        await self._subscribe()
+
+    async def _stream_info(self) -> Any:
+        try:
+            return await self.js.stream_info(STREAM_POLICY)
+        except (*_NATS_ERRORS, nats.js.errors.Error) as exc:
+            log.debug("%s info not read: %s", STREAM_POLICY, type(exc).__name__)
+            return None
+
+    async def check_stream(self) -> bool:
+        """Re-sync when ``RUDDER_POLICY`` went backwards: it was created again (its creation time
+        changed) or its last sequence is below a revision this router has seen. Otherwise the
+        router would skip every later revision as "already seen" (and its ordered consumers would
+        wait past the old sequence). Returns whether it re-synced."""
+        info = await self._stream_info()
+        if info is None:
+            return False
+        if not self._subs:  # a re-sync whose subscribe failed (NATS away): subscribe again
+            async with self._resync_lock:
+                if not self._subs:
+                    await self._subscribe()
+        seen = await self.scheduler.inspect(lambda s: s.policy.max_seen())
+        reason = stream_went_backwards(
+            known_created=self._stream_created, created=info.created,
+            last_seq=info.state.last_seq, max_seen=seen,
+        )
+        if self._stream_created is None:
+            self._stream_created = info.created
+        if reason is None:
+            return False
+        await self.resync(reason, created=info.created)
+        return True
+
+    async def resync(self, reason: str, *, created: datetime | None) -> None:
+        """Forget the applied revisions (keeping the effective values) and read every document
+        again from the last message per subject; report it in the status, the log and a metric."""
+        async with self._resync_lock:
+            await unsubscribe_all(self._subs)
+            forgotten = await self.scheduler.call(ResyncPolicy(reason))
+            self._stream_created = created
+            self.resyncs += 1
+            log.warning(
+                "policy stream %s went backwards (%s): re-syncing; forgot applied revisions %s",
+                STREAM_POLICY, reason, forgotten or "none",
+            )
+            self.status.resync = PolicyResync(at=utcnow(), reason=reason, count=self.resyncs)
+            if self.on_resync is not None:
+                self.on_resync()
+            await self._subscribe()
+            await self.status.put()
+
+    async def _subscribe(self) -> None:
         """One ordered consumer for every served model (a multi-subject filter): a router's
         consumers do not grow with its models (JetStream limits consumers per stream)."""
         self._subs.append(await ordered_consumer(
@@ -270,11 +350,14 @@ class PolicyConsumer:
 
 
 class KvDumper:
-    def __init__(self, nc: NATS, scheduler: Scheduler, tasks: TaskSet, *, timeout_s: float) -> None:
+    def __init__(
+        self, nc: NATS, scheduler: Scheduler, tasks: TaskSet, *, timeout_s: float, drops: Drops,
+    ) -> None:
         self.nc = nc
         self.scheduler = scheduler
         self.tasks = tasks
         self.timeout_s = timeout_s
+        self.drops = drops
         self._inflight: set[int] = set()
 
     def request(self, instance_id: int) -> None:
@@ -288,11 +371,10 @@ class KvDumper:
         try:
             msg = await self.nc.request(kvdump_subject(instance_id), b"", timeout=self.timeout_s)
             reply = decode_kv_dump(msg.data)
-            if reply.instance_id != instance_id:
-                log.warning("dump for %s answered by %s", instance_id, reply.instance_id)
-                reply = None
+            check_kv_dump(instance_id, reply)
         except InvalidRequest as exc:
-            log.warning("bad dump from worker %s: %s", instance_id, exc.message)
+            reply = None
+            self.drops.drop("kvdump", _reason(exc), kvdump_subject(instance_id), exc.message)
         except _NATS_ERRORS as exc:
             log.info("no dump from worker %s: %s", instance_id, type(exc).__name__)
         finally:
@@ -303,12 +385,14 @@ class KvDumper:
 class MembershipConsumer:
     def __init__(
         self, js: JetStreamContext, scheduler: Scheduler, dumper: KvDumper | None, *,
-        models: list[str], ready_timeout_s: float = 3.0,
+        models: list[str], allow: UrlAllowList, drops: Drops, ready_timeout_s: float = 3.0,
     ) -> None:
         self.js = js
         self.scheduler = scheduler
         self.dumper = dumper
         self.models = models
+        self.allow = allow
+        self.drops = drops
         self.ready_timeout_s = ready_timeout_s
         self._subs: list[Any] = []
         self._complete = asyncio.Event()
@@ -341,15 +425,34 @@ class MembershipConsumer:
     async def stop(self) -> None:
         await unsubscribe_all(self._subs)
 
-    async def _on_msg(self, msg: Msg) -> None:
+    def _accept(self, msg: Msg) -> MembershipEvent | None:
+        """The event, if it speaks for its own subject and names an allowed URL; else None
+        (dropped and reported)."""
         try:
             event = decode_membership_event(msg.data)
+            check_membership_subject(msg.subject, event)
         except InvalidRequest as exc:
-            log.warning("bad membership event on %s: %s", msg.subject, exc.message)
-            event = None
+            self.drops.drop("membership", _reason(exc), msg.subject, exc.message)
+            return None
+        try:
+            self.allow.check(event.worker.url)
+        except ValidationFailed as exc:
+            self.drops.drop(
+                "membership", "url_not_allowed", msg.subject,
+                f"worker {event.worker.instance_id}: {exc.message}",
+            )
+            return None
+        return event
+
+    async def _on_msg(self, msg: Msg) -> None:
+        event = self._accept(msg)
         if event is not None:
             try:
-                change = await self.scheduler.call(ApplyMembership(event))
+                stored_at: datetime | None = msg.metadata.timestamp
+            except (ValueError, AttributeError, IndexError):
+                stored_at = None
+            try:
+                change = await self.scheduler.call(ApplyMembership(event, stored_at))
             except RudderError:
                 return
             if change is Change.JOINED and self.dumper is not None:
@@ -362,26 +465,32 @@ class MembershipConsumer:
 
 
 class KvEventSubscriber:
-    def __init__(self, nc: NATS, scheduler: Scheduler, dumper: KvDumper, *, models: list[str]) -> None:
+    def __init__(
+        self, nc: NATS, scheduler: Scheduler, dumper: KvDumper, *, models: list[str], drops: Drops,
+    ) -> None:
         self.nc = nc
         self.scheduler = scheduler
         self.dumper = dumper
         self.models = models
+        self.drops = drops
         self._subs: list[Any] = []
         self.received = 0
 
     async def start(self) -> None:
         for model in self.models:
-            self._subs.append(await self.nc.subscribe(kv_filter(model), cb=self._on_msg))
+            self._subs.append(await self.nc.subscribe(
+                kv_filter(model), cb=functools.partial(self._on_msg, model)
+            ))
 
     async def stop(self) -> None:
         await unsubscribe_all(self._subs)
 
-    async def _on_msg(self, msg: Msg) -> None:
+    async def _on_msg(self, model: str, msg: Msg) -> None:
         try:
             event = decode_kv_event(msg.data)
+            check_kv_subject(msg.subject, model, event)
         except InvalidRequest as exc:
-            log.warning("bad KV event on %s: %s", msg.subject, exc.message)
+            self.drops.drop("kv", _reason(exc), msg.subject, exc.message)
             return
         self.received += 1
         try:

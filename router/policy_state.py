@@ -23,6 +23,7 @@ import enum
 import uuid
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
+from datetime import datetime
 
 from controlplane.protocol.errors import InvalidRequest, SignatureInvalid
 from controlplane.protocol.events import AppliedDocument, decode_policy_event, doc_key
@@ -164,3 +165,36 @@ class PolicyState:
             )
             for d in self.docs.values()
         }
+
+    def max_seen(self) -> int:
+        """The highest stream sequence this router has applied or refused (0: none)."""
+        return max((d.seen for d in self.docs.values()), default=0)
+
+    def resync(self) -> dict[str, int]:
+        """Forget applied revisions after the stream went backwards, so that the heads of the new
+        stream are applied whatever their sequence. The effective values and the documents stay
+        (the last good values) until a new head replaces them. Returns the forgotten revisions
+        (``{"<model>|<kind>": revision}`` of the documents that had one)."""
+        forgotten: dict[str, int] = {}
+        for d in self.docs.values():
+            if d.seen:
+                forgotten[doc_key(d.model, d.kind)] = d.seen
+            d.seen = 0
+            d.revision = 0
+        return forgotten
+
+
+def stream_went_backwards(
+    *, known_created: datetime | None, created: datetime | None, last_seq: int, max_seen: int,
+) -> str | None:
+    """Why the policy stream is not the one this router's revisions come from, or None.
+
+    A stream created again (an operator deleted it, a disaster recovery) restarts its sequence:
+    its creation time differs from the one seen at start, or its last sequence is below a revision
+    already seen. Either way every revision the router knows is meaningless for the new stream."""
+    if known_created is not None and created is not None and created != known_created:
+        return (f"stream created again at {created.isoformat()} "
+                f"(was {known_created.isoformat()}); last sequence {last_seq}")
+    if last_seq < max_seen:
+        return f"last sequence {last_seq} is below the applied revision {max_seen}"
+    return None

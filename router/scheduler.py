@@ -171,8 +171,16 @@ class UseVerifyKeys(_Command[None]):
 
 
 @dataclass(slots=True)
+class ResyncPolicy(_Command[dict[str, int]]):
+    """The policy stream went backwards: forget applied revisions (answers them)."""
+
+    reason: str
+
+
+@dataclass(slots=True)
 class ApplyMembership(_Command[Change]):
     event: MembershipEvent
+    received_at: datetime | None = None  # when the bus stored it (liveness uses it, not event.at)
 
 
 @dataclass(slots=True)
@@ -407,8 +415,13 @@ class Scheduler:
             case UseVerifyKeys():
                 self.policy.use_keyring(cmd.keyring)
                 return None
+            case ResyncPolicy():
+                forgotten = self.policy.resync()
+                log.warning("policy re-sync (%s): revisions %s forgotten", cmd.reason, forgotten)
+                self._publish_view()
+                return forgotten
             case ApplyMembership():
-                return self._apply_membership(cmd.event)
+                return self._apply_membership(cmd.event, cmd.received_at)
             case ApplyKvEvents():
                 return self._apply_kv(cmd.events)
             case LoadKvDump():
@@ -474,8 +487,10 @@ class Scheduler:
 
     # -- membership --------------------------------------------------------------------------
 
-    def _apply_membership(self, event: MembershipEvent) -> Change:
-        change = self.discovery.apply(event, now=self.clock(), wall_now=self.wall())
+    def _apply_membership(self, event: MembershipEvent, received_at: datetime | None = None) -> Change:
+        change = self.discovery.apply(
+            event, now=self.clock(), wall_now=self.wall(), received_at=received_at
+        )
         wid = event.worker.instance_id
         if change is Change.LEFT:
             self._forget(wid, "left")

@@ -15,8 +15,9 @@ from pydantic import Field, field_validator, model_validator
 from pydantic_settings import SettingsConfigDict
 
 from bus.settings import BusSettings
-from controlplane.protocol.errors import KeyFileInvalid
+from controlplane.protocol.errors import KeyFileInvalid, ValidationFailed
 from controlplane.protocol.events import RouterRole
+from controlplane.protocol.guard import DEFAULT_WORKER_URL_ALLOW, UrlAllowList
 from controlplane.protocol.policy import (
     ALL_CACHE_INPUTS,
     CacheInput,
@@ -87,6 +88,23 @@ class RouterSettings(BusSettings):
         except KeyFileInvalid as exc:
             raise ValueError(exc.message) from exc
         return value
+
+    # Hosts and networks worker URLs must match (comma-separated CIDRs and host names, "*.suffix"
+    # for every name below a suffix); a worker announcing another URL never receives traffic.
+    worker_url_allow: str = DEFAULT_WORKER_URL_ALLOW
+
+    @field_validator("worker_url_allow")
+    @classmethod
+    def _url_allow(cls, value: str) -> str:
+        try:
+            UrlAllowList.parse(value)
+        except ValidationFailed as exc:
+            raise ValueError(exc.message) from exc
+        return value
+
+    @property
+    def url_allow_list(self) -> UrlAllowList:
+        return UrlAllowList.parse(self.worker_url_allow)
 
     @field_validator("overload_status")
     @classmethod

@@ -2,6 +2,7 @@
 
     RudderError                      (500, the root; a bare one is a bug)
     ├── InvalidRequest               (400) malformed input; ``field`` names what is wrong
+    │   ├── SubjectMismatch          a bus payload's ids differ from its subject's (dropped)
     │   ├── ValidationFailed         (422) well-formed but not allowed (range, type, unknown name)
     │   │   └── CapabilityMismatch   (422) a weight needs a cache input a live router lacks
     │   ├── PayloadTooLarge          (413)
@@ -56,6 +57,13 @@ class RudderError(Exception):
 class InvalidRequest(RudderError):
     status_code = 400
     code = "invalid_request"
+
+
+class SubjectMismatch(InvalidRequest):
+    """A bus payload names other ids than the subject (or KV key) it was published on: a process
+    speaking for someone else. Carries ``subject`` and, in ``field``, the payload field."""
+
+    code = "subject_mismatch"
 
 
 class ValidationFailed(InvalidRequest):
@@ -116,9 +124,11 @@ class RevisionConflict(RudderError):
     status_code = 409
     code = "revision_conflict"
 
-    def __init__(self, message: str, *, expected_revision: int, head_revision: int) -> None:
+    def __init__(
+        self, message: str, *, expected_revision: int | None, head_revision: int, **facts: Any
+    ) -> None:
         super().__init__(
-            message, expected_revision=expected_revision, head_revision=head_revision
+            message, expected_revision=expected_revision, head_revision=head_revision, **facts
         )
         self.expected_revision = expected_revision
         self.head_revision = head_revision

@@ -8,6 +8,7 @@ itself escaped and decoding is unambiguous.
 
 from __future__ import annotations
 
+import functools
 import re
 
 from controlplane.protocol.errors import InvalidRequest
@@ -43,6 +44,7 @@ _TOKEN = re.compile(r"^(?:[A-Za-z0-9-]|_[0-9A-F]{2})+$")
 MAX_MODEL_NAME_BYTES = 256
 
 
+@functools.lru_cache(maxsize=4096)  # on every bus message's subject check; names are few
 def encode_model_key(model: str) -> str:
     """Encode a model name as one NATS subject token. Raises InvalidRequest for '' or too long."""
     if not isinstance(model, str) or not model:

@@ -130,13 +130,36 @@ def test_discovery_join_stale_expire_and_leave() -> None:
 def test_discovery_ignores_replayed_dead_workers_and_other_models() -> None:
     d = Discovery(ttl_s=10, stale_s=3, models=frozenset({"m"}))
     old = _mem(MembershipOp.HEARTBEAT, 1, T0)
-    assert d.apply(old, now=0.0, wall_now=T0 + timedelta(seconds=30)) is Change.IGNORED
+    # Stored by the bus 30 s ago (a replay of a dead worker's last record).
+    assert d.apply(old, now=0.0, wall_now=T0 + timedelta(seconds=30), received_at=T0) is Change.IGNORED
     other = MembershipEvent(op=MembershipOp.JOIN, worker=_rec(2, model="x"), at=T0)
     assert d.apply(other, now=0.0, wall_now=T0) is Change.IGNORED
-    # A 2 s old heartbeat is seen as 2 s old.
-    d.apply(_mem(MembershipOp.HEARTBEAT, 3, T0), now=50.0, wall_now=T0 + timedelta(seconds=2))
+    # A heartbeat stored 2 s ago is seen as 2 s old.
+    d.apply(_mem(MembershipOp.HEARTBEAT, 3, T0), now=50.0, wall_now=T0 + timedelta(seconds=2),
+            received_at=T0)
     s = d.get(3)
     assert s is not None and s.last_seen == 48.0
+
+
+def test_discovery_liveness_uses_the_receivers_clock_not_the_payloads_at() -> None:
+    d = Discovery(ttl_s=10, stale_s=3, models=frozenset({"m"}))
+    future = T0 + timedelta(days=365)
+    # A forged heartbeat stamped a year ahead is as old as when it was received ...
+    assert d.apply(_mem(MembershipOp.JOIN, 1, future), now=0.0, wall_now=T0) is Change.JOINED
+    s = d.get(1)
+    assert s is not None and s.last_seen == 0.0
+    assert d.health(s, 3.0) is Health.STALE
+    assert d.expire(10.0) == [1]  # ... so it cannot keep the worker alive
+    # ... and it does not hide the worker's later, honestly stamped heartbeats.
+    d.apply(_mem(MembershipOp.JOIN, 2, future), now=0.0, wall_now=T0)
+    assert d.apply(_mem(MembershipOp.HEARTBEAT, 2, T0 + timedelta(seconds=5)), now=5.0,
+                   wall_now=T0 + timedelta(seconds=5)) is Change.UPDATED
+    s2 = d.get(2)
+    assert s2 is not None and s2.last_seen == 5.0
+    # A bus timestamp ahead of the receiver (clock skew) counts as "just now", not as younger.
+    d.apply(_mem(MembershipOp.HEARTBEAT, 2, T0), now=6.0, wall_now=T0,
+            received_at=T0 + timedelta(hours=1))
+    assert s2.last_seen == 6.0
 
 
 def test_discovery_unreachable_until_next_heartbeat() -> None:
