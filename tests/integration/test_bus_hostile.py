@@ -39,14 +39,13 @@ from controlplane.protocol.events import (
 from controlplane.protocol.policy import PolicyKind
 from controlplane.protocol.subjects import (
     BUCKET_ROUTERS,
-    HDR_EXPECTED_LAST_SUBJECT_SEQ,
     STREAM_POLICY,
     acks_subject,
     membership_subject,
-    policy_subject,
 )
 from tests import buskit
 from tests.integration.cp_support import Tokens, client, controlplane
+from tests.support_router.policy import publish_raw
 from tests.support_router.workers import InProcessRouter, TestWorker, router_settings, wait_for
 
 pytestmark = pytest.mark.timeout(120)
@@ -256,11 +255,10 @@ async def test_malformed_head_is_nacked_and_replaced_by_an_audited_cas_write(
             assert r.status_code == 200, r.text
             good = r.json()["revision"]
             await wait_for(lambda: sched.view.applied[key].revision == good)
-            # Written around the control plane: a well-placed (CAS-correct) message that is no event.
-            ack = await nc.jetstream().publish(
-                policy_subject(model, "selection"), b'{"schema_version": 1, "document": "oops"}',
-                headers={HDR_EXPECTED_LAST_SUBJECT_SEQ: str(good)})
-            bad = ack.seq
+            # A well-placed (CAS-correct, even validly signed: a control-plane bug) message that is
+            # no event.
+            bad = await publish_raw(nc.jetstream(), model, b'{"schema_version": 1, "document": "oops"}',
+                                    expected_revision=good)
             await wait_for(lambda: sched.view.applied[key].last_nack_revision == bad)
             applied = sched.view.applied[key]
             assert "malformed" in str(applied.last_nack)
@@ -295,12 +293,12 @@ async def test_malformed_head_is_nacked_and_replaced_by_an_audited_cas_write(
 
             # The compatible threshold API: without expected_revision it never builds on a
             # malformed head (409 at once, no retry loop); naming the revision replaces it.
-            ack = await nc.jetstream().publish(policy_subject(model, "busy_threshold"), b"not json",
-                                               headers={HDR_EXPECTED_LAST_SUBJECT_SEQ: "0"})
+            bad_threshold = await publish_raw(nc.jetstream(), model, b"not json", expected_revision=0,
+                                              kind="busy_threshold")
             r = await op.post("/busy_threshold", json={"model": model, "active_decode_blocks_threshold": 0.9})
             assert r.status_code == 409 and r.json()["error"]["malformed_head"] is True, r.text
             r = await op.post("/busy_threshold", json={"model": model, "active_decode_blocks_threshold": 0.9,
-                                                        "expected_revision": ack.seq})
+                                                        "expected_revision": bad_threshold})
             assert r.status_code == 200, r.text
             assert r.json()["thresholds"] == {"active_decode_blocks_threshold": 0.9}
             refusals = [i for i in (await auditor.get("/audit", params={"model": model, "kind": "busy_threshold"}))
