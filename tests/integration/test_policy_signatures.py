@@ -175,10 +175,12 @@ async def test_events_written_around_the_control_plane_are_nacked_and_reported(
                     assert effective(router, model) == {"revision": good, "temperature": 0.5, "last_nack": nack}
                 expected = revision
 
-            # The control plane does not build the next write on a document it did not sign.
-            r = await op.patch("/router_policy", json={"model": model, "expected_revision": expected,
+            # The control plane never builds a write on a document it did not sign: an ordinary
+            # write gets 409 naming the forged head (which only a write naming it may replace).
+            r = await op.patch("/router_policy", json={"model": model, "expected_revision": good,
                                                         "parameters": {"router_temperature": 0.7}})
-            assert r.status_code == 503 and "signature_invalid" in r.json()["error"]["message"], r.text
+            assert r.status_code == 409 and r.json()["error"]["malformed_head"] is True, r.text
+            assert "signature_invalid" in r.json()["error"]["message"], r.text
             head = (await nc.jetstream().stream_info(STREAM_POLICY)).state.last_seq
             assert head == expected  # nothing was published
 
@@ -202,6 +204,14 @@ async def test_events_written_around_the_control_plane_are_nacked_and_reported(
             assert acks.of(last_rev)[late.settings.router_id].detail.startswith(last_code)
             assert effective(late, model)["revision"] == 0
             assert effective(late, model)["temperature"] == 0.0
+
+            # An audited write naming the forged head's revision replaces it; every router ACKs it.
+            r = await op.patch("/router_policy", json={"model": model, "expected_revision": expected,
+                                                        "parameters": {"router_temperature": 0.7}})
+            assert r.status_code == 200, r.text
+            fixed = r.json()["revision"]
+            for rid, ack in (await acks.wait(fixed, [*routers, late])).items():
+                assert ack.status is AckStatus.ACK, (rid, ack)
     finally:
         for r in [*routers, *([late] if late else [])]:
             await r.stop()

@@ -50,6 +50,7 @@ from controlplane.protocol.subjects import (
 )
 from router.policy_state import PolicyState, stream_went_backwards
 from router.settings import RouterSettings
+from tests.policy_keys import session_keys
 
 T0 = datetime(2026, 1, 1, tzinfo=UTC)
 MODEL = "org/model-1.5:q4"
@@ -279,9 +280,10 @@ def test_bad_allow_list_is_refused_naming_the_setting(spec: str) -> None:
 
 
 def test_router_setting_defaults_to_loopback_and_private(monkeypatch: pytest.MonkeyPatch) -> None:
-    assert RouterSettings(models=["m"]).url_allow_list.allows("http://127.0.0.1:1")
+    keys = session_keys().verify_path
+    assert RouterSettings(models=["m"], policy_verify_keys=keys).url_allow_list.allows("http://127.0.0.1:1")
     monkeypatch.setenv("RUDDER_WORKER_URL_ALLOW", "203.0.113.0/24")
-    allow = RouterSettings(models=["m"]).url_allow_list
+    allow = RouterSettings(models=["m"], policy_verify_keys=keys).url_allow_list
     assert allow.allows("http://203.0.113.1") and not allow.allows("http://127.0.0.1")
 
 
@@ -328,20 +330,23 @@ def test_stream_going_backwards_is_recognised() -> None:
 
 def test_resync_forgets_revisions_and_keeps_the_last_good_values() -> None:
     state = PolicyState(router_id="r", models=["m"], startup={k: {} for k in PolicyKind},
-                        cache_inputs=frozenset())
+                        cache_inputs=frozenset(), keyring=session_keys().keyring)
 
     def event(expected: int, temperature: float) -> bytes:
         return PolicyEvent(event_id=uuid.uuid4(), model="m", kind=PolicyKind.SELECTION, op=PolicyOp.PATCH,
                            expected_revision=expected, document={"router_temperature": temperature},
                            actor="a", request_id="r", at=T0).to_bytes()
 
-    assert state.apply("m", PolicyKind.SELECTION, 40, event(0, 0.5)).outcome.value == "ACK"
+    def signed(payload: bytes) -> tuple[bytes, dict[str, str]]:
+        return payload, session_keys().headers_for("m", PolicyKind.SELECTION, payload)
+
+    assert state.apply("m", PolicyKind.SELECTION, 40, *signed(event(0, 0.5))).outcome.value == "ACK"
     assert state.max_seen() == 40
     # Without a re-sync the new stream's revision 3 would be skipped as "already seen".
-    assert state.apply("m", PolicyKind.SELECTION, 3, event(0, 0.7)).outcome.value == "SKIP"
+    assert state.apply("m", PolicyKind.SELECTION, 3, *signed(event(0, 0.7))).outcome.value == "SKIP"
     assert state.resync() == {"m|selection": 40}
     doc = state.get("m", PolicyKind.SELECTION)
     assert doc.revision == 0 and doc.effective["router_temperature"] == 0.5  # last good values
-    applied = state.apply("m", PolicyKind.SELECTION, 3, event(0, 0.7))
+    applied = state.apply("m", PolicyKind.SELECTION, 3, *signed(event(0, 0.7)))
     assert applied.outcome.value == "ACK" and not applied.gap
     assert doc.revision == 3 and doc.effective["router_temperature"] == 0.7
