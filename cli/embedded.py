@@ -347,6 +347,11 @@ class EmbeddedPostgres:
             return self.create_database(name)
         return self.database_url(name)
 
+    def execute(self, sql: str, *, database: str = "postgres") -> None:
+        """Run SQL as the superuser (set-up steps: roles, databases)."""
+        self._run([self._bin("psql"), "-h", "127.0.0.1", "-p", str(self.port), "-U", "postgres",
+                   "-d", database, "-v", "ON_ERROR_STOP=1", "-c", sql])
+
     def create_database(self, name: str) -> str:
         """Create a database and return its SQLAlchemy URL."""
         self._run([self._bin("psql"), "-h", "127.0.0.1", "-p", str(self.port), "-U", "postgres",
