@@ -423,8 +423,19 @@ class LocalBus:
                                      self.data_dir / f".bus-init-{os.getpid()}.creds")
         opts = BusOptions(servers=tuple(s.url for s in self.servers), creds=creds,
                           ca=self.tls.ca if self.tls else None, name="rudder-bus-init")
-        try:
+        def init() -> list[str]:
             return asyncio.run(bus_init(opts, layout or BusLayout(), timeout_s=30))
+
+        try:
+            try:
+                asyncio.get_running_loop()
+            except RuntimeError:
+                return init()
+            # Called from async code (a benchmark's main): its own loop, in a thread of its own.
+            from concurrent.futures import ThreadPoolExecutor
+
+            with ThreadPoolExecutor(1) as pool:
+                return pool.submit(init).result()
         finally:
             creds.unlink(missing_ok=True)
 

@@ -33,7 +33,7 @@ MAX_KV_EVENT_BLOCKS = 65536  # blocks stored or removed by one event (NATS max_p
 MAX_KV_DUMP_BLOCKS = 2**22  # blocks of one rank in a full dump
 
 # Routers (status, ACKs) and policy events.
-MAX_ROUTER_MODELS = 256
+MAX_ROUTER_MODELS = 4096  # a router may serve a large catalogue (issue 10: 1000 models)
 MAX_ID_CHARS = 256  # actor, request id
 MAX_DETAIL_CHARS = 4096  # an ACK's or NACK's detail
 MAX_DOCUMENT_KEYS = 64  # parameters in a policy document or in its changes
