@@ -93,14 +93,18 @@ def _default(path: Path | None, name: str) -> Path:
     return path if path is not None else KEYS_DIR / name
 
 
+
+SigningKeyOpt = Annotated[Path | None, typer.Option(
+    "--signing-key", envvar="RUDDER_POLICY_SIGNING_KEY",
+    help="The control plane's seed file [default: .rudder/keys/policy.seed].")]
+VerifyKeysOpt = Annotated[Path | None, typer.Option(
+    "--verify-keys", envvar="RUDDER_POLICY_VERIFY_KEYS",
+    help="The verify-keys file routers read [default: .rudder/keys/policy.pub].")]
+
 @app.command("new")
 def new(
-    signing_key: Annotated[Path | None, typer.Option(
-        "--signing-key", envvar="RUDDER_POLICY_SIGNING_KEY",
-        help="Where to write the new seed (must not exist) [default: .rudder/keys/policy.seed].")] = None,
-    verify_keys: Annotated[Path | None, typer.Option(
-        "--verify-keys", envvar="RUDDER_POLICY_VERIFY_KEYS",
-        help="Verify-keys file to add the public key to [default: .rudder/keys/policy.pub].")] = None,
+    signing_key: SigningKeyOpt = None,
+    verify_keys: VerifyKeysOpt = None,
     if_missing: Annotated[bool, typer.Option(
         "--if-missing", help="Keep an existing seed (and make sure its public key is listed): for "
                              "deployment jobs that run on every start.")] = False,
@@ -121,22 +125,24 @@ def new(
         say(f"key {key.key_id}: kept {seed}; its public key is in {pub}")
 
 
-@app.command("list")
-def list_keys(
-    verify_keys: Annotated[Path | None, typer.Option(
-        "--verify-keys", envvar="RUDDER_POLICY_VERIFY_KEYS",
-        help="Verify-keys file [default: .rudder/keys/policy.pub].")] = None,
-    signing_key: Annotated[Path | None, typer.Option(
-        "--signing-key", envvar="RUDDER_POLICY_SIGNING_KEY",
-        help="Seed file, to mark the key it holds [default: .rudder/keys/policy.seed].")] = None,
-) -> None:
-    """The valid public keys, and which one signs."""
+def _current(verify_keys: Path | None, signing_key: Path | None) -> tuple[Path, Path, Keyring, str | None]:
+    """(verify-keys file, seed file, the valid keys, the signing key's id if the seed exists)."""
     pub, seed = _default(verify_keys, PUB_NAME), _default(signing_key, SEED_NAME)
     try:
         ring = load_keyring(pub)
         signing = load_signing_key(seed).key_id if seed.exists() else None
     except KeyFileInvalid as exc:
         raise _fail(exc) from exc
+    return pub, seed, ring, signing
+
+
+@app.command("list")
+def list_keys(
+    verify_keys: VerifyKeysOpt = None,
+    signing_key: SigningKeyOpt = None,
+) -> None:
+    """The valid public keys, and which one signs."""
+    pub, seed, ring, signing = _current(verify_keys, signing_key)
     rows = [{"key_id": kid, "public_key": base64.b64encode(ring.keys[kid]).decode(),
              "signing": kid == signing} for kid in ring.key_ids]
     if shared.json_mode():
@@ -150,12 +156,8 @@ def list_keys(
 
 @app.command("rotate")
 def rotate(
-    signing_key: Annotated[Path | None, typer.Option(
-        "--signing-key", envvar="RUDDER_POLICY_SIGNING_KEY",
-        help="Seed file to replace [default: .rudder/keys/policy.seed].")] = None,
-    verify_keys: Annotated[Path | None, typer.Option(
-        "--verify-keys", envvar="RUDDER_POLICY_VERIFY_KEYS",
-        help="Verify-keys file to add the new key to [default: .rudder/keys/policy.pub].")] = None,
+    signing_key: SigningKeyOpt = None,
+    verify_keys: VerifyKeysOpt = None,
     wait: Annotated[float, typer.Option(
         "--wait", min=0, help="Seconds between publishing the new public key and switching the seed "
                               "(routers must have re-read the verify-keys file).")] = 3.0,
@@ -183,20 +185,11 @@ def rotate(
 @app.command("retire")
 def retire(
     key_id: Annotated[str, typer.Argument(help="Key id to remove from the verify-keys file.")],
-    verify_keys: Annotated[Path | None, typer.Option(
-        "--verify-keys", envvar="RUDDER_POLICY_VERIFY_KEYS",
-        help="Verify-keys file [default: .rudder/keys/policy.pub].")] = None,
-    signing_key: Annotated[Path | None, typer.Option(
-        "--signing-key", envvar="RUDDER_POLICY_SIGNING_KEY",
-        help="Seed file: its key is never retired [default: .rudder/keys/policy.seed].")] = None,
+    verify_keys: VerifyKeysOpt = None,
+    signing_key: SigningKeyOpt = None,
 ) -> None:
     """Stop accepting a key: routers refuse what it signs once they re-read the file."""
-    pub, seed = _default(verify_keys, PUB_NAME), _default(signing_key, SEED_NAME)
-    try:
-        ring = load_keyring(pub)
-        signing = load_signing_key(seed).key_id if seed.exists() else None
-    except KeyFileInvalid as exc:
-        raise _fail(exc) from exc
+    pub, seed, ring, signing = _current(verify_keys, signing_key)
     if key_id not in ring.keys:
         raise CliError(ExitCode.USAGE, f"key {key_id} is not in {pub} (valid: {', '.join(ring.key_ids)})")
     if key_id == signing:
