@@ -142,7 +142,7 @@ def list_keys(
     signing_key: SigningKeyOpt = None,
 ) -> None:
     """The valid public keys, and which one signs."""
-    pub, seed, ring, signing = _current(verify_keys, signing_key)
+    pub, _, ring, signing = _current(verify_keys, signing_key)
     rows = [{"key_id": kid, "public_key": base64.b64encode(ring.keys[kid]).decode(),
              "signing": kid == signing} for kid in ring.key_ids]
     if shared.json_mode():
