@@ -88,9 +88,9 @@ class Env:
 
 
 @pytest.fixture(scope="module")
-def env(nats_url: str, database_url: str) -> Iterator[Env]:
+def env(nats_url: str, database_url: str, database_owner_url: str) -> Iterator[Env]:
     runner = CliRunner()
-    upgraded = runner.invoke(app, ["db", "upgrade", "--database-url", database_url])
+    upgraded = runner.invoke(app, ["db", "upgrade", "--database-url", database_owner_url])
     assert upgraded.exit_code == 0, upgraded.output
     tokens: dict[str, str] = {}
     for role in ("admin", "operator", "viewer", "auditor"):
