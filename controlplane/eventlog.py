@@ -147,6 +147,8 @@ class PolicyLog:
             await ensure_stream(self.js, streams.policy_stream(history_depth=history_depth, replicas=replicas))
             await ensure_stream(self.js, streams.membership_stream(worker_ttl_s=worker_ttl_s, replicas=replicas))
             await ensure_bucket(self.js, streams.routers_bucket(heartbeat_s=router_heartbeat_s, replicas=replicas))
+            await ensure_stream(self.js, streams.acks_stream(replicas=replicas))
+            await ensure_stream(self.js, streams.audit_checkpoints_stream(replicas=replicas))
 
         await self._call("ensure streams", go)
 

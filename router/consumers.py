@@ -7,7 +7,8 @@ keeps serving with its last good state while NATS is away.
 - :class:`PolicyConsumer`: one ordered consumer per served model on ``rudder.policy.<key>.*``,
   starting with the last message per subject, then live. The revision is the message's stream
   sequence. Each event goes through :class:`~router.scheduler.ApplyPolicy`; the answer is
-  published as an :class:`ApplyAck` on ``rudder.acks.<router_id>`` and the status is rewritten.
+  published as an :class:`ApplyAck` on ``rudder.acks.<router_id>`` (``RUDDER_ACKS`` stream) and
+  the status is rewritten.
   A reported gap re-reads the document's head with a direct get and applies it if newer.
 - :class:`MembershipConsumer`: the same on ``rudder.workers.<key>.*``; the first discovery is
   complete when the replay has been applied (``num_pending`` reaches 0, or nothing was there).
@@ -235,7 +236,8 @@ class PolicyConsumer:
             at=utcnow(),
         )
         try:
-            await self.nc.publish(acks_subject(self.router_id), ack.to_bytes())
+            # To the RUDDER_ACKS stream, not core NATS: stored until a control plane records it.
+            await self.js.publish(acks_subject(self.router_id), ack.to_bytes())
         except _NATS_ERRORS as exc:
             log.warning("ACK for revision %d not published: %s", result.revision, type(exc).__name__)
 

@@ -56,7 +56,10 @@ async def ensure_all(
     js: JetStreamContext, *, history_depth: int, replicas: int, worker_ttl_s: float,
     heartbeat_s: float,
 ) -> KeyValue:
-    """Both streams and the status bucket; returns the bucket."""
+    """The streams a router uses (policy, membership, ACKs) and the status bucket; returns the
+    bucket. The ACK stream exists before our first ACK, so none is lost while no control plane
+    runs."""
     await ensure_stream(js, specs.policy_stream(history_depth=history_depth, replicas=replicas))
     await ensure_stream(js, specs.membership_stream(worker_ttl_s=worker_ttl_s, replicas=replicas))
+    await ensure_stream(js, specs.acks_stream(replicas=replicas))
     return await ensure_bucket(js, specs.routers_bucket(heartbeat_s=heartbeat_s, replicas=replicas))

@@ -48,7 +48,7 @@ import contextlib
 import enum
 import logging
 import uuid
-from collections.abc import AsyncIterator, Iterable, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, fields
 from datetime import UTC, datetime
 from typing import Any
@@ -230,6 +230,12 @@ class AuditStore:
         self._writer: asyncio.Task[None] | None = None
         self._writer_conn: AsyncConnection | None = None
         self._closed = False
+        #: Called with the number of rows after each commit (the checkpointer counts them).
+        self.on_rows: Callable[[int], None] | None = None
+
+    def _committed(self, rows: int) -> None:
+        if self.on_rows is not None and rows:
+            self.on_rows(rows)
 
     @classmethod
     def from_url(
@@ -283,7 +289,9 @@ class AuditStore:
         if self._closed:
             raise AuditUnavailable("audit store is closed")
         if not self._group_commit:
-            return await self._insert_chained(batch)
+            rows = await self._insert_chained(batch)
+            self._committed(len(rows))
+            return rows
         queue = self._ensure_writer()
         pending = _Pending(batch, asyncio.get_running_loop().create_future())
         queue.put_nowait(pending)
@@ -394,6 +402,7 @@ class AuditStore:
                 if not p.future.done():
                     p.future.set_exception(_unavailable(f"audit append failed: {exc!r}", exc))
             return
+        self._committed(len(rows))
         offset = 0
         for p in live:
             n = len(p.entries)
@@ -613,7 +622,25 @@ class AuditStore:
                 prev_id, prev_hash = prev_id + 1, values["row_hash"]
             if rows:
                 await conn.execute(insert(router_acks), rows)
+        self._committed(len(rows))
         return len(rows)
+
+    async def privileged_role(self) -> str | None:
+        """Why the role we connect as is more than the app role (superuser, or may act as the
+        owner of ``audit_log``), or None. The control plane refuses to start as such a role."""
+        async with self._read("role check") as conn:
+            row = (await conn.execute(text(
+                "SELECT current_user, r.rolsuper, pg_has_role(current_user, c.relowner, 'USAGE') "
+                "FROM pg_roles r, pg_class c WHERE r.rolname = current_user "
+                "AND c.oid = to_regclass('public.audit_log')"))).first()
+        if row is None:
+            return None
+        user, superuser, owner = str(row[0]), bool(row[1]), bool(row[2])
+        if superuser:
+            return f"database role {user!r} is a superuser"
+        if owner:
+            return f"database role {user!r} owns audit_log (it could disable its trigger)"
+        return None
 
     async def acks(
         self,
