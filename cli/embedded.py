@@ -344,7 +344,9 @@ class EmbeddedPostgres:
                 self._run([self._bin("pg_ctl"), "-D", str(self.data_dir), "-w", "-t", "60", "-o", opts,
                            "-l", str(self.data_dir / "server.log"), "start"], timeout=90)
                 break
-            except subprocess.CalledProcessError:
+            except subprocess.CalledProcessError as exc:
+                log.warning("pg_ctl start on port %d failed: %s", self.port,
+                            bytes(exc.stderr or b"").decode(errors="replace").strip())
                 # A port picked here may have been taken before the server bound it: on the first
                 # start only (a restart must keep its address), try a fresh one.
                 if not self._auto_port or self._started or attempt == 2:
