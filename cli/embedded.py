@@ -338,18 +338,25 @@ class EmbeddedPostgres:
         self._prepare()
         if not (self.data_dir / "PG_VERSION").exists():
             self._initdb()
-        for attempt in range(3):
+        port_attempts = 0
+        for attempt in range(6):
             opts = f"-p {self.port} -h 127.0.0.1 -k {self.data_dir} -c max_connections=200"
             try:
                 self._run([self._bin("pg_ctl"), "-D", str(self.data_dir), "-w", "-t", "60", "-o", opts,
                            "-l", str(self.data_dir / "server.log"), "start"], timeout=90)
                 break
             except subprocess.CalledProcessError as exc:
-                log.warning("pg_ctl start on port %d failed: %s", self.port,
-                            bytes(exc.stderr or b"").decode(errors="replace").strip())
+                detail = bytes(exc.stderr or b"").decode(errors="replace").strip()
+                log.warning("pg_ctl start on port %d failed: %s", self.port, detail)
+                if "Permission denied" in detail and attempt < 5:
+                    # Another pytest session reset its temp root to 0700 meanwhile (pytest does
+                    # that at every start): give the server's user its traverse permission back.
+                    self._prepare()
+                    continue
                 # A port picked here may have been taken before the server bound it: on the first
                 # start only (a restart must keep its address), try a fresh one.
-                if not self._auto_port or self._started or attempt == 2:
+                port_attempts += 1
+                if not self._auto_port or self._started or port_attempts == 3:
                     raise
                 self.port = free_port()
         self._started = True
