@@ -23,7 +23,18 @@ from pathlib import Path
 
 import httpx
 
-from cli.embedded import EmbeddedNats, EmbeddedPostgres, die_with_parent, free_port, port_is_free
+from cli.config import parse_credentials
+from cli.embedded import (
+    DatabaseAccess,
+    DatabaseRole,
+    EmbeddedNats,
+    EmbeddedPostgres,
+    die_with_parent,
+    free_port,
+    new_password,
+    port_is_free,
+    write_secret,
+)
 from cli.errors import CliError, ExitCode
 
 Progress = Callable[[str], None]
@@ -133,7 +144,10 @@ class Stack:
         self.progress(f"nats-server   {nats.url}   ready in {time.monotonic() - began:.1f}s")
         return nats
 
-    def start_postgres(self, port: int, database: str) -> str:
+    def start_postgres(self, port: int, database: str) -> DatabaseAccess:
+        """PostgreSQL with scram authentication and two roles: ``rudder_owner`` owns the schema
+        (migrations only), ``rudder_app`` is the control plane's. Their passwords are made once
+        and kept in ``<data-dir>/db-roles`` (0600), never in ``credentials``."""
         pg = EmbeddedPostgres(self.data_dir / "pgdata", port=port)
         began = time.monotonic()
         try:
@@ -141,7 +155,8 @@ class Stack:
                 self.progress("postgres      stopped a server left running by an earlier run")
             pg.start()
             self.postgres = pg
-            url = pg.ensure_database(database)
+            owner, app = self._database_roles()
+            access = pg.provision(database, owner=owner, app=app)
         except (subprocess.CalledProcessError, subprocess.TimeoutExpired, OSError) as exc:
             detail = getattr(exc, "stderr", b"") or b""
             text = detail.decode(errors="replace") if isinstance(detail, bytes) else str(detail)
@@ -150,7 +165,20 @@ class Stack:
                            f"(log {pg.data_dir / 'server.log'})") from exc
         self.progress(f"postgres      127.0.0.1:{port}/{database}   ready in "
                       f"{time.monotonic() - began:.1f}s")
-        return url
+        return access
+
+    def _database_roles(self) -> tuple[DatabaseRole, DatabaseRole]:
+        path = self.data_dir / "db-roles"
+        try:
+            known = parse_credentials(path.read_text(encoding="utf-8"))
+        except FileNotFoundError:
+            known = {}
+        owner = known.get("OWNER_PASSWORD") or new_password()
+        app = known.get("APP_PASSWORD") or new_password()
+        if known.get("OWNER_PASSWORD") != owner or known.get("APP_PASSWORD") != app:
+            write_secret(path, "# rudder up: database role passwords (the owner's is for "
+                         f"migrations only)\nOWNER_PASSWORD={owner}\nAPP_PASSWORD={app}\n")
+        return DatabaseRole("rudder_owner", owner), DatabaseRole("rudder_app", app)
 
     # -- fleet processes ---------------------------------------------------------------------
     def start_child(self, child: Child, timeout: float) -> None:

@@ -1,8 +1,12 @@
 """``rudder up``: the whole stack on one machine, data under ``.rudder/``.
 
-Starts NATS (JetStream) and PostgreSQL as real servers, applies the migrations, creates an admin
-token the first time (kept in ``.rudder/credentials``, mode 0600, reused later), then the control
-plane, routers and workers as child processes, each waited for until healthy. Ctrl-C or SIGTERM
+Starts NATS (JetStream) and PostgreSQL as real servers (scram authentication; a schema owner
+role for the migrations and an app role for the control plane, passwords in ``.rudder/db-roles``),
+applies the migrations as the owner, makes the audit checkpoint signing key
+(``.rudder/audit-signing.key``), creates an admin token the first time (kept in
+``.rudder/credentials``, mode 0600, reused later, with the app role's database URL: never the
+owner's), then the control plane, routers and workers as child processes, each waited for until
+healthy. Ctrl-C or SIGTERM
 stops everything it started and exits 0; a child that dies on its own stops the rest and exits 1
 (a half-running stack is harder to notice than a stopped one).
 """
@@ -24,7 +28,7 @@ from cli import admin
 from cli.config import CREDENTIALS_FILE, read_credentials, write_credentials
 from cli.embedded import free_port
 from cli.errors import CliError, ExitCode
-from cli.loader import available
+from cli.loader import available, load
 from cli.output import note, report_error, say, show, table
 from cli.stack import Child, Stack, UpLock, child_env, pick_port
 
@@ -139,10 +143,13 @@ def _start(
 ) -> None:
     admin_port = pick_port(admin_port, 8080, "admin API")
     nats = stack.start_nats(pick_port(nats_port, 4222, "NATS"))
-    database_url = stack.start_postgres(pick_port(postgres_port, 5432, "PostgreSQL"), DATABASE)
+    access = stack.start_postgres(pick_port(postgres_port, 5432, "PostgreSQL"), DATABASE)
     began = time.monotonic()
-    admin.upgrade(database_url)
+    admin.upgrade(access.owner_url, app_role=access.app.name)  # the owner's URL: here only
     say(f"migrations    applied in {time.monotonic() - began:.1f}s")
+    database_url = access.app_url  # what the control plane and the CLI use
+    signing_key = data_dir / "audit-signing.key"
+    load("controlplane.checkpoints", "generate_key_file")(signing_key)
 
     creds_path = data_dir / "credentials"
     token = read_credentials(creds_path).get("RUDDER_TOKEN") or ""
@@ -150,7 +157,9 @@ def _start(
     if fresh:
         token = admin.create_token(database_url, TOKEN_NAME, "admin")
 
-    env = child_env({"RUDDER_NATS_URL": nats.url, "RUDDER_DATABASE_URL": database_url})
+    env = child_env({"RUDDER_NATS_URL": nats.url, "RUDDER_DATABASE_URL": database_url,
+                     "RUDDER_AUDIT_SIGNING_KEY": str(signing_key)})
+    env.pop("RUDDER_DATABASE_OWNER_URL", None)  # no child needs the owner's password
     logs = data_dir / "logs"
     server = f"http://127.0.0.1:{admin_port}"
     stack.start_child(Child(
@@ -199,7 +208,8 @@ def _start(
     rows: list[tuple[str, str, str, str]] = [
         ("nats", nats.url, str(nats.proc.pid if nats.proc else "-"), str(data_dir / "nats"))]
     if stack.postgres is not None:
-        rows.append(("postgres", database_url, "-", str(stack.postgres.data_dir)))
+        shown = f"postgresql://{access.app.name}@127.0.0.1:{stack.postgres.port}/{DATABASE}"
+        rows.append(("postgres", shown, "-", str(stack.postgres.data_dir)))
     rows += [(c.name, c.url, str(c.pid), str(c.log_path)) for c in stack.children]
     show(table(["process", "url", "pid", "data / log"], rows))
     say(f"admin token:  {token}")
