@@ -54,6 +54,7 @@ class AckConsumer:
         self.ack_wait_s = ack_wait_s
         self.fetch_timeout_s = fetch_timeout_s
         self._task: asyncio.Task[None] | None = None
+        self._sub: Any = None
         self.recorded = 0  # rows this replica wrote (tests, metrics)
 
     def start(self) -> None:
@@ -65,6 +66,14 @@ class AckConsumer:
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await self._task
             self._task = None
+        await self._unsubscribe()
+
+    async def _unsubscribe(self) -> None:
+        """Leave the durable consumer (it stays on the server for the other replicas)."""
+        sub, self._sub = self._sub, None
+        if sub is not None:
+            with contextlib.suppress(Exception):
+                await sub.unsubscribe()
 
     async def _subscribe(self) -> Any:
         config = ConsumerConfig(
@@ -79,17 +88,18 @@ class AckConsumer:
         """Until cancelled; a lost bus or database is waited out, never fatal."""
         while True:
             try:
-                sub = await self._subscribe()
+                await self._unsubscribe()
+                sub = self._sub = await self._subscribe()
                 while True:
                     try:
                         msgs = await sub.fetch(self.batch, timeout=self.fetch_timeout_s)
-                    except nats.errors.TimeoutError:
+                    except (nats.errors.TimeoutError, TimeoutError):  # nothing to fetch yet
                         continue
                     await self.handle(msgs)
             except asyncio.CancelledError:
                 raise
             except (nats.errors.Error, OSError, RudderError) as exc:
-                log.warning("ACK consumer %s: %s; retrying", self.durable, exc)
+                log.warning("ACK consumer %s: %r; retrying", self.durable, exc)
                 await asyncio.sleep(1.0)
             except Exception:
                 log.exception("ACK consumer %s failed; retrying", self.durable)
