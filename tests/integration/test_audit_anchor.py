@@ -290,3 +290,31 @@ async def test_a_checkpoint_not_signed_by_a_trusted_key_fails_verify(
     assert len(problems) == 2
     assert "does not verify" in problems[0] and "not trusted" in problems[1]
     assert AUDIT_CHECKPOINTS_SUBJECT  # the one subject they were published on
+
+
+# ---- the grants migration ------------------------------------------------------------------------
+
+
+async def test_grants_go_to_the_configured_role_and_the_owner_is_never_the_app_role(
+        access: DatabaseAccess) -> None:
+    from controlplane.protocol.errors import AuditUnavailable
+
+    # The owner may not create roles here: a missing app role is a clear refusal, not a surprise.
+    with pytest.raises(AuditUnavailable, match="'cp_other' does not exist and 'rudder_owner' may not create roles"):
+        await migrations.upgrade_async(access.owner_url, app_role="cp_other")
+    with pytest.raises(AuditUnavailable, match="the app role 'rudder_owner' is the role running the migration"):
+        await migrations.upgrade_async(access.owner_url, app_role="rudder_owner")
+    with pytest.raises(AuditUnavailable, match="must be a lower-case SQL identifier"):
+        await migrations.upgrade_async(access.owner_url, app_role='x"; DROP TABLE audit_log; --')
+    conn = await asyncpg.connect(raw(access.owner_url))
+    try:
+        privileges = {(r["table_name"], r["privilege_type"]) for r in await conn.fetch(
+            "SELECT table_name, privilege_type FROM information_schema.role_table_grants "
+            "WHERE grantee = $1", access.app.name)}
+        columns = {(r["table_name"], r["column_name"], r["privilege_type"]) for r in await conn.fetch(
+            "SELECT table_name, column_name, privilege_type FROM information_schema.column_privileges "
+            "WHERE grantee = $1 AND privilege_type = 'UPDATE'", access.app.name)}
+    finally:
+        await conn.close()
+    assert privileges == {(t, p) for t in ("audit_log", "router_acks", "api_tokens") for p in ("SELECT", "INSERT")}
+    assert columns == {("api_tokens", "revoked_at", "UPDATE")}
