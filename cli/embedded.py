@@ -318,6 +318,18 @@ class EmbeddedPostgres:
             os.chown(self.data_dir, entry.pw_uid, entry.pw_gid)
             self.data_dir.chmod(0o700)
 
+    def _lost_permissions(self) -> None:
+        """The server's user lost traverse permission on a parent folder: another pytest session
+        reset its temp root to 0700 meanwhile (pytest does that at every start). Give it back."""
+        self._prepare()
+        if (self.data_dir / "global").exists() is False and any(self.data_dir.iterdir()):
+            # A half-made cluster from the failed initdb: initdb wants an empty folder.
+            for child in self.data_dir.iterdir():
+                if child.is_dir():
+                    shutil.rmtree(child)
+                else:
+                    child.unlink()
+
     def _initdb(self) -> None:
         # initdb reads the superuser's password from a file: one readable by the server's user
         # only, removed as soon as initdb is done.
@@ -329,8 +341,17 @@ class EmbeddedPostgres:
 
                 entry = pwd.getpwnam(self.system_user)
                 os.chown(pwfile, entry.pw_uid, entry.pw_gid)
-            self._run([self._bin("initdb"), "-D", str(self.data_dir), "--auth=scram-sha-256",
-                       f"--pwfile={pwfile}", "--encoding=utf8", "-U", self.superuser], timeout=120)
+            for attempt in range(5):
+                try:
+                    self._run([self._bin("initdb"), "-D", str(self.data_dir), "--auth=scram-sha-256",
+                               f"--pwfile={pwfile}", "--encoding=utf8", "-U", self.superuser], timeout=120)
+                    break
+                except subprocess.CalledProcessError as exc:
+                    detail = bytes(exc.stderr or b"").decode(errors="replace").strip()
+                    log.warning("initdb failed: %s", detail)
+                    if "Permission denied" not in detail or attempt == 4:
+                        raise
+                    self._lost_permissions()
         finally:
             pwfile.unlink(missing_ok=True)
 
@@ -349,9 +370,7 @@ class EmbeddedPostgres:
                 detail = bytes(exc.stderr or b"").decode(errors="replace").strip()
                 log.warning("pg_ctl start on port %d failed: %s", self.port, detail)
                 if "Permission denied" in detail and attempt < 5:
-                    # Another pytest session reset its temp root to 0700 meanwhile (pytest does
-                    # that at every start): give the server's user its traverse permission back.
-                    self._prepare()
+                    self._lost_permissions()
                     continue
                 # A port picked here may have been taken before the server bound it: on the first
                 # start only (a restart must keep its address), try a fresh one.

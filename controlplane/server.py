@@ -136,6 +136,9 @@ class ControlPlane:
         if getattr(self, "checkpointer", None) is not None:
             assert self.checkpointer is not None
             await self.checkpointer.stop()
+            # A last checkpoint, so what this replica wrote is anchored before it goes away.
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(self.checkpointer.take(), 3.0)
         if getattr(self, "acks", None) is not None:
             await self.acks.stop()
         with contextlib.suppress(Exception):
