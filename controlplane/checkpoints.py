@@ -287,6 +287,9 @@ class Checkpointer:
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
         self.published = 0
+        # The checkpoint we published last: while our CAS publishes succeed it is the newest,
+        # so the stream is read (and the checkpoint decoded) only after another replica's turn.
+        self._last: StoredCheckpoint | None = None
 
     def notify(self, rows: int) -> None:
         """Called by the store after it committed ``rows`` rows (no I/O, any task)."""
@@ -324,7 +327,7 @@ class Checkpointer:
         """Publish checkpoints until both chains are covered; returns how many were published."""
         published = 0
         while True:
-            newest = await self.log.newest()
+            newest = self._last or await self.log.newest()
             base = newest.checkpoint if newest is not None else None
             if newest is not None and newest.problem is not None:
                 log.error("newest audit checkpoint (seq %d) %s: not continuing from it",
@@ -341,9 +344,17 @@ class Checkpointer:
                 audit=_segment(audit_rows, base.audit if base else None),
                 acks=_segment(ack_rows, base.acks if base else None),
             )
-            seq = await self.log.publish(checkpoint, expected_seq=newest.seq if newest else 0)
+            try:
+                seq = await self.log.publish(checkpoint, expected_seq=newest.seq if newest else 0)
+            except BaseException:
+                self._last = None  # outcome unknown: read the stream next time
+                raise
             if seq is None:  # another replica took it; its checkpoint covers these rows
+                self._last = None
                 return published
+            self._last = StoredCheckpoint(seq=seq, checkpoint=checkpoint,
+                                          key_id=self.log.signer.key_id if self.log.signer else None,
+                                          problem=None)
             published += 1
             self.published += 1
             log.info("audit checkpoint %d: audit row %d, ack row %d", seq,
