@@ -9,6 +9,8 @@ from pathlib import Path
 from pydantic import Field, SecretStr
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from controlplane.protocol.subjects import ACKS_CONSUMER_DEFAULT
+
 
 class ControlPlaneSettings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="RUDDER_", extra="ignore")
@@ -32,7 +34,7 @@ class ControlPlaneSettings(BaseSettings):
     instance_name: str = Field(default_factory=lambda: f"{socket.gethostname()}-{os.getpid()}",
                                min_length=1, max_length=128)
     #: The durable consumer on RUDDER_ACKS, one per fleet, shared by its control-plane replicas.
-    acks_consumer: str = Field(default="rudder-controlplane", pattern=r"^[A-Za-z0-9_-]{1,64}$")
+    acks_consumer: str = Field(default=ACKS_CONSUMER_DEFAULT, pattern=r"^[A-Za-z0-9_-]{1,64}$")
     #: Signed checkpoints of the audit and ACK chains (RUDDER_AUDIT_CHECKPOINTS stream).
     audit_checkpoints: bool = True
     audit_checkpoint_interval_s: float = Field(default=10.0, gt=0)

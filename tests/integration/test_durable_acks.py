@@ -13,11 +13,14 @@ import uuid
 from collections.abc import AsyncIterator
 from datetime import UTC, datetime
 
+import asyncpg
 import nats
+import nats.js.errors
 import pytest
 from nats.aio.client import Client as NATS
 
-from controlplane.audit.store import AckRecord, AuditStore, Chain
+from controlplane.acks import AckConsumer
+from controlplane.audit.store import ACK_CHAIN_LOCK_KEY, AckRecord, AuditStore, Chain
 from controlplane.protocol.events import AckStatus, ApplyAck
 from controlplane.protocol.policy import PolicyKind
 from controlplane.protocol.subjects import STREAM_ACKS, acks_subject
@@ -40,6 +43,11 @@ async def store(db: str) -> AsyncIterator[AuditStore]:
     s = AuditStore.from_url(db)
     yield s
     await s.close()
+
+
+def ack(router_id: str, revision: int) -> ApplyAck:
+    return ApplyAck(router_id=router_id, model="m", kind=PolicyKind.SELECTION, revision=revision,
+                    status=AckStatus.ACK, at=datetime.now(UTC))
 
 
 async def test_an_ack_sent_while_no_control_plane_runs_is_recorded_when_one_starts(
@@ -119,4 +127,49 @@ async def test_a_redelivered_ack_is_written_once(db: str, store: AuditStore) -> 
         await other.close()
     assert sum(written) == 20
     assert len(await store.acks(router_id=router_id)) == 20
+    assert (await store.verify(chain=Chain.ACKS)).ok
+
+
+async def test_acks_redelivered_to_another_replica_while_the_first_is_stuck_are_stored_once(
+        nats_url: str, db: str, client: NATS, store: AuditStore) -> None:
+    """Two consumers on one durable with a short ack_wait; the ACK chain's lock is held by someone
+    else for longer than ack_wait, so JetStream redelivers what the first fetched to the second.
+    Both then write the same stream sequences: one row each."""
+    router_id = f"r-{uuid.uuid4().hex[:8]}"
+    durable = f"redelivery-{uuid.uuid4().hex[:6]}"
+    js = client.jetstream()
+    stores = [AuditStore.from_url(db, timeout_s=5.0) for _ in range(2)]
+    consumers = [AckConsumer(js, s, durable=durable, ack_wait_s=0.5, batch=50) for s in stores]
+    blocker = await asyncpg.connect(db.replace("postgresql+asyncpg://", "postgresql://", 1))
+    n = 50
+    try:
+        await blocker.execute("SELECT pg_advisory_lock($1)", ACK_CHAIN_LOCK_KEY)
+        for i in range(n):
+            await js.publish(acks_subject(router_id), ack(router_id, i + 1).to_bytes())
+        for c in consumers:
+            c.start()
+
+        async def redelivered() -> bool:
+            try:
+                return (await js.consumer_info(STREAM_ACKS, durable)).num_redelivered > 0
+            except nats.js.errors.NotFoundError:  # not created by the consumers yet
+                return False
+
+        await wait_for(redelivered, within=10)
+        await blocker.execute("SELECT pg_advisory_unlock($1)", ACK_CHAIN_LOCK_KEY)
+
+        async def drained() -> bool:
+            info = await js.consumer_info(STREAM_ACKS, durable)
+            return info.num_ack_pending == 0 and info.num_pending == 0
+
+        await wait_for(drained, within=20)
+    finally:
+        await blocker.close()
+        for c in consumers:
+            await c.stop()
+        for s in stores:
+            await s.close()
+    rows = await store.acks(router_id=router_id, limit=1000)
+    assert sorted(r["revision"] for r in rows) == list(range(1, n + 1))  # each once
+    assert sum(c.recorded for c in consumers) >= n
     assert (await store.verify(chain=Chain.ACKS)).ok
