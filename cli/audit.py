@@ -95,13 +95,43 @@ def show_row(row_id: Annotated[str, typer.Argument(metavar="ID", help="Audit row
                [(k, fmt_time(v) if k == "at" else fmt_value(v)) for k, v in (row or {}).items()]))
 
 
+def _expected_head(value: str) -> tuple[int, str]:
+    row_id, sep, row_hash = value.partition(":")
+    if not sep or not row_id.isdigit() or len(row_hash) != 64:
+        raise typer.BadParameter("must be ID:HASH (an audit head printed by an earlier verify)",
+                                 param_hint="--expect")
+    return int(row_id), row_hash.lower()
+
+
 @app.command("verify")
-def verify() -> None:
+def verify(
+    expect: Annotated[
+        list[str] | None,
+        typer.Option("--expect", metavar="ID:HASH",
+                     help="An audit head kept from an earlier verify: that row must still have "
+                          "that hash (repeatable)."),
+    ] = None,
+) -> None:
     """Check the audit and ACK chains against the database and every signed checkpoint; exit 1
     naming the first bad row. Prints the verified heads: keep them elsewhere to compare later."""
+    expected = [_expected_head(v) for v in expect or []]
     with shared.client() as api:
         result = api.get("/audit/verify")
-    result = result if isinstance(result, dict) else {}
+        result = result if isinstance(result, dict) else {}
+        for row_id, row_hash in expected:
+            if not result.get("ok"):
+                break
+            try:
+                row = api.get(f"/audit/{row_id}")
+            except CliError as exc:
+                if exc.exit_code != ExitCode.NOT_FOUND:
+                    raise
+                row = None
+            got = (row or {}).get("row_hash") if isinstance(row, dict) else None
+            if got != row_hash:
+                result = {**result, "ok": False, "chain": "audit", "first_broken_id": row_id,
+                          "reason": f"audit row {row_id} " + ("is gone" if got is None else
+                                    "differs") + " from the head kept with --expect"}
     if shared.json_mode():
         print_json(result)
     if not result.get("ok"):

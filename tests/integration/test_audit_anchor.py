@@ -77,12 +77,12 @@ def ack(router_id: str, revision: int) -> ApplyAck:
                     status=AckStatus.ACK, at=datetime.now(UTC))
 
 
-async def rudder_verify(running: Running, token: str) -> tuple[int, dict[str, Any], str]:
+async def rudder_verify(running: Running, token: str, *args: str) -> tuple[int, dict[str, Any], str]:
     """`rudder --json audit verify` in its own process (the token in its environment)."""
     env = {**os.environ, "RUDDER_SERVER": running.url, "RUDDER_TOKEN": token,
            "PYTHONPATH": str(ROOT)}
     proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "cli.main", "--json", "audit", "verify", cwd=str(ROOT), env=env,
+        sys.executable, "-m", "cli.main", "--json", "audit", "verify", *args, cwd=str(ROOT), env=env,
         stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
     out, err = await proc.communicate()
     assert proc.returncode is not None
@@ -214,6 +214,29 @@ async def test_owner_deleting_the_newest_rows_is_named_by_rudder_audit_verify(
     assert body["first_broken_id"] == rows[-2].id
     assert f"row {rows[-2].id} is gone" in body["reason"]
     assert f"row {rows[-2].id}" in err
+
+
+async def test_a_head_kept_elsewhere_is_checked_with_expect(
+        access: DatabaseAccess, owner: asyncpg.Connection, own_nats: EmbeddedNats) -> None:
+    # Even without any checkpoint (say the bus itself was lost), a head the auditor kept tells.
+    tokens = await make_tokens(access.app_url)
+    async with controlplane(own_nats.url, access.app_url, audit_checkpoints=False) as running:
+        rows = await running.controlplane.audit.append_many([entry(i) for i in range(3)])
+        code, body, _ = await rudder_verify(running, tokens.auditor)
+        assert code == 0 and body["checkpoint"] is None
+        head = body["head"]["audit"]
+        kept = f"{head['last_id']}:{head['last_hash']}"
+        assert head["last_id"] == rows[-1].id
+        code, _, _ = await rudder_verify(running, tokens.auditor, "--expect", kept)
+        assert code == 0
+        await owner.execute("ALTER TABLE audit_log DISABLE TRIGGER audit_log_no_update_delete")
+        await owner.execute("DELETE FROM audit_log WHERE id = $1", rows[-1].id)
+        await owner.execute("ALTER TABLE audit_log ENABLE TRIGGER audit_log_no_update_delete")
+        code, body, err = await rudder_verify(running, tokens.auditor, "--expect", kept)
+        bad_arg, _, usage = await rudder_verify(running, tokens.auditor, "--expect", "12:nothex")
+    assert code == 1 and body["first_broken_id"] == rows[-1].id, body
+    assert "kept with --expect" in err
+    assert bad_arg == 2 and "--expect" in usage
 
 
 async def _rewrite_and_recompute(owner: asyncpg.Connection, store: AuditStore, row_id: int) -> None:
