@@ -39,6 +39,7 @@ from controlplane.protocol.events import AckStatus, ApplyAck
 from controlplane.protocol.policy import PolicyKind
 from controlplane.protocol.subjects import AUDIT_CHECKPOINTS_SUBJECT, STREAM_AUDIT_CHECKPOINTS
 from controlplane.server import ControlPlane, Running
+from tests import buskit
 from tests.conftest import fresh_database
 from tests.integration.cp_support import AUDIT_SIGNER, Tokens, controlplane, make_tokens, settings_for
 from tests.support_router.workers import wait_for
@@ -178,7 +179,7 @@ async def test_checkpoints_after_n_rows_and_on_a_timer_to_a_stream_that_keeps_th
     assert stored[0].checkpoint is not None and stored[1].checkpoint is not None
     assert [i for i, _ in stored[0].checkpoint.audit.rows] == [r.id for r in rows]
     assert stored[1].checkpoint.audit.rows == [(row.id, row.row_hash)]  # continues, no overlap
-    nc = await nats.connect(own_nats.url)
+    nc = await buskit.admin_connect(own_nats.url)
     try:
         js = nc.jetstream()
         info = await js.stream_info(STREAM_AUDIT_CHECKPOINTS)
@@ -294,7 +295,7 @@ async def test_a_checkpoint_not_signed_by_a_trusted_key_fails_verify(
         access: DatabaseAccess, own_nats: EmbeddedNats) -> None:
     tokens = await make_tokens(access.app_url)
     async with controlplane(own_nats.url, access.app_url, audit_checkpoint_interval_s=3600) as running:
-        nc = await nats.connect(own_nats.url)
+        nc = await buskit.admin_connect(own_nats.url)
         try:
             forger = nacl.signing.SigningKey.generate()
             signer = Signer(key_id=AUDIT_SIGNER.key_id, key=forger)  # claims the trusted key id

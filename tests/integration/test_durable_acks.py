@@ -24,6 +24,7 @@ from controlplane.audit.store import ACK_CHAIN_LOCK_KEY, AckRecord, AuditStore, 
 from controlplane.protocol.events import AckStatus, ApplyAck
 from controlplane.protocol.policy import PolicyKind
 from controlplane.protocol.subjects import STREAM_ACKS, acks_subject
+from tests import buskit
 from tests.integration.cp_support import controlplane
 from tests.support_router.policy import publish_policy
 from tests.support_router.workers import InProcessRouter, router_settings, wait_for
@@ -33,7 +34,7 @@ pytestmark = pytest.mark.timeout(90)
 
 @pytest.fixture
 async def client(nats_url: str) -> AsyncIterator[NATS]:
-    nc = await nats.connect(nats_url)
+    nc = await buskit.admin_connect(nats_url)
     yield nc
     await nc.close()
 
