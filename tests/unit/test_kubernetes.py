@@ -381,6 +381,9 @@ def test_the_objects_the_deployment_promises(rendered: Rendered) -> None:
     assert hpa["spec"]["scaleTargetRef"] == {"apiVersion": "apps/v1", "kind": "Deployment",
                                              "name": "rudder-router"}
     assert 1 < hpa["spec"]["minReplicas"] < hpa["spec"]["maxReplicas"]
+    # Utilization is measured against the request: without one the autoscaler does nothing.
+    (router_container,) = router["spec"]["template"]["spec"]["containers"]
+    assert router_container["resources"]["requests"]["cpu"]
     _assert_pdb_covers(rendered, router)
     _assert_pdb_covers(rendered, nats)
 
@@ -392,6 +395,16 @@ def test_the_objects_the_deployment_promises(rendered: Rendered) -> None:
     assert all(s["spec"].get("type", "ClusterIP") == "ClusterIP" for s in services.values()), \
         "nothing is exposed outside the cluster by the manifests (put an ingress before routers)"
     assert not rendered.of_kind("Ingress")
+
+
+def test_probes_use_declared_ports(rendered: Rendered) -> None:
+    for c in containers(rendered):
+        ports = {p["name"]: p["containerPort"] for p in c.spec.get("ports", [])}
+        for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+            http = c.spec.get(probe, {}).get("httpGet")
+            if http is not None:
+                port = http["port"]
+                assert port in ports or port in ports.values(), f"{c.where}: {probe} port {port}"
 
 
 def test_overlays_differ_where_they_should(dev: Rendered, production: Rendered) -> None:
