@@ -405,6 +405,10 @@ def test_probes_use_declared_ports(rendered: Rendered) -> None:
             if http is not None:
                 port = http["port"]
                 assert port in ports or port in ports.values(), f"{c.where}: {probe} port {port}"
+        args = c.spec.get("args", [])
+        if c.image_name in RUDDER_IMAGES and "--port" in args:
+            # The process listens where the pod says it does.
+            assert [int(args[args.index("--port") + 1])] == list(ports.values()), c.where
 
 
 def test_overlays_differ_where_they_should(dev: Rendered, production: Rendered) -> None:
