@@ -4,9 +4,9 @@ real settings classes.
 A container's arguments are parsed by the click command behind ``rudder`` (unknown commands or
 options are usage errors, as they would be at start-up); each ``RUDDER_*`` variable must name a
 field of the settings class of the process it is given to (``RUDDER_VLLM__MODEL_PATH`` a nested
-one), or an environment fallback of a CLI option (``RUDDER_SERVER``). Names that the bus work
-(docs: bus-design, issue 7) introduces are listed once, in the test modules that use them, until
-that work lands.
+one), or an environment fallback of a CLI option (``RUDDER_SERVER``). Names the deployments use
+ahead of the work that brings them are listed once, in tests/unit/test_kubernetes.py
+(``PENDING_SETTINGS``, ``PENDING_COMMANDS``), until that work lands.
 """
 
 from __future__ import annotations
@@ -23,20 +23,21 @@ from typer._click.core import Command  # typer (0.29) carries its own copy of cl
 from typer._click.exceptions import UsageError
 from typer.core import TyperGroup
 
+from bus.settings import BusAdminSettings
 from cli.main import app
 from controlplane.settings import ControlPlaneSettings
 from router.settings import RouterSettings
 from worker.settings import WorkerSettings
 
-# The settings object each command builds (cli/serve.py; `db upgrade` reads RUDDER_DATABASE_URL
-# and falls back to ControlPlaneSettings, cli/config.py; `bus init` creates the streams the
-# control plane owns, with its replica settings).
+# The settings object each command builds (cli/serve.py, cli/bus.py; `db upgrade` reads
+# RUDDER_DATABASE_URL and falls back to ControlPlaneSettings, cli/config.py).
 SETTINGS_OF: dict[tuple[str, ...], type[BaseSettings]] = {
     ("serve", "controlplane"): ControlPlaneSettings,
     ("serve", "router"): RouterSettings,
     ("serve", "worker"): WorkerSettings,
     ("db", "upgrade"): ControlPlaneSettings,
-    ("bus", "init"): ControlPlaneSettings,
+    ("bus", "init"): BusAdminSettings,
+    ("bus", "setup"): BusAdminSettings,
 }
 # What a settings object cannot be built without, when neither a flag nor a variable gives it.
 REQUIRED: dict[type[BaseSettings], dict[str, Any]] = {
