@@ -39,6 +39,10 @@ SETTINGS_OF: dict[tuple[str, ...], type[BaseSettings]] = {
     ("bus", "init"): BusAdminSettings,
     ("bus", "setup"): BusAdminSettings,
 }
+# Commands that build that settings object at start (so its values must validate); `db upgrade`
+# only reads RUDDER_DATABASE_URL (its names are still checked against ControlPlaneSettings).
+BUILDS_SETTINGS = {("serve", "controlplane"), ("serve", "router"), ("serve", "worker"),
+                   ("bus", "init"), ("bus", "setup")}
 # What a settings object cannot be built without, when neither a flag nor a variable gives it.
 REQUIRED: dict[type[BaseSettings], dict[str, Any]] = {
     RouterSettings: {"models": ["m"]},

@@ -38,6 +38,7 @@ from bus.jwt import decode_unverified, jwt_from_creds
 from cli.embedded import nats_server_binary
 from cli.main import app
 from tests.unit.deploy_checks import (
+    BUILDS_SETTINGS,
     SETTINGS_OF,
     build_settings,
     cli_envvars,
@@ -55,16 +56,13 @@ NAMESPACE = "rudder"
 RUDDER_IMAGES = {"rudder", "rudder-vllm"}  # image repository names (the overlays set registries)
 
 # ---- pending names -------------------------------------------------------------------------
-# Names the manifests (and compose.yaml) already use for work of issue 7 that has not landed yet
-# (the settings and commands of the bus design). They are skipped, and only they: any other
-# unknown variable or command fails. Empty each list as that work lands
-# (test_pending_names_are_still_pending fails as soon as one of them exists, as a reminder).
-# RUDDER_NATS_CREDS, RUDDER_NATS_CA and `rudder bus init` have landed with the bus adapter.
-PENDING_SETTINGS: frozenset[str] = frozenset({
-    "RUDDER_POLICY_SIGNING_KEY",  # control plane: seed file signing policy events
-    "RUDDER_POLICY_VERIFY_KEYS",  # routers: public keys policy events are verified with
-    "RUDDER_WORKER_URL_ALLOW",    # routers: CIDRs / host names worker URLs must match
-})
+# Names the manifests (and compose.yaml) may use ahead of the work that brings them: skipped, and
+# only they; any other unknown variable or command fails. Add a name here only with the issue it
+# waits for, and empty the list as that work lands (test_pending_names_are_still_pending fails as
+# soon as a listed name exists, as a reminder). Empty now: the bus adapter (RUDDER_NATS_CREDS,
+# RUDDER_NATS_CA, `rudder bus init`), policy signing (RUDDER_POLICY_SIGNING_KEY,
+# RUDDER_POLICY_VERIFY_KEYS) and hostile-input checks (RUDDER_WORKER_URL_ALLOW) have landed.
+PENDING_SETTINGS: frozenset[str] = frozenset()
 PENDING_COMMANDS: frozenset[tuple[str, ...]] = frozenset()
 
 # Variables whose value is the path of a file mounted from a Secret (or, public keys, a ConfigMap).
@@ -79,12 +77,8 @@ FILE_SETTINGS = {
 # ---- the files an operator makes before rendering ------------------------------------------
 
 def _placeholder(path: str) -> str:
-    """Files `rudder bus setup` does not make (policy keys, external database URLs)."""
+    """Files no rudder command makes (external database URLs), and first-pass stand-ins."""
     name = path.rsplit("/", 1)[-1]
-    if name == "signing.seed":
-        return base64.b64encode(os.urandom(32)).decode() + "\n"
-    if name == "verify.keys":
-        return f"k1 {base64.b64encode(os.urandom(32)).decode()}\n"
     if name == "owner-url":
         return "postgresql+asyncpg://rudder_owner:s3cret@db.example.com:5432/rudder"
     if name == "url":
@@ -155,18 +149,18 @@ def _copy_with_files(target: Path, content: dict[str, str] | None = None) -> Pat
 
 
 def _identity(r: Rendered, c: Container) -> Identity | None:
-    """The bus identity a container runs as, from its command and settings."""
+    """The bus identity a container runs as, from its command and the variables that fix it
+    (RUDDER_ROUTER_ID, RUDDER_INSTANCE_ID: held to the settings classes by the tests below)."""
     env = env_of(r, c)
     args = args_of(c, env)
     path, _ = command_path(args, PENDING_COMMANDS)
     if "RUDDER_NATS_CREDS" not in env:
         return None
-    settings: Any = build_settings(SETTINGS_OF[path], {k: v for k, v in env.items() if k.startswith("RUDDER_")})
     if path == ("serve", "router"):
-        return Identity(IdentityKind.ROUTER, router_id=settings.router_id)
+        return Identity(IdentityKind.ROUTER, router_id=env["RUDDER_ROUTER_ID"])
     if path == ("serve", "worker"):
         model = args[args.index("--model") + 1]
-        return Identity(IdentityKind.WORKER, model=model, instance_id=settings.instance_id)
+        return Identity(IdentityKind.WORKER, model=model, instance_id=int(env["RUDDER_INSTANCE_ID"]))
     if path == ("serve", "controlplane"):
         return Identity(IdentityKind.CONTROLPLANE)
     assert path == ("bus", "init"), path
@@ -183,12 +177,19 @@ def _identity_arg(identity: Identity) -> str:
 
 @pytest.fixture(scope="module")
 def workdir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A copy of deploy/kubernetes whose overlays' secrets/ hold what `rudder bus setup` writes
-    for the identities of the rendered pods (found by a first render with placeholders)."""
+    """A copy of deploy/kubernetes whose overlays' secrets/ hold what `rudder keys new` and
+    `rudder bus setup` write, the latter for the identities of the rendered pods (found by a first
+    render with placeholders)."""
     base = tmp_path_factory.mktemp("kube")
     draft = _copy_with_files(base / "draft")
     content: dict[str, str] = {}
     for overlay in OVERLAYS:
+        keys = base / f"keys-{overlay}"
+        result = CliRunner().invoke(app, ["keys", "new", "--signing-key", str(keys / "policy.seed"),
+                                          "--verify-keys", str(keys / "policy.pub")])
+        assert result.exit_code == 0, result.output
+        for file in keys.iterdir():
+            content[f"{overlay}/secrets/policy/{file.name}"] = file.read_text()
         r = _render(draft, overlay)
         identities = {_identity(r, c) for c in all_pod_containers(r)} - {None}
         hosts = sorted({u.split("://", 1)[1].rsplit(":", 1)[0]
@@ -236,6 +237,7 @@ class Container:
     pod: dict[str, Any]
     spec: dict[str, Any]
     index: int = 0  # StatefulSet pod ordinal the expansion is for
+    init: bool = False  # an init container
 
     @property
     def where(self) -> str:
@@ -250,12 +252,15 @@ class Container:
 def containers(r: Rendered, index: int = 0) -> Iterator[Container]:
     for w in r.workloads():
         pod = w["spec"]["template"]
-        for c in [*pod["spec"].get("initContainers", []), *pod["spec"]["containers"]]:
+        for c in pod["spec"].get("initContainers", []):
+            yield Container(w, pod, c, index, init=True)
+        for c in pod["spec"]["containers"]:
             yield Container(w, pod, c, index)
 
 
 def rudder_containers(r: Rendered, index: int = 0) -> Iterator[Container]:
-    return (c for c in containers(r, index) if c.image_name in RUDDER_IMAGES)
+    """The Rudder processes (init containers only prepare files: test_init_containers_copy_files)."""
+    return (c for c in containers(r, index) if c.image_name in RUDDER_IMAGES and not c.init)
 
 
 def pod_count(r: Rendered, workload: dict[str, Any]) -> int:
@@ -410,23 +415,64 @@ def test_rudder_containers_run_real_commands(rendered: Rendered) -> None:
             ("db", "upgrade"), ("bus", "init")} <= seen
 
 
+def test_init_containers_copy_files(rendered: Rendered) -> None:
+    """The only init containers copy a Secret file into memory with a stricter mode (the control
+    plane's signing key must be 0600, a Secret volume under fsGroup is group-readable)."""
+    found = 0
+    for c in containers(rendered):
+        if c.init:
+            (copy,) = [v for v in _init_copies(c).values() if v[0] is c.spec]
+            assert copy[2] == "0600"
+            found += 1
+    assert found == 1
+
+
 def test_a_wrong_option_or_command_fails_the_check() -> None:
     from typer._click.exceptions import UsageError
 
     with pytest.raises(UsageError, match="--modle"):
         command_path(["serve", "router", "--modle", "m"], PENDING_COMMANDS)
     # A pending command is skipped only while it is listed.
-    assert command_path(["keys", "rotate"], frozenset({("keys", "rotate")})) == (("keys", "rotate"), True)
-    with pytest.raises(UsageError, match="keys"):
-        command_path(["keys", "rotate"], frozenset())
+    assert command_path(["fleet", "drain"], frozenset({("fleet", "drain")})) == (("fleet", "drain"), True)
+    with pytest.raises(UsageError, match="fleet"):
+        command_path(["fleet", "drain"], frozenset())
     with pytest.raises(UsageError, match="nope"):
         command_path(["nope"], PENDING_COMMANDS)
 
 
-def test_rudder_variables_are_real_settings(rendered: Rendered) -> None:
+def env_with_files(r: Rendered, c: Container, root: Path) -> dict[str, str]:
+    """The container's RUDDER_* environment with its mounted Secret and ConfigMap files laid out
+    under ``root`` and every path into a mount pointed there (settings check the files they name)."""
+    volumes = {v["name"]: v for v in c.pod["spec"].get("volumes", [])}
+    moved: dict[str, str] = {}
+    for mount in c.spec.get("volumeMounts", []):
+        volume = volumes.get(mount["name"], {})
+        target = root / mount["mountPath"].lstrip("/")
+        target.mkdir(parents=True, exist_ok=True)
+        if {"secret", "configMap", "projected"} & set(volume):
+            for rel, (_, text) in _volume_files(r, volume).items():
+                (target / rel).write_text(text)
+        moved[mount["mountPath"].rstrip("/") + "/"] = f"{target}/"
+        for (volume_name, rel), (_, _, mode) in _init_copies(c).items():
+            if volume_name == mount["name"]:
+                (target / rel).parent.mkdir(parents=True, exist_ok=True)
+                (target / rel).write_text(_mounted_file(r, c, mount["mountPath"].rstrip("/") + "/" + rel)[1])
+                (target / rel).chmod(int(mode, 8))
+    out = {}
+    for name, value in env_of(r, c).items():
+        if name.startswith("RUDDER_"):
+            for prefix in sorted(moved, key=len, reverse=True):
+                if value.startswith(prefix):
+                    value = moved[prefix] + value[len(prefix):]
+                    break
+            out[name] = value
+    return out
+
+
+def test_rudder_variables_are_real_settings(rendered: Rendered, tmp_path: Path) -> None:
     cli_names = cli_envvars()
     unknown = []
-    for c in rudder_containers(rendered):
+    for n, c in enumerate(all_pod_containers(rendered)):
         env = env_of(rendered, c)
         path, _ = command_path(args_of(c, env), PENDING_COMMANDS)
         settings = SETTINGS_OF[path]
@@ -435,8 +481,9 @@ def test_rudder_variables_are_real_settings(rendered: Rendered) -> None:
                 continue
             if not names_a_field(settings, name):
                 unknown.append(f"{c.where}: {name} is not a field of {settings.__name__}")
-        # The values too: the settings object builds from this environment.
-        build_settings(settings, {k: v for k, v in env.items() if k.startswith("RUDDER_")})
+        # The values too: the settings object builds from this environment and these files.
+        if path in BUILDS_SETTINGS:
+            build_settings(settings, env_with_files(rendered, c, tmp_path / str(n)))
     assert not unknown, "\n".join(unknown)
 
 
@@ -526,17 +573,44 @@ def _volume_files(r: Rendered, volume: dict[str, Any]) -> dict[str, tuple[str, s
     return files
 
 
-def _mounted_file(r: Rendered, c: Container, path: str) -> tuple[str, str]:
-    """(kind, content) of the Secret or ConfigMap key that the pod shows at ``path``."""
-    volumes = {v["name"]: v for v in c.pod["spec"].get("volumes", [])}
-    for mount in c.spec.get("volumeMounts", []):
+def _locate(spec: dict[str, Any], path: str) -> tuple[str, str] | None:
+    """(volume name, path inside the volume) of ``path`` in a container's mounts."""
+    for mount in sorted(spec.get("volumeMounts", []), key=lambda m: -len(m["mountPath"])):
         prefix = mount["mountPath"].rstrip("/") + "/"
         if path.startswith(prefix):
-            files = _volume_files(r, volumes[mount["name"]])
-            rel = path[len(prefix):]
-            assert rel in files, f"{c.where}[{c.index}]: nothing at {path} (has {sorted(files)})"
-            return files[rel]
-    raise AssertionError(f"{c.where}: nothing is mounted at {path}")
+            return mount["name"], path[len(prefix):]
+    return None
+
+
+def _init_copies(c: Container) -> dict[tuple[str, str], tuple[dict[str, Any], str, str]]:
+    """Files init containers copy into shared volumes (``install -m MODE SRC DST``):
+    (volume, path in it) → (init container, SRC in that container, MODE)."""
+    copies = {}
+    for init in c.pod["spec"].get("initContainers", []):
+        command = init.get("command", [])
+        assert command[:2] == ["install", "-m"] and len(command) == 5, f"{init['name']}: {command}"
+        _, _, mode, src, dst = command
+        where = _locate(init, dst)
+        assert where is not None, f"{init['name']}: {dst} is on no volume"
+        copies[where] = (init, src, mode)
+    return copies
+
+
+def _mounted_file(r: Rendered, c: Container, path: str) -> tuple[str, str]:
+    """(kind, content) of the Secret or ConfigMap key that the pod shows at ``path``, directly or
+    through a copy an init container made."""
+    volumes = {v["name"]: v for v in c.pod["spec"].get("volumes", [])}
+    where = _locate(c.spec, path)
+    assert where is not None, f"{c.where}: nothing is mounted at {path}"
+    volume = volumes[where[0]]
+    if "emptyDir" in volume:
+        copy = _init_copies(c).get(where)
+        assert copy is not None, f"{c.where}: {path} is on an emptyDir nothing fills"
+        init, src, _ = copy
+        return _mounted_file(r, Container(c.workload, c.pod, init, c.index, init=True), src)
+    files = _volume_files(r, volume)
+    assert where[1] in files, f"{c.where}[{c.index}]: nothing at {path} (has {sorted(files)})"
+    return files[where[1]]
 
 
 def test_worker_instance_ids_are_unique_across_the_fleet(rendered: Rendered) -> None:
