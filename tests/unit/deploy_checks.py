@@ -103,6 +103,26 @@ def cli_envvars() -> set[str]:
     return names
 
 
+def cli_reads() -> set[str]:
+    """``RUDDER_*`` variables the CLI's commands read from the environment themselves (no settings
+    object: ``db upgrade``'s RUDDER_DATABASE_OWNER_URL), found in cli/'s source."""
+    import re
+    from pathlib import Path
+
+    import cli
+
+    names: set[str] = set()
+    for source in Path(cli.__file__).parent.glob("*.py"):
+        names.update(re.findall(r"""environ(?:\.get\(|\[)["'](RUDDER_[A-Z0-9_]+)["']""", source.read_text()))
+    return names
+
+
+def allowed_names(path: tuple[str, ...]) -> set[str]:
+    """Names a command may be given besides its settings' fields: its options' variables, and for
+    commands that build no settings object, what the CLI reads itself."""
+    return cli_envvars() | (set() if path in BUILDS_SETTINGS else cli_reads())
+
+
 def names_a_field(settings: type[BaseSettings], env_name: str) -> bool:
     """Whether ``env_name`` sets a field of ``settings`` (pydantic-settings' own mapping:
     prefix, case-insensitive, nested models joined by the nested delimiter)."""

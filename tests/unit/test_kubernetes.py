@@ -35,13 +35,14 @@ from typer.testing import CliRunner
 
 from bus.identities import Identity, IdentityKind, permissions
 from bus.jwt import decode_unverified, jwt_from_creds
-from cli.embedded import nats_server_binary
+from cli.embedded import free_port, nats_server_binary
 from cli.main import app
+from controlplane.checkpoints import load_signer
 from tests.unit.deploy_checks import (
     BUILDS_SETTINGS,
     SETTINGS_OF,
+    allowed_names,
     build_settings,
-    cli_envvars,
     command_path,
     names_a_field,
 )
@@ -190,6 +191,10 @@ def workdir(tmp_path_factory: pytest.TempPathFactory) -> Path:
         assert result.exit_code == 0, result.output
         for file in keys.iterdir():
             content[f"{overlay}/secrets/policy/{file.name}"] = file.read_text()
+        audit_key = base / f"audit-{overlay}.key"
+        result = CliRunner().invoke(app, ["audit", "keygen", str(audit_key)])
+        assert result.exit_code == 0, result.output
+        content[f"{overlay}/secrets/audit/audit-signing.key"] = audit_key.read_text()
         r = _render(draft, overlay)
         identities = {_identity(r, c) for c in all_pod_containers(r)} - {None}
         hosts = sorted({u.split("://", 1)[1].rsplit(":", 1)[0]
@@ -383,6 +388,11 @@ def test_probes_use_declared_ports(rendered: Rendered) -> None:
             assert [int(args[args.index("--port") + 1])] == list(ports.values()), c.where
 
 
+def test_try_out_postgres_runs_compose_init_script() -> None:
+    ours = KUBE / "components" / "postgres" / "init-roles.sh"
+    assert ours.read_bytes() == (ROOT / "deploy" / "postgres" / "init-roles.sh").read_bytes()
+
+
 def test_overlays_differ_where_they_should(dev: Rendered, production: Rendered) -> None:
     # PostgreSQL is external by default; the dev overlay brings a StatefulSet to try it out.
     assert dev.find("StatefulSet", "rudder-postgres") is not None
@@ -413,6 +423,20 @@ def test_rudder_containers_run_real_commands(rendered: Rendered) -> None:
         seen.add(path)
     assert {("serve", "controlplane"), ("serve", "router"), ("serve", "worker"),
             ("db", "upgrade"), ("bus", "init")} <= seen
+
+
+def test_migration_job_passes_db_upgrade_configuration(rendered: Rendered) -> None:
+    """`rudder db upgrade` with the Job's environment gets past its own checks (owner URL, app
+    role) and fails only where this machine differs: no database at the address (exit 1)."""
+    (c,) = [c for c in rudder_containers(rendered)
+            if command_path(args_of(c, env_of(rendered, c)), PENDING_COMMANDS)[0] == ("db", "upgrade")]
+    env = env_of(rendered, c)
+    unreachable = f"127.0.0.1:{free_port()}"
+    local = {k: re.sub(r"@[^/@]+/", f"@{unreachable}/", v) for k, v in env.items() if k.startswith("RUDDER_")}
+    blank = dict.fromkeys(k for k in os.environ if k.startswith("RUDDER_"))
+    result = CliRunner().invoke(app, args_of(c, env), env={**blank, **local})
+    assert result.exit_code == 1, result.output
+    assert unreachable.split(":")[1] in result.output and "RUDDER_" not in result.output, result.output
 
 
 def test_init_containers_copy_files(rendered: Rendered) -> None:
@@ -470,20 +494,23 @@ def env_with_files(r: Rendered, c: Container, root: Path) -> dict[str, str]:
 
 
 def test_rudder_variables_are_real_settings(rendered: Rendered, tmp_path: Path) -> None:
-    cli_names = cli_envvars()
     unknown = []
     for n, c in enumerate(all_pod_containers(rendered)):
         env = env_of(rendered, c)
         path, _ = command_path(args_of(c, env), PENDING_COMMANDS)
         settings = SETTINGS_OF[path]
         for name in env:
-            if not name.startswith("RUDDER_") or name in cli_names or name in PENDING_SETTINGS:
+            if not name.startswith("RUDDER_") or name in allowed_names(path) or name in PENDING_SETTINGS:
                 continue
             if not names_a_field(settings, name):
                 unknown.append(f"{c.where}: {name} is not a field of {settings.__name__}")
         # The values too: the settings object builds from this environment and these files.
         if path in BUILDS_SETTINGS:
-            build_settings(settings, env_with_files(rendered, c, tmp_path / str(n)))
+            built: Any = build_settings(settings, env_with_files(rendered, c, tmp_path / str(n)))
+            if path == ("serve", "controlplane") and built.audit_checkpoints:
+                # Checked at start (controlplane/server.py), not by the settings: the same loader.
+                assert built.audit_signing_key, f"{c.where}: checkpoints on, no RUDDER_AUDIT_SIGNING_KEY"
+                load_signer(built.audit_signing_key)
     assert not unknown, "\n".join(unknown)
 
 
