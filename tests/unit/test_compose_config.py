@@ -7,7 +7,7 @@ parsed by the real CLI, each ``RUDDER_*`` variable must be a field of the settin
 process, and the settings object must build from the service's environment with those files
 where the service mounts them (volumes and ``/run/secrets``); each NATS service's arguments and
 configuration pass the real ``nats-server -t``. (Running the fleet as processes is a separate,
-slower test.)
+slower test: tests/integration/test_compose.py.)
 """
 
 from __future__ import annotations
@@ -31,8 +31,8 @@ from controlplane.settings import ControlPlaneSettings
 from tests.unit.deploy_checks import (
     BUILDS_SETTINGS,
     SETTINGS_OF,
+    allowed_names,
     build_settings,
-    cli_envvars,
     command_path,
     names_a_field,
 )
@@ -145,7 +145,6 @@ def test_rudder_services_run_real_commands(services: dict[str, Service]) -> None
 
 def test_rudder_variables_are_real_settings(compose: dict[str, Any], services: dict[str, Service],
                                             files: Files) -> None:
-    cli_names = cli_envvars()
     unknown = []
     for name, service in _rudder_services(services).items():
         env = {k: v for k, v in _env(service).items() if k.startswith("RUDDER_")}
@@ -154,8 +153,9 @@ def test_rudder_variables_are_real_settings(compose: dict[str, Any], services: d
         # options' variables (no settings object).
         classes = [SETTINGS_OF[p] for p in paths if p in SETTINGS_OF] or \
             ([ControlPlaneSettings] if not paths else [])
+        allowed = set.union(*[allowed_names(p) for p in paths]) if paths else allowed_names(())
         for var in env:
-            if var in cli_names or var in PENDING_SETTINGS:
+            if var in allowed or var in PENDING_SETTINGS:
                 continue
             if not classes or not all(names_a_field(c, var) for c in classes):
                 unknown.append(f"{name}: {var} is read by none of {[c.__name__ for c in classes]}")
