@@ -11,7 +11,8 @@ Routers publish whether or not a control plane runs; the stream keeps ACKs for a
 so a control plane that starts later records every one of them, oldest first.
 
 A payload that is not an ``ApplyAck``, or whose ``router_id`` is not its subject's, is terminated
-(never redelivered) and logged; it cannot stall the consumer.
+(never redelivered), logged once per source and counted (``drops``, shared with the fleet view);
+it cannot stall the consumer.
 """
 
 from __future__ import annotations
@@ -27,8 +28,9 @@ from nats.js import JetStreamContext
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 
 from controlplane.audit.store import AckRecord, AuditStore
-from controlplane.protocol.errors import InvalidRequest, RudderError
+from controlplane.protocol.errors import InvalidRequest, RudderError, SubjectMismatch
 from controlplane.protocol.events import check_ack_subject, decode_apply_ack
+from controlplane.protocol.guard import Drops
 from controlplane.protocol.subjects import ACKS_SUBJECTS, STREAM_ACKS
 
 log = logging.getLogger(__name__)
@@ -38,8 +40,10 @@ class AckConsumer:
     """Fetch ACKs in batches, write each batch in one transaction, then acknowledge it."""
 
     def __init__(self, js: JetStreamContext, store: AuditStore, *, durable: str,
-                 batch: int = 128, ack_wait_s: float = 30.0, fetch_timeout_s: float = 1.0) -> None:
+                 batch: int = 128, ack_wait_s: float = 30.0, fetch_timeout_s: float = 1.0,
+                 drops: Drops | None = None) -> None:
         self.js = js
+        self.drops = drops or Drops(log)
         self.store = store
         self.durable = durable
         self.batch = batch
@@ -103,10 +107,11 @@ class AckConsumer:
         for msg in msgs:
             try:
                 ack = decode_apply_ack(msg.data)
-                check_ack_subject(msg.subject, ack)  # a router speaks only for itself
+                check_ack_subject(msg.subject, ack)  # a router speaks for itself only
             except InvalidRequest as exc:
-                log.warning("refused ACK on %s (stream seq %s): %s", msg.subject,
-                            msg.metadata.sequence.stream, exc.message)
+                reason = "subject_mismatch" if isinstance(exc, SubjectMismatch) else "malformed"
+                self.drops.drop("ack", reason, msg.subject,
+                                f"{exc.message} (stream seq {msg.metadata.sequence.stream})")
                 await msg.term()
                 continue
             good.append((msg, AckRecord(ack, int(msg.metadata.sequence.stream))))

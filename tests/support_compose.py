@@ -31,9 +31,11 @@ from typing import Any
 
 import yaml
 
+from cli.config import parse_credentials
 from cli.embedded import EmbeddedPostgres, free_port, nats_server_binary
 
 ROOT = Path(__file__).resolve().parents[1]
+_VAR = re.compile(r"\$\{(?P<name>[A-Za-z_][A-Za-z0-9_]*)(?:(?P<op>:[-?])(?P<arg>[^}]*))?\}")
 _URL = re.compile(r"(?P<pre>//(?:[^@/\s,]*@)?)(?P<host>[A-Za-z0-9_-]+):(?P<port>\d+)")
 
 
@@ -67,6 +69,8 @@ class ComposeFleet:
     def __post_init__(self) -> None:
         self.compose = load_compose(self.project / "compose.yaml")
         self.names = set(self.compose["services"])
+        dotenv = self.project / ".env"
+        self.dotenv = parse_credentials(dotenv.read_text()) if dotenv.exists() else {}
         (self.work / "logs").mkdir(parents=True, exist_ok=True)
 
     # -- mapping ---------------------------------------------------------------------------
@@ -141,10 +145,23 @@ class ComposeFleet:
             i += 1
         return out
 
+    def interpolate(self, text: str) -> str:
+        """``${NAME}``, ``${NAME:-default}`` and ``${NAME:?message}`` from the environment, then
+        the project's ``.env``, as compose does (a missing ``:?`` variable is an error)."""
+        def sub(m: re.Match[str]) -> str:
+            name, op, arg = m["name"], m["op"], m["arg"] or ""
+            value = os.environ.get(name) or self.dotenv.get(name)
+            if value:
+                return value
+            if op == ":?":
+                raise AssertionError(f"compose: required variable {name} is not set: {arg}")
+            return arg if op == ":-" else ""
+        return _VAR.sub(sub, text)
+
     def environment(self, svc: Service) -> dict[str, str]:
         env: dict[str, str] = {}
         for key, value in (svc.spec.get("environment") or {}).items():
-            text = str(value)
+            text = self.interpolate(str(value))
             if key.endswith("_HOST") and (text in self.names or text == "0.0.0.0"):
                 text = "127.0.0.1"
             elif key == "RUDDER_ADMIN_PORT":
@@ -192,10 +209,13 @@ class ComposeFleet:
         if image.startswith("postgres"):
             svc.postgres = EmbeddedPostgres(self.work / "pg" / name, port=self.port(name, 5432))
             svc.postgres.start()
-            e = spec.get("environment", {})
+            e = self.environment(svc)
             user, password, db = e["POSTGRES_USER"], e["POSTGRES_PASSWORD"], e.get("POSTGRES_DB", e["POSTGRES_USER"])
-            svc.postgres.execute(f"CREATE ROLE \"{user}\" LOGIN SUPERUSER PASSWORD '{password}'")
-            svc.postgres.execute(f'CREATE DATABASE "{db}" OWNER "{user}"')
+            if user != svc.postgres.superuser:  # the image's superuser is the embedded one here
+                svc.postgres.execute(f"CREATE ROLE \"{user}\" LOGIN SUPERUSER PASSWORD '{password}'")
+            if db != "postgres":
+                svc.postgres.execute(f'CREATE DATABASE "{db}" OWNER "{user}"')
+            self._initdb_scripts(svc, env)
             return svc
         if image.startswith("nats"):
             args = [nats_server_binary(), *self._nats_args(svc)]
@@ -210,6 +230,20 @@ class ComposeFleet:
             svc.proc = subprocess.Popen(args, env=env, cwd=svc.root, stdout=log, stderr=subprocess.STDOUT,
                                         stdin=subprocess.DEVNULL, start_new_session=True)
         return svc
+
+    def _initdb_scripts(self, svc: Service, env: dict[str, str]) -> None:
+        """What the image does on a fresh data folder: run /docker-entrypoint-initdb.d/*.sh as the
+        superuser (here the embedded server's, over TCP with its password in the environment)."""
+        assert svc.postgres is not None
+        for target, host in sorted(self._mounts(svc)):
+            if not target.startswith("/docker-entrypoint-initdb.d/") or not target.endswith(".sh"):
+                continue
+            pg_bin = Path(svc.postgres._bin("psql")).parent
+            run_env = {**env, "PGHOST": "127.0.0.1", "PGPORT": str(svc.postgres.port),
+                       "PGPASSWORD": svc.postgres.superuser_password, "POSTGRES_USER": svc.postgres.superuser,
+                       "PATH": f"{pg_bin}:{env['PATH']}"}
+            done = subprocess.run(["sh", str(host)], env=run_env, capture_output=True, text=True, timeout=60)
+            assert done.returncode == 0, f"{target}: {done.stderr}"
 
     def _rudder_shim(self) -> Path:
         shim = self.work / "bin"
@@ -295,8 +329,14 @@ class ComposeFleet:
 
 
 def copy_project(dest: Path) -> Path:
-    """The files compose.yaml refers to, in a fresh folder (so ./.secrets is the test's own)."""
+    """The files compose.yaml refers to, in a fresh folder (so ./.secrets is the test's own), and
+    the ``.env`` with the database passwords the compose file's header tells an operator to make."""
+    import secrets
+
     dest.mkdir(parents=True, exist_ok=True)
     shutil.copy(ROOT / "compose.yaml", dest / "compose.yaml")
     shutil.copytree(ROOT / "deploy", dest / "deploy")
+    (dest / ".env").write_text("".join(
+        f"{name}={secrets.token_urlsafe(24)}\n"
+        for name in ("RUDDER_PG_SUPERUSER_PASSWORD", "RUDDER_DB_OWNER_PASSWORD", "RUDDER_DB_APP_PASSWORD")))
     return dest
