@@ -386,13 +386,6 @@ class EmbeddedPostgres:
         """The server's user lost traverse permission on a parent folder: another pytest session
         reset its temp root to 0700 meanwhile (pytest does that at every start). Give it back."""
         self._prepare()
-        if (self.data_dir / "global").exists() is False and any(self.data_dir.iterdir()):
-            # A half-made cluster from the failed initdb: initdb wants an empty folder.
-            for child in self.data_dir.iterdir():
-                if child.is_dir():
-                    shutil.rmtree(child)
-                else:
-                    child.unlink()
 
     def _initdb(self) -> None:
         # initdb reads the superuser's password from a file: one readable by the server's user
@@ -416,6 +409,13 @@ class EmbeddedPostgres:
                     if "Permission denied" not in detail or attempt == 4:
                         raise
                     self._lost_permissions()
+                    # A half-made cluster of ours: initdb wants an empty folder (and a PG_VERSION
+                    # left behind would make the next start skip initdb).
+                    for child in self.data_dir.iterdir():
+                        if child.is_dir() and not child.is_symlink():
+                            shutil.rmtree(child)
+                        else:
+                            child.unlink()
         finally:
             pwfile.unlink(missing_ok=True)
 

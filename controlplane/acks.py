@@ -11,7 +11,8 @@ Routers publish whether or not a control plane runs; the stream keeps ACKs for a
 so a control plane that starts later records every one of them, oldest first.
 
 A payload that is not an ``ApplyAck``, or whose ``router_id`` is not its subject's, is terminated
-(never redelivered) and logged; it cannot stall the consumer.
+(never redelivered), logged once per source and counted (``drops``, shared with the fleet view);
+it cannot stall the consumer.
 """
 
 from __future__ import annotations
@@ -42,7 +43,7 @@ class AckConsumer:
                  batch: int = 128, ack_wait_s: float = 30.0, fetch_timeout_s: float = 1.0,
                  drops: Drops | None = None) -> None:
         self.js = js
-        self.drops = drops
+        self.drops = drops or Drops(log)
         self.store = store
         self.durable = durable
         self.batch = batch
@@ -106,15 +107,12 @@ class AckConsumer:
         for msg in msgs:
             try:
                 ack = decode_apply_ack(msg.data)
-                check_ack_subject(msg.subject, ack)  # a router speaks only for itself
+                check_ack_subject(msg.subject, ack)  # a router speaks for itself only
             except InvalidRequest as exc:
-                if self.drops is not None:  # logged once per source, counted every time
-                    reason = "subject_mismatch" if isinstance(exc, SubjectMismatch) else "malformed"
-                    self.drops.drop("ack", reason, msg.subject, exc.message)
-                else:
-                    log.warning("refused ACK on %s (stream seq %s): %s", msg.subject,
-                                msg.metadata.sequence.stream, exc.message)
-                await msg.term()  # never recorded: it does not speak for its own subject
+                reason = "subject_mismatch" if isinstance(exc, SubjectMismatch) else "malformed"
+                self.drops.drop("ack", reason, msg.subject,
+                                f"{exc.message} (stream seq {msg.metadata.sequence.stream})")
+                await msg.term()
                 continue
             good.append((msg, AckRecord(ack, int(msg.metadata.sequence.stream))))
         if not good:

@@ -10,7 +10,8 @@ Taking
     one that loses the race just skips its turn.
 
 Signing
-    Ed25519 (PyNaCl) over ``subject || 0x00 || payload``, headers ``Rudder-Key-Id`` and
+    Ed25519 (PyNaCl) over ``CHECKPOINT_DOMAIN || subject || 0x00 || payload`` (a prefix of their
+    own, so no checkpoint signature passes for a policy one), headers ``Rudder-Key-Id`` and
     ``Rudder-Signature`` (base64). This is a minimal helper of our own until the policy-signing
     module (``controlplane/protocol/signing.py``) is merged; the key files have the same shape:
     a signing key file holds ``<key id> <base64 32-byte seed>`` (or the seed alone: its id is then
@@ -94,8 +95,12 @@ class Signer:
         return {HDR_KEY_ID: self.key_id, HDR_SIGNATURE: base64.b64encode(signature).decode()}
 
 
+#: Domain prefix: a checkpoint signature never verifies as any other Rudder signature.
+CHECKPOINT_DOMAIN = b"rudder-audit-checkpoint-v1\0"
+
+
 def _signed_bytes(subject: str, payload: bytes) -> bytes:
-    return subject.encode() + b"\x00" + payload
+    return CHECKPOINT_DOMAIN + subject.encode() + b"\0" + payload
 
 
 def _b64(value: str, what: str, setting: str, size: int) -> bytes:

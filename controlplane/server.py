@@ -70,6 +70,9 @@ class ControlPlane:
             self.audit.on_rows = self.checkpointer.notify
             self.checkpointer.start()
         self.fleet = FleetView(self.nc, worker_ttl_s=s.worker_ttl_s, router_heartbeat_s=s.router_heartbeat_s)
+        self.acks = AckConsumer(self.nc.jetstream(), self.audit, durable=s.acks_consumer,
+                                drops=self.fleet.drops)
+        self.acks.start()
         await self.fleet.start()
         self.acks = AckConsumer(self.nc.jetstream(), self.audit, durable=s.acks_consumer, drops=self.fleet.drops)
         self.acks.start()

@@ -31,41 +31,17 @@ from typing import Any
 
 import yaml
 
+from cli.config import parse_credentials
 from cli.embedded import EmbeddedPostgres, free_port, nats_server_binary
 
 ROOT = Path(__file__).resolve().parents[1]
+_VAR = re.compile(r"\$\{(?P<name>[A-Za-z_][A-Za-z0-9_]*)(?:(?P<op>:[-?])(?P<arg>[^}]*))?\}")
 _URL = re.compile(r"(?P<pre>//(?:[^@/\s,]*@)?)(?P<host>[A-Za-z0-9_-]+):(?P<port>\d+)")
 
 
-_VAR = re.compile(r"\$\{(?P<name>[A-Za-z_][A-Za-z0-9_]*)(?::?[?-](?P<arg>[^}]*))?\}")
-
-
-def read_env_file(path: Path) -> dict[str, str]:
-    """compose's ``.env``: ``NAME=value`` lines."""
-    out: dict[str, str] = {}
-    if path.exists():
-        for line in path.read_text().splitlines():
-            if line.strip() and not line.lstrip().startswith("#") and "=" in line:
-                name, _, value = line.partition("=")
-                out[name.strip()] = value.strip()
-    return out
-
-
-def interpolate(text: str, env: dict[str, str]) -> str:
-    """``${NAME}``, ``${NAME:?message}`` (required) and ``${NAME:-default}``, as compose does."""
-    def sub(m: re.Match[str]) -> str:
-        name, whole = m["name"], m.group(0)
-        if name in env and env[name] != "":
-            return env[name]
-        if ":?" in whole or "?" in whole.split(name, 1)[1][:2]:
-            raise AssertionError(f"compose: {name} is required: {m['arg']}")
-        return m["arg"] or ""
-    return _VAR.sub(sub, text)
-
 
 def load_compose(path: Path) -> dict[str, Any]:
-    env = {**read_env_file(path.parent / ".env")}
-    data: dict[str, Any] = yaml.safe_load(interpolate(path.read_text(), env))
+    data: dict[str, Any] = yaml.safe_load(path.read_text())
     return data
 
 
@@ -94,6 +70,8 @@ class ComposeFleet:
     def __post_init__(self) -> None:
         self.compose = load_compose(self.project / "compose.yaml")
         self.names = set(self.compose["services"])
+        dotenv = self.project / ".env"
+        self.dotenv = parse_credentials(dotenv.read_text()) if dotenv.exists() else {}
         (self.work / "logs").mkdir(parents=True, exist_ok=True)
 
     # -- mapping ---------------------------------------------------------------------------
@@ -171,10 +149,23 @@ class ComposeFleet:
             i += 1
         return out
 
+    def interpolate(self, text: str) -> str:
+        """``${NAME}``, ``${NAME:-default}`` and ``${NAME:?message}`` from the environment, then
+        the project's ``.env``, as compose does (a missing ``:?`` variable is an error)."""
+        def sub(m: re.Match[str]) -> str:
+            name, op, arg = m["name"], m["op"], m["arg"] or ""
+            value = os.environ.get(name) or self.dotenv.get(name)
+            if value:
+                return value
+            if op == ":?":
+                raise AssertionError(f"compose: required variable {name} is not set: {arg}")
+            return arg if op == ":-" else ""
+        return _VAR.sub(sub, text)
+
     def environment(self, svc: Service) -> dict[str, str]:
         env: dict[str, str] = {}
         for key, value in (svc.spec.get("environment") or {}).items():
-            text = str(value)
+            text = self.interpolate(str(value))
             if key.endswith("_HOST") and (text in self.names or text == "0.0.0.0"):
                 text = "127.0.0.1"
             elif key == "RUDDER_ADMIN_PORT":
@@ -220,7 +211,15 @@ class ComposeFleet:
         env = {**os.environ, **self.environment(svc), "PYTHONPATH": str(ROOT), "PYTHONUNBUFFERED": "1",
                "PATH": f"{Path(sys.executable).parent}:{os.environ.get('PATH', '')}"}
         if image.startswith("postgres"):
-            self._start_postgres(svc)
+            svc.postgres = EmbeddedPostgres(self.work / "pg" / name, port=self.port(name, 5432))
+            svc.postgres.start()
+            e = self.environment(svc)
+            user, password, db = e["POSTGRES_USER"], e["POSTGRES_PASSWORD"], e.get("POSTGRES_DB", e["POSTGRES_USER"])
+            if user != svc.postgres.superuser:  # the image's superuser is the embedded one here
+                svc.postgres.execute(f"CREATE ROLE \"{user}\" LOGIN SUPERUSER PASSWORD '{password}'")
+            if db != "postgres":
+                svc.postgres.execute(f'CREATE DATABASE "{db}" OWNER "{user}"')
+            self._initdb_scripts(svc, env)
             return svc
         if image.startswith("nats"):
             args = [nats_server_binary(), *self._nats_args(svc)]
@@ -236,30 +235,19 @@ class ComposeFleet:
                                         stdin=subprocess.DEVNULL, start_new_session=True)
         return svc
 
-    def _start_postgres(self, svc: Service) -> None:
-        """The postgres image's first start: its superuser and password, then every script in
-        /docker-entrypoint-initdb.d with the service's environment (psql reaching the server)."""
-        from cli.embedded import _postgres_bin_path
-
-        e = {k: str(v) for k, v in (svc.spec.get("environment") or {}).items()}
-        pg = EmbeddedPostgres(self.work / "pg" / svc.name, port=self.port(svc.name, 5432))
-        pg.start()
-        svc.postgres = pg
-        user, password = e.get("POSTGRES_USER", "postgres"), e["POSTGRES_PASSWORD"]
-        if user != "postgres":
-            pg.execute(f"CREATE ROLE \"{user}\" LOGIN SUPERUSER")
-        pg.execute(f"ALTER ROLE \"{user}\" PASSWORD '{password}'")
-        db = e.get("POSTGRES_DB", user)
-        if db != "postgres":
-            pg.execute(f'CREATE DATABASE "{db}" OWNER "{user}"')
-        init = svc.root / "docker-entrypoint-initdb.d"
-        for script in sorted(init.glob("*")) if init.exists() else []:
-            env = {**os.environ, **e, "PGHOST": "127.0.0.1", "PGPORT": str(pg.port), "PGPASSWORD": password,
-                   "PATH": f"{_postgres_bin_path()}:{os.environ.get('PATH', '')}"}
-            cmd = ["sh", str(script)] if script.suffix == ".sh" else [
-                "psql", "-v", "ON_ERROR_STOP=1", "-U", user, "-d", db, "-f", str(script)]
-            done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=60)
-            assert done.returncode == 0, f"{svc.name}: {script.name} failed: {done.stderr}"
+    def _initdb_scripts(self, svc: Service, env: dict[str, str]) -> None:
+        """What the image does on a fresh data folder: run /docker-entrypoint-initdb.d/*.sh as the
+        superuser (here the embedded server's, over TCP with its password in the environment)."""
+        assert svc.postgres is not None
+        for target, host in sorted(self._mounts(svc)):
+            if not target.startswith("/docker-entrypoint-initdb.d/") or not target.endswith(".sh"):
+                continue
+            pg_bin = Path(svc.postgres._bin("psql")).parent
+            run_env = {**env, "PGHOST": "127.0.0.1", "PGPORT": str(svc.postgres.port),
+                       "PGPASSWORD": svc.postgres.superuser_password, "POSTGRES_USER": svc.postgres.superuser,
+                       "PATH": f"{pg_bin}:{env['PATH']}"}
+            done = subprocess.run(["sh", str(host)], env=run_env, capture_output=True, text=True, timeout=60)
+            assert done.returncode == 0, f"{target}: {done.stderr}"
 
     def _rudder_shim(self) -> Path:
         shim = self.work / "bin"
@@ -346,13 +334,13 @@ class ComposeFleet:
 
 def copy_project(dest: Path) -> Path:
     """The files compose.yaml refers to, in a fresh folder (so ./.secrets is the test's own), and
-    the ``.env`` of passwords its header tells an operator to make."""
+    the ``.env`` with the database passwords the compose file's header tells an operator to make."""
     import secrets
 
     dest.mkdir(parents=True, exist_ok=True)
     shutil.copy(ROOT / "compose.yaml", dest / "compose.yaml")
     shutil.copytree(ROOT / "deploy", dest / "deploy")
     (dest / ".env").write_text("".join(
-        f"{k}={secrets.token_urlsafe(24)}\n"
-        for k in ("RUDDER_PG_SUPERUSER_PASSWORD", "RUDDER_DB_OWNER_PASSWORD", "RUDDER_DB_APP_PASSWORD")))
+        f"{name}={secrets.token_urlsafe(24)}\n"
+        for name in ("RUDDER_PG_SUPERUSER_PASSWORD", "RUDDER_DB_OWNER_PASSWORD", "RUDDER_DB_APP_PASSWORD")))
     return dest
