@@ -74,8 +74,6 @@ class ControlPlane:
                                 drops=self.fleet.drops)
         self.acks.start()
         await self.fleet.start()
-        self.acks = AckConsumer(self.nc.jetstream(), self.audit, durable=s.acks_consumer, drops=self.fleet.drops)
-        self.acks.start()
         self.writes = WritePath(self.log, self.audit, self.fleet,
                                 busy_threshold_retries=s.busy_threshold_retries, failpoints=self.failpoints)
         self.queries = Queries(self.log, self.fleet)
