@@ -5,7 +5,9 @@
     │   ├── ValidationFailed         (422) well-formed but not allowed (range, type, unknown name)
     │   │   └── CapabilityMismatch   (422) a weight needs a cache input a live router lacks
     │   ├── PayloadTooLarge          (413)
-    │   └── UnsupportedMediaType     (415)
+    │   ├── UnsupportedMediaType     (415)
+    │   ├── RequestTimeout           (408) the request (head or body) did not arrive in time
+    │   └── HeadersTooLarge          (431)
     ├── Unauthenticated              (401)
     ├── Forbidden                    (403)
     ├── NotFound                     (404)
@@ -14,6 +16,8 @@
     │   ├── AuditUnavailable         (503) the audit store could not record: nothing happens
     │   └── LogUnavailable           (503) NATS/JetStream did not answer
     ├── Overloaded                   (529 by default, configurable) every eligible worker is busy
+    │   └── QueueFull                (529) the router's selection queue is at its bound
+    ├── RateLimited                  (429) carries retry_after (failed authentications of one source)
     └── ClientGone                   (499)
 
 Each class carries its HTTP status as ``status_code`` and its facts as attributes; every API
@@ -72,6 +76,16 @@ class UnsupportedMediaType(InvalidRequest):
     code = "unsupported_media_type"
 
 
+class RequestTimeout(InvalidRequest):
+    status_code = 408
+    code = "request_timeout"
+
+
+class HeadersTooLarge(InvalidRequest):
+    status_code = 431
+    code = "headers_too_large"
+
+
 class Unauthenticated(RudderError):
     status_code = 401
     code = "unauthenticated"
@@ -121,6 +135,21 @@ class LogUnavailable(ServiceUnavailable):
 class Overloaded(RudderError):
     status_code = 529
     code = "overloaded"
+
+
+class QueueFull(Overloaded):
+    """Refused before queueing: the scheduler already holds its bound of waiting selections."""
+
+    code = "queue_full"
+
+
+class RateLimited(RudderError):
+    status_code = 429
+    code = "rate_limited"
+
+    def __init__(self, message: str, *, retry_after: int = 1, **facts: Any) -> None:
+        super().__init__(message, retry_after=retry_after, **facts)
+        self.retry_after = retry_after
 
 
 class ClientGone(RudderError):

@@ -47,7 +47,7 @@ from controlplane.protocol.events import (
 )
 from controlplane.protocol.hashing import block_hashes
 from controlplane.protocol.subjects import kv_subject, kvdump_subject, membership_subject
-from router.app import create_app
+from router.app import create_app, uvicorn_options
 from router.settings import RouterSettings
 from router.streams import ensure_all
 
@@ -71,12 +71,12 @@ def bind_socket(port: int = 0) -> socket.socket:
     return sock
 
 
-async def serve_in_task(app: Any, port: int, *, lifespan: str = "on",
-                        sock: socket.socket | None = None) -> tuple[uvicorn.Server, asyncio.Task[None]]:
+async def serve_in_task(app: Any, port: int, *, lifespan: str = "on", sock: socket.socket | None = None,
+                        **options: Any) -> tuple[uvicorn.Server, asyncio.Task[None]]:
     sock = sock or bind_socket(port)
     # Bounded shutdown: a connection left mid-response must not hold a test's teardown forever.
     config = uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", lifespan=lifespan,
-                            timeout_graceful_shutdown=3)
+                            timeout_graceful_shutdown=3, **options)
     server = uvicorn.Server(config)
     server.install_signal_handlers = lambda: None  # type: ignore[method-assign]
     task = asyncio.create_task(server.serve(sockets=[sock]))
@@ -297,7 +297,8 @@ class InProcessRouter:
         return self.app.state.runtime
 
     async def start(self) -> InProcessRouter:
-        self._server, self._task = await serve_in_task(self.app, self.settings.port, sock=self._sock)
+        self._server, self._task = await serve_in_task(self.app, self.settings.port, sock=self._sock,
+                                                       **uvicorn_options(self.app))
         return self
 
     async def stop(self) -> None:
