@@ -17,7 +17,7 @@ from nats.aio.client import Client as NATS
 
 from controlplane.api import build_app
 from controlplane.audit.store import AuditStore
-from controlplane.auth import TokenStore
+from controlplane.auth import AuthFailureLimiter, TokenStore, failure_entry
 from controlplane.eventlog import PolicyLog, connect
 from controlplane.failpoints import Failpoints
 from controlplane.fleet import FleetView, cancel_all
@@ -38,6 +38,9 @@ class ControlPlane:
         armed = [f for f in os.environ.get("RUDDER_FAILPOINTS", "").split(",") if f]
         self.failpoints = failpoints or Failpoints(armed)
         self._tasks: list[asyncio.Task[None]] = []
+        self.auth_failures = AuthFailureLimiter(
+            limit=settings.auth_failure_limit, window_s=settings.auth_failure_window_s,
+            max_sources=settings.auth_failure_max_sources)
 
     async def start(self) -> None:
         s = self.settings
@@ -54,6 +57,7 @@ class ControlPlane:
         self.reconciler = Reconciler(self.log, self.audit, grace_s=s.reconcile_grace_s)
         self._tasks.append(asyncio.create_task(
             self.reconciler.run_periodically(s.reconcile_interval_s), name="reconciler"))
+        self._tasks.append(asyncio.create_task(self._record_auth_failures(), name="auth-failures"))
         log.info("control plane ready: nats=%s admin=%s:%d", s.nats_url, s.admin_host, s.admin_port)
 
     async def _ensure_streams(self) -> None:
@@ -72,8 +76,35 @@ class ControlPlane:
                 log.info("JetStream not ready yet (%s); retrying", exc)
                 await asyncio.sleep(0.5)
 
+    async def flush_auth_failures(self, *, everything: bool = False) -> int:
+        """Write one audit row per ended window of failed authentications; returns how many.
+        Raises AuditUnavailable (the windows are kept for the next attempt)."""
+        windows = self.auth_failures.ended(everything=everything)
+        if not windows:
+            return 0
+        window_s = self.settings.auth_failure_window_s
+        try:
+            await self.audit.append_many([failure_entry(w, window_s=window_s) for w in windows])
+        except RudderError:
+            self.auth_failures.requeue(windows)
+            raise
+        for w in windows:
+            log.warning("audited %d failed authentication(s) from %s in one row", w.unrecorded, w.source)
+        return len(windows)
+
+    async def _record_auth_failures(self) -> None:
+        interval = min(self.settings.auth_failure_window_s / 4, 5.0)
+        while True:
+            await asyncio.sleep(interval)
+            try:
+                await self.flush_auth_failures()
+            except RudderError as exc:
+                log.warning("failed authentications not audited yet (%s); retrying", exc.message)
+
     async def stop(self) -> None:
         await cancel_all(self._tasks)
+        with contextlib.suppress(RudderError):
+            await self.flush_auth_failures(everything=True)
         with contextlib.suppress(Exception):
             await self.fleet.stop()
         with contextlib.suppress(Exception):
@@ -88,7 +119,9 @@ class ControlPlane:
             await self.audit.ping()
             checks["postgres"] = "ok"
         except RudderError as exc:
-            checks["postgres"] = exc.message
+            # The reason goes to the log, not to the unauthenticated caller.
+            log.warning("readiness: database unavailable: %s", exc.message)
+            checks["postgres"] = "unavailable"
         return checks
 
 
