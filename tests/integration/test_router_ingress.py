@@ -9,6 +9,7 @@ import contextlib
 import json
 import select
 import socket
+import sys
 import threading
 import time
 from collections.abc import AsyncIterator, Iterator
@@ -311,8 +312,10 @@ class PeakRss:
 
 @pytest.fixture
 def router_process(nats_url: str) -> Iterator[tuple[int, psutil.Process]]:
+    """``rudder serve router`` (uvloop, as deployed) with its default limits."""
     port = free_port()
-    proc = spawn_router(nats_url, MODEL, port=port, router_id="r-ingress-rss")
+    proc = spawn_router(nats_url, MODEL, port=port, router_id="r-ingress-rss",
+                        command=[sys.executable, "-m", "cli.main", "serve", "router"])
     try:
         asyncio.run(wait_http_ok(f"http://127.0.0.1:{port}/live"))
         yield port, psutil.Process(proc.pid)

@@ -328,8 +328,9 @@ async def wait_for(predicate: Any, *, within: float = 10.0, interval: float = 0.
         await asyncio.sleep(interval)
 
 
-def spawn_router(nats_url: str, model: str, *, port: int, router_id: str, **env: str) -> subprocess.Popen[bytes]:
-    """A router replica as its own process (``python -m router``)."""
+def spawn_router(nats_url: str, model: str, *, port: int, router_id: str, command: list[str] | None = None,
+                 **env: str) -> subprocess.Popen[bytes]:
+    """A router replica as its own process (``python -m router``, or ``command``)."""
     full = dict(os.environ)
     full.update({
         "RUDDER_NATS_URL": nats_url, "RUDDER_MODELS": json.dumps([model]), "RUDDER_PORT": str(port),
@@ -338,7 +339,7 @@ def spawn_router(nats_url: str, model: str, *, port: int, router_id: str, **env:
     })
     full.update(env)
     return subprocess.Popen(
-        [sys.executable, "-m", "router"], env=full, cwd=str(ROOT),
+        command or [sys.executable, "-m", "router"], env=full, cwd=str(ROOT),
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
     )
 
