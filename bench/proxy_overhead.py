@@ -208,9 +208,16 @@ def compare(phases: list[dict[str, Any]], concurrencies: list[int]) -> dict[str,
     def spread(values: list[float]) -> float:
         return (max(values) - min(values)) / statistics.fmean(values) if len(values) > 1 else 0.0
 
+    def cpu_ms(name: str, c: int) -> list[float]:
+        """The target's own CPU per request: steadier than req/s on a machine others load."""
+        return [p["cpu"]["process_cores"][name] * p["wall_s"] / p["requests"] * 1e3
+                for p in phases if p["target"] == name and p["concurrency"] == c and p["requests"]]
+
     rows = [{"concurrency": c, "router_rps": max(rps("router", c)), "baseline_rps": max(rps("baseline", c)),
              "ratio": max(rps("router", c)) / max(rps("baseline", c)),
-             "router_spread": spread(rps("router", c)), "baseline_spread": spread(rps("baseline", c))}
+             "router_spread": spread(rps("router", c)), "baseline_spread": spread(rps("baseline", c)),
+             "router_cpu_ms_per_request": statistics.median(cpu_ms("router", c)),
+             "baseline_cpu_ms_per_request": statistics.median(cpu_ms("baseline", c))}
             for c in concurrencies]
     best_router = max(p["rps"] for p in phases if p["target"] == "router")
     best_baseline = max(p["rps"] for p in phases if p["target"] == "baseline")
@@ -301,7 +308,8 @@ async def main(args: argparse.Namespace) -> None:
                 for row in comparison["by_concurrency"]:
                     print(f"  concurrency {row['concurrency']:>3}: {row['ratio'] * 100:6.1f}%  "
                           f"(router spread {row['router_spread'] * 100:.1f}%, "
-                          f"baseline spread {row['baseline_spread'] * 100:.1f}%)")
+                          f"baseline spread {row['baseline_spread'] * 100:.1f}%); CPU per request "
+                          f"{row['router_cpu_ms_per_request']:.3f} vs {row['baseline_cpu_ms_per_request']:.3f} ms")
                 print(f"  max req/s: router {best['router']['rps']:.0f}, baseline {best['baseline']['rps']:.0f} "
                       f"({comparison['max_ratio'] * 100:.1f}%)")
             ratio = best["router"]["rps"] / best["direct"]["rps"]

@@ -36,7 +36,6 @@ from controlplane.protocol.errors import (
     InvalidRequest,
     NotFound,
     Overloaded,
-    RequestTimeout,
     RudderError,
     ServiceUnavailable,
 )
@@ -90,8 +89,6 @@ def error_response(exc: RudderError, *, overload_status: int = 529) -> JSONRespo
     headers = {}
     if status in (503, 529):
         headers["Retry-After"] = str(getattr(exc, "retry_after", 1))
-    if isinstance(exc, RequestTimeout):
-        headers["Connection"] = "close"  # a client too slow to send its request is not kept
     return JSONResponse(body, status_code=status, headers=headers)
 
 
@@ -258,7 +255,7 @@ async def _completion(request: Request, rt: Runtime, path: str, chat: bool) -> R
     t0 = time.perf_counter()
     settings = rt.settings
     raw = await read_body(request.receive, request.headers.get("content-length"),
-                          max_bytes=settings.max_body_bytes, timeout_s=settings.body_timeout_s)
+                          max_bytes=settings.max_body_bytes)
     # A large body is parsed, tokenized and hashed in a thread so that the event loop keeps
     # serving every other client meanwhile; a small one inline, where the hop costs more.
     offload = len(raw) >= settings.offload_min_bytes

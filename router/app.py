@@ -203,7 +203,8 @@ def uvicorn_options(app: FastAPI) -> dict[str, Any]:
 
     limits = IngressLimits(
         max_connections=s.max_connections, max_header_bytes=s.max_header_bytes,
-        header_timeout_s=s.header_timeout_s, write_timeout_s=s.write_timeout_s, render=render,
+        header_timeout_s=s.header_timeout_s, body_timeout_s=s.body_timeout_s,
+        write_timeout_s=s.write_timeout_s, render=render,
         on_refused=lambda reason: refused.labels(reason).inc(),
     )
     return {"http": protocol_class(limits)}

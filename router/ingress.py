@@ -9,6 +9,9 @@ Two layers, each where the thing it bounds is visible:
   - open connections: past ``max_connections`` a new one is answered 503 and closed;
   - the request head: at most ``max_header_bytes`` (431) and ``header_timeout_s`` from the
     connection's opening or the request's first byte (408); then the connection is closed;
+  - the request body: all of it within ``body_timeout_s`` after the head (408, closed; the app,
+    waiting for the body, sees a disconnect). Both timers are armed only when a chunk of input
+    leaves a request incomplete, so a request that arrives whole (the usual case) costs none;
   - writing: while the router has output queued for a client that accepts none (asyncio paused
     writing at its high-water mark), a timer runs; past ``write_timeout_s`` the connection is
     aborted. The app sees a disconnect, so a streamed answer's relay stops, its worker
@@ -17,9 +20,8 @@ Two layers, each where the thing it bounds is visible:
     and dropped for at most ``DISCARD_S``, so that the client, which is still writing, can read
     the answer (nginx's lingering close); then the connection is closed.
 
-* The request body: :func:`read_body` takes it from ASGI chunk by chunk, refusing at once a
-  ``Content-Length`` above the limit and, without one, stopping at the limit (413); the whole
-  body must arrive within ``body_timeout_s`` (408).
+* The body's size: :func:`read_body` takes it from ASGI chunk by chunk, refusing at once a
+  ``Content-Length`` above the limit and, without one, stopping at the limit (413).
 
 Refusals are rendered by the router's one error mapping (``IngressLimits.render``).
 """
@@ -59,6 +61,7 @@ class IngressLimits:
     max_connections: int
     max_header_bytes: int
     header_timeout_s: float
+    body_timeout_s: float
     write_timeout_s: float
     render: Callable[[RudderError], Response]  # the router's error mapping (OpenAI shape)
     on_refused: Callable[[str], None] = lambda reason: None  # counts refusals by reason
@@ -77,8 +80,10 @@ class GuardedHttpProtocol(HttpToolsProtocol):
         super().__init__(config, server_state, app_state, _loop)
         self._refused = False
         self._in_head = False
+        self._in_body = False  # head complete, body not yet
         self._head_bytes = 0
         self._head_timer: asyncio.TimerHandle | None = None
+        self._body_timer: asyncio.TimerHandle | None = None
         self._write_timer: asyncio.TimerHandle | None = None
         self._discard_until: float | None = None
 
@@ -94,13 +99,13 @@ class GuardedHttpProtocol(HttpToolsProtocol):
             return
         super().connection_made(transport)
         self._in_head = True  # a connection's first bytes are a request head
-        self._start_head_timer()
+        self._head_timer = self.loop.call_later(self.limits.header_timeout_s, self._head_expired)
 
     def connection_lost(self, exc: Exception | None) -> None:
-        for timer in (self._head_timer, self._write_timer):
+        for timer in (self._head_timer, self._body_timer, self._write_timer):
             if timer is not None:
                 timer.cancel()
-        self._head_timer = self._write_timer = None
+        self._head_timer = self._body_timer = self._write_timer = None
         if self._refused:
             return
         super().connection_lost(exc)
@@ -119,10 +124,6 @@ class GuardedHttpProtocol(HttpToolsProtocol):
 
     # -- the request head ----------------------------------------------------------------------
 
-    def _start_head_timer(self) -> None:
-        if self._head_timer is None:
-            self._head_timer = self.loop.call_later(self.limits.header_timeout_s, self._head_expired)
-
     def _head_expired(self) -> None:
         self._head_timer = None
         if self._in_head:
@@ -131,37 +132,54 @@ class GuardedHttpProtocol(HttpToolsProtocol):
             self._refuse(RequestTimeout(
                 f"request headers did not arrive within {self.limits.header_timeout_s} s"), "header_timeout")
 
+    def _body_expired(self) -> None:
+        self._body_timer = None
+        cycle = self.cycle
+        if self._in_body and cycle is not None and not cycle.response_started:
+            log.info("client %s: request body not complete within %.1f s; closed", self.client,
+                     self.limits.body_timeout_s)
+            self._refuse(RequestTimeout(
+                f"the request body did not arrive within {self.limits.body_timeout_s} s", field="body"),
+                "body_timeout")
+
     def data_received(self, data: bytes) -> None:
         if self._refused:
             return
         super().data_received(data)
-        if self._in_head and not self.transport.is_closing():
+        if self.transport.is_closing():
+            return
+        if self._in_head:
             # Still inside a head after this chunk: all of it was head.
             self._head_bytes += len(data)
             if self._head_bytes > self.limits.max_header_bytes:
                 self._in_head = False
                 self._refuse(HeadersTooLarge(
                     f"request line and headers exceed {self.limits.max_header_bytes} bytes"), "header_size")
+            elif self._head_timer is None:
+                self._head_timer = self.loop.call_later(self.limits.header_timeout_s, self._head_expired)
+        elif self._in_body and self._body_timer is None:
+            self._body_timer = self.loop.call_later(self.limits.body_timeout_s, self._body_expired)
 
     def on_message_begin(self) -> None:
         super().on_message_begin()
         self._in_head = True
         self._head_bytes = 0
         self._discard_until = None
-        self._start_head_timer()
 
     def on_headers_complete(self) -> None:
         self._in_head = False
+        self._in_body = True
         if self._head_timer is not None:
             self._head_timer.cancel()
             self._head_timer = None
         super().on_headers_complete()
 
-    def on_response_complete(self) -> None:
-        super().on_response_complete()
-        # Waiting for the next request on a kept-alive connection: uvicorn's keep-alive timeout
-        # bounds the silence; the head timer starts with the next request's first byte.
-        self._in_head = False
+    def on_message_complete(self) -> None:
+        self._in_body = False
+        if self._body_timer is not None:
+            self._body_timer.cancel()
+            self._body_timer = None
+        super().on_message_complete()
 
     # -- the body after an early answer --------------------------------------------------------
 
@@ -197,31 +215,26 @@ class GuardedHttpProtocol(HttpToolsProtocol):
         self.transport.abort()  # connection_lost: the app sees http.disconnect
 
 
-async def read_body(receive: Receive, content_length: str | None, *, max_bytes: int,
-                    timeout_s: float) -> bytearray:
-    """The request body, read as it arrives and never past ``max_bytes``.
+async def read_body(receive: Receive, content_length: str | None, *, max_bytes: int) -> bytearray:
+    """The request body, read as it arrives and never past ``max_bytes`` (its time is bounded by
+    the protocol's body timeout, which disconnects a client too slow to send it).
 
     Raises PayloadTooLarge (413, at once for a larger ``Content-Length``, else when the limit is
-    crossed, without reading further), RequestTimeout (408, not all of it within ``timeout_s``),
-    ClientGone (the client left)."""
+    crossed, without reading further) and ClientGone (the client left, or was disconnected)."""
     if content_length is not None:
         declared = int(content_length) if content_length.strip().isdigit() else -1
         if declared > max_bytes:
             raise PayloadTooLarge(f"body is {declared} bytes; the limit is {max_bytes}", field="body",
                                   limit=max_bytes)
     buf = bytearray()
-    try:
-        async with asyncio.timeout(timeout_s):
-            while True:
-                message = await receive()
-                if message["type"] == "http.disconnect":
-                    raise ClientGone("client disconnected while sending the body")
-                chunk = message.get("body", b"")
-                if len(buf) + len(chunk) > max_bytes:
-                    raise PayloadTooLarge(f"body exceeds the limit of {max_bytes} bytes", field="body",
-                                          limit=max_bytes)
-                buf += chunk
-                if not message.get("more_body", False):
-                    return buf
-    except TimeoutError as exc:
-        raise RequestTimeout(f"the request body did not arrive within {timeout_s} s", field="body") from exc
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            raise ClientGone("client disconnected while sending the body")
+        chunk = message.get("body", b"")
+        if len(buf) + len(chunk) > max_bytes:
+            raise PayloadTooLarge(f"body exceeds the limit of {max_bytes} bytes", field="body",
+                                  limit=max_bytes)
+        buf += chunk
+        if not message.get("more_body", False):
+            return buf
