@@ -15,6 +15,7 @@ import time
 from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
+import httpx
 import openai
 import psutil
 import pytest
@@ -166,6 +167,29 @@ async def test_oversized_request_head_is_refused_with_431(fleet: InProcessRouter
     assert _status(raw) == 431, raw[:200]
 
 
+async def test_connections_past_the_cap_are_answered_503_and_closed(nats_url: str, fleet: InProcessRouter) -> None:
+    capped = await InProcessRouter(router_settings(nats_url, MODEL, max_connections=4)).start()
+    await wait_for(lambda: capped.runtime.scheduler.view.workers.get(MODEL) == 1, within=10)
+    held = [socket.create_connection(("127.0.0.1", capped.settings.port)) for _ in range(4)]
+    try:
+        await wait_for(lambda: _connections(capped) == 4, within=10)
+        extra = socket.create_connection(("127.0.0.1", capped.settings.port))
+        extra.setblocking(False)
+        raw = await _read_to_eof(extra, within=10)
+        extra.close()
+        assert _status(raw) == 503 and _json_body(raw)["error"]["type"] == "service_unavailable"
+        assert _connections(capped) == 4
+        for sock in held:
+            sock.close()
+        await wait_for(lambda: _connections(capped) == 0, within=10)
+        # Below the cap again: served.
+        assert await _chat(capped)
+    finally:
+        for sock in held:
+            sock.close()
+        await capped.stop()
+
+
 async def test_full_scheduler_queue_answers_the_overload_status(fleet: InProcessRouter) -> None:
     router = fleet
     n = MAX_QUEUED * 5
@@ -228,6 +252,39 @@ async def test_client_that_stops_reading_a_stream_is_closed_and_its_booking_free
         sock.close()
     assert freed_after < WRITE_TIMEOUT_S + 15
     assert await _chat(router)
+
+
+async def test_a_large_prompt_is_tokenized_and_hashed_off_the_event_loop(fleet: InProcessRouter) -> None:
+    """A 3 MB prompt keeps the router busy for a long while (parse, ~3 M tokens, ~190 k block
+    hashes); meanwhile the event loop (the router's, which is this test's) keeps running. The
+    request pins an unknown worker, so the router refuses it after that work, without a worker."""
+    router = fleet
+    assert router.settings.offload_min_bytes < 3_000_000
+    gaps: list[float] = []
+    running = True
+
+    async def ticker() -> None:
+        last = time.perf_counter()
+        while running:
+            await asyncio.sleep(0.001)
+            now = time.perf_counter()
+            gaps.append(now - last)
+            last = now
+
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "y" * 3_000_000}]}
+    async with httpx.AsyncClient(base_url=router.url, timeout=60) as http:
+        tick = asyncio.create_task(ticker())
+        started = time.perf_counter()
+        r = await http.post("/v1/chat/completions", json=body, headers={"x-worker-instance-id": "999"})
+        took = time.perf_counter() - started
+        running = False
+        await tick
+    assert r.status_code == 400 and "999" in r.json()["error"]["message"]
+    assert took > 0.1, f"the prompt took only {took:.3f} s: too small to show anything"
+    # Inline, one stall lasts about the whole request (measured: 0.32 s of 0.34 s); in a thread,
+    # the loop gets the GIL back every few ms and stalls only for the longest single C call (the
+    # byte tokenizer's list(bytes) of 3 MB; measured: 0.02-0.03 s of 0.2-0.3 s).
+    assert max(gaps) < took / 4, f"event loop stalled {max(gaps):.3f} s of a {took:.3f} s request"
 
 
 # ---------------------------------------------------------------------------------------------
