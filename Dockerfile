@@ -2,6 +2,7 @@
 FROM python:3.11-slim
 WORKDIR /app
 COPY pyproject.toml README.md ./
+COPY bus ./bus
 COPY controlplane ./controlplane
 COPY router ./router
 COPY worker ./worker

@@ -12,6 +12,7 @@ import asyncio
 import json
 import os
 import platform
+import secrets
 import signal
 import subprocess
 import sys
@@ -30,7 +31,8 @@ RESULTS = Path(__file__).resolve().parent / "results"
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from cli.embedded import free_port  # noqa: E402
+from bus.identities import Identity, IdentityKind  # noqa: E402
+from cli.embedded import LocalBus, free_port  # noqa: E402
 
 
 def pct(values: Iterable[float], q: float) -> float:
@@ -133,9 +135,12 @@ def serve_command(kind: str, launcher: str) -> list[str]:
     raise ValueError(f"launcher must be 'module' or 'cli', not {launcher!r}")
 
 
-def worker_env(nats_url: str, model: str, port: int, **mock: Any) -> dict[str, str]:
+def worker_env(bus: LocalBus, model: str, port: int, **mock: Any) -> dict[str, str]:
+    """A mock worker's settings, with its own identity (credentials bound to its instance id)."""
+    instance_id = secrets.randbelow(2**63) + 1
     env = {
-        "RUDDER_NATS_URL": nats_url, "RUDDER_MODEL": model, "RUDDER_PORT": str(port),
+        **bus.env(Identity(IdentityKind.WORKER, model=model, instance_id=instance_id)),
+        "RUDDER_INSTANCE_ID": str(instance_id), "RUDDER_MODEL": model, "RUDDER_PORT": str(port),
         "RUDDER_LOG_LEVEL": "WARNING",
     }
     for name, value in mock.items():
@@ -143,10 +148,13 @@ def worker_env(nats_url: str, model: str, port: int, **mock: Any) -> dict[str, s
     return env
 
 
-def router_env(nats_url: str, model: str, port: int, *, mode: str = "kv",
-               selection: dict[str, float] | None = None, kv_events: bool = True) -> dict[str, str]:
+def router_env(bus: LocalBus, model: str, port: int, *, mode: str = "kv",
+               selection: dict[str, float] | None = None, kv_events: bool = True,
+               router_id: str | None = None) -> dict[str, str]:
+    router_id = router_id or f"bench-{secrets.token_hex(4)}"
     env = {
-        "RUDDER_NATS_URL": nats_url, "RUDDER_MODELS": json.dumps([model]),
+        **bus.env(Identity(IdentityKind.ROUTER, router_id=router_id)), "RUDDER_ROUTER_ID": router_id,
+        "RUDDER_MODELS": json.dumps([model]),
         "RUDDER_PORT": str(port), "RUDDER_MODE": mode, "RUDDER_LOG_LEVEL": "WARNING",
         "RUDDER_KV_EVENTS": "true" if kv_events else "false",
     }
@@ -159,7 +167,7 @@ def router_env(nats_url: str, model: str, port: int, *, mode: str = "kv",
 class Fleet:
     """N mock worker processes (fixed ports) for one model."""
 
-    nats_url: str
+    bus: LocalBus
     model: str
     n: int
     mock: dict[str, Any] = field(default_factory=dict)
@@ -177,7 +185,7 @@ class Fleet:
         for i, port in enumerate(self.ports):
             log = self.log_dir / f"worker{i}.log" if self.log_dir else None
             self.procs.append(spawn(serve_command("worker", self.launcher),
-                                    worker_env(self.nats_url, self.model, port, **self.mock), log=log))
+                                    worker_env(self.bus, self.model, port, **self.mock), log=log))
         for url in self.urls:
             await wait_until(url + "/health")
 
@@ -202,13 +210,13 @@ class Fleet:
 class Router:
     """One ``python -m router`` process; ready when it sees ``workers`` workers of the model."""
 
-    def __init__(self, nats_url: str, model: str, *, mode: str = "kv",
+    def __init__(self, bus: LocalBus, model: str, *, mode: str = "kv",
                  selection: dict[str, float] | None = None, kv_events: bool = True,
                  log: Path | None = None, launcher: str = "cli", src: Path | None = None) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.model = model
-        env = router_env(nats_url, model, self.port, mode=mode, selection=selection, kv_events=kv_events)
+        env = router_env(bus, model, self.port, mode=mode, selection=selection, kv_events=kv_events)
         self.proc = spawn(serve_command("router", launcher), env, log=log, src=src)
 
     async def ready(self, workers: int) -> None:

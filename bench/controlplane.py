@@ -29,12 +29,13 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-import nats
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from cli.embedded import EmbeddedNats, EmbeddedPostgres, free_port  # noqa: E402
+from bus.connect import connect  # noqa: E402
+from bus.identities import Identity, IdentityKind  # noqa: E402
+from cli.embedded import EmbeddedPostgres, LocalBus, free_port  # noqa: E402
 from controlplane.auth import Role, create_token_sync  # noqa: E402
 from controlplane.protocol.subjects import HDR_EXPECTED_LAST_SUBJECT_SEQ, HDR_MSG_ID, policy_subject  # noqa: E402
 from migrations import upgrade  # noqa: E402
@@ -104,8 +105,8 @@ class KeepAliveClient:
             self.writer.close()
 
 
-async def bench(nats_url: str, admin_url: str, token: str, seconds: float, levels: list[int]) -> list[dict[str, Any]]:
-    nc = await nats.connect(nats_url)
+async def bench(bus: LocalBus, admin_url: str, token: str, seconds: float, levels: list[int]) -> list[dict[str, Any]]:
+    nc = await connect(bus.options(Identity(IdentityKind.CONTROLPLANE), name="bench-bare-cas"))
     js = nc.jetstream()
     host, port = admin_url.removeprefix("http://").split(":")
     clients: dict[str, KeepAliveClient] = {}
@@ -153,7 +154,7 @@ def main() -> None:
     parser.add_argument("--out", default=str(ROOT / "bench" / "results" / "controlplane.json"))
     args = parser.parse_args()
     with tempfile.TemporaryDirectory(prefix="rudder-bench-") as tmp:
-        nats_srv = EmbeddedNats(Path(tmp) / "nats")
+        nats_srv = LocalBus(Path(tmp))
         pg = EmbeddedPostgres(Path(tmp) / "pg")
         print("starting nats-server and PostgreSQL ...", flush=True)
         nats_srv.start()
@@ -164,7 +165,7 @@ def main() -> None:
             upgrade(db)
             token = create_token_sync(db, "bench", Role.OPERATOR)
             port = free_port()
-            env = dict(os.environ, RUDDER_NATS_URL=nats_srv.url, RUDDER_DATABASE_URL=db,
+            env = dict(os.environ, **nats_srv.env(Identity(IdentityKind.CONTROLPLANE)), RUDDER_DATABASE_URL=db,
                        RUDDER_ADMIN_PORT=str(port), RUDDER_LOG_LEVEL="WARNING", PYTHONPATH=str(ROOT))
             # RUDDER_BENCH_CP_SCRIPT: run the control plane through another script (e.g. a profiler wrapper)
             script = os.environ.get("RUDDER_BENCH_CP_SCRIPT")
@@ -179,7 +180,7 @@ def main() -> None:
                     pass
                 time.sleep(0.05)
             print(f"control plane at {url}; {args.seconds}s per level", flush=True)
-            rows = asyncio.run(bench(nats_srv.url, url, token, args.seconds, args.concurrency))
+            rows = asyncio.run(bench(nats_srv, url, token, args.seconds, args.concurrency))
         finally:
             if proc is not None:
                 proc.send_signal(signal.SIGINT)

@@ -31,9 +31,10 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 import httpx  # noqa: E402
-import nats  # noqa: E402
 
-from cli.embedded import EmbeddedNats, free_port  # noqa: E402
+from bus.connect import connect  # noqa: E402
+from bus.identities import Identity, IdentityKind  # noqa: E402
+from cli.embedded import LocalBus, free_port  # noqa: E402
 from controlplane.protocol.events import PolicyEvent, decode_apply_ack  # noqa: E402
 from controlplane.protocol.policy import PolicyKind, PolicyOp  # noqa: E402
 from controlplane.protocol.subjects import (  # noqa: E402
@@ -42,7 +43,6 @@ from controlplane.protocol.subjects import (  # noqa: E402
     HDR_MSG_ID,
     policy_subject,
 )
-from router.streams import ensure_all  # noqa: E402
 
 MODEL = "bench/propagation-model"
 PATCHES = 200
@@ -92,7 +92,7 @@ async def wait_ok(url: str, method: str = "GET", within: float = 60.0) -> None:
     raise RuntimeError(f"{url} did not come up")
 
 
-async def measure(nats_url: str, n: int, revision: int) -> tuple[dict[str, Any], int]:
+async def measure(bus: LocalBus, n: int, revision: int) -> tuple[dict[str, Any], int]:
     procs: list[subprocess.Popen[bytes]] = []
     router_ids = [f"bench-{n}-{i}" for i in range(n)]
     ports = [free_port() for _ in range(n)]
@@ -100,7 +100,7 @@ async def measure(nats_url: str, n: int, revision: int) -> tuple[dict[str, Any],
     try:
         for rid, port in zip(router_ids, ports, strict=True):
             procs.append(spawn([sys.executable, "-m", "router"], {
-                "RUDDER_NATS_URL": nats_url, "RUDDER_MODELS": json.dumps([MODEL]),
+                **bus.env(Identity(IdentityKind.ROUTER, router_id=rid)), "RUDDER_MODELS": json.dumps([MODEL]),
                 "RUDDER_PORT": str(port), "RUDDER_ROUTER_ID": rid, "RUDDER_LOG_LEVEL": "WARNING",
             }))
         for port in ref_ports:
@@ -110,7 +110,8 @@ async def measure(nats_url: str, n: int, revision: int) -> tuple[dict[str, Any],
         for port in ref_ports:
             await wait_ok(f"http://127.0.0.1:{port}/busy_threshold", "POST")
 
-        nc = await nats.connect(nats_url)
+        # The publisher stands in for the control plane (its identity); the ACK listener too.
+        nc = await connect(bus.options(Identity(IdentityKind.CONTROLPLANE), name="bench-propagation"))
         js = nc.jetstream()
         waiting: dict[int, set[str]] = {}
         done: dict[int, asyncio.Future[float]] = {}
@@ -180,16 +181,13 @@ async def measure(nats_url: str, n: int, revision: int) -> tuple[dict[str, Any],
 
 async def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
-        server = EmbeddedNats(Path(tmp))
+        server = LocalBus(Path(tmp))
         server.start()
         try:
-            nc = await nats.connect(server.url)
-            await ensure_all(nc.jetstream(), history_depth=64, replicas=1, worker_ttl_s=10, heartbeat_s=1)
-            await nc.close()
             results = []
             revision = 0
             for n in SIZES:
-                result, revision = await measure(server.url, n, revision)
+                result, revision = await measure(server, n, revision)
                 results.append(result)
                 print(f"N={n}: bus p50 {result['bus_p50_ms']:.2f} ms p99 {result['bus_p99_ms']:.2f} ms | "
                       f"HTTP each replica p50 {result['reference_http_p50_ms']:.2f} ms "

@@ -40,11 +40,9 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import nats
 
 from bench.common import CpuSampler, Fleet, Router, machine, pct, write_result
-from cli.embedded import EmbeddedNats
-from router.streams import ensure_all
+from cli.embedded import LocalBus
 
 MODEL = "bench-proxy"
 PROMPT = "Tell me about prefix caching in large language model serving. " * 2  # ~120 tokens
@@ -237,22 +235,19 @@ def start_profiler(pid: int, path: Path, seconds: float) -> subprocess.Popen[byt
 async def main(args: argparse.Namespace) -> None:
     concurrencies = [int(c) for c in args.concurrency.split(",")]
     with tempfile.TemporaryDirectory(prefix="po-") as tmp:
-        server = EmbeddedNats(Path(tmp) / "nats")
+        server = LocalBus(Path(tmp))
         server.start()
-        fleet = Fleet(server.url, MODEL, 1, mock={"speedup_ratio": args.speedup}, launcher=args.launcher)
+        fleet = Fleet(server, MODEL, 1, mock={"speedup_ratio": args.speedup}, launcher=args.launcher)
         router: Router | None = None
         baseline: Router | None = None
         try:
-            nc = await nats.connect(server.url)
-            await ensure_all(nc.jetstream(), history_depth=64, replicas=1, worker_ttl_s=10, heartbeat_s=1)
-            await nc.close()
             await fleet.start()
-            router = Router(server.url, MODEL, mode=args.mode, launcher=args.launcher)
+            router = Router(server, MODEL, mode=args.mode, launcher=args.launcher)
             await router.ready(1)
             direct_url, router_url = fleet.urls[0], router.url
             targets = [("direct", direct_url), ("router", router_url)]
             if args.baseline:
-                baseline = Router(server.url, MODEL, mode=args.mode, launcher=args.launcher,
+                baseline = Router(server, MODEL, mode=args.mode, launcher=args.launcher,
                                   src=Path(args.baseline))
                 await baseline.ready(1)
                 targets.append(("baseline", baseline.url))
@@ -265,7 +260,7 @@ async def main(args: argparse.Namespace) -> None:
                       f"{lat[f'{name}_total_p50_ms']:>9.2f}ms{lat[f'{name}_total_p99_ms']:>9.2f}ms")
 
             pids = {"router": [router.proc.pid], "worker": [fleet.procs[0].pid], "client": [os.getpid()],
-                    "nats": [server.proc.pid] if server.proc else []}
+                    "nats": [server.server.proc.pid] if server.server.proc else []}
             if baseline is not None:
                 pids["baseline"] = [baseline.proc.pid]
             phases: list[dict[str, Any]] = []

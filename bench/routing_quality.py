@@ -45,13 +45,11 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import httpx
-import nats
 
 from bench.common import CpuSampler, Fleet, Router, machine, pct, write_result
-from cli.embedded import EmbeddedNats
+from cli.embedded import LocalBus
 from controlplane.protocol.hashing import chain_hashes
 from controlplane.protocol.tokenizer import encode_chat
-from router.streams import ensure_all
 from worker.engines.mock.scheduler import output_token
 
 MODEL = "bench-rq"
@@ -310,7 +308,7 @@ async def worker_totals(fleet: Fleet) -> dict[str, float]:
     return totals
 
 
-async def run_mode(nats_url: str, fleet: Fleet, mode: str, sessions: list[Session],
+async def run_mode(bus: LocalBus, fleet: Fleet, mode: str, sessions: list[Session],
                    selection: dict[str, float] | None, deadline_s: float, log_dir: Path,
                    nats_pid: int, details: bool = False) -> dict[str, Any]:
     await fleet.reset_caches()
@@ -320,7 +318,7 @@ async def run_mode(nats_url: str, fleet: Fleet, mode: str, sessions: list[Sessio
         selection = json.loads(raw)
     kv_events = mode != "kv-approx"  # approximate mode: the router indexes its own decisions
     mode = "kv" if mode == "kv-approx" else mode
-    router = Router(nats_url, MODEL, mode=mode, selection=selection if mode == "kv" else None,
+    router = Router(bus, MODEL, mode=mode, selection=selection if mode == "kv" else None,
                     kv_events=kv_events, log=log_dir / f"router-{next(_ROUTER_LOGS)}-{mode}.log",
                     launcher=fleet.launcher)
     try:
@@ -397,15 +395,12 @@ async def main(args: argparse.Namespace) -> None:
     with tempfile.TemporaryDirectory(prefix="rq-") as tmp:
         log_dir = Path(args.log_dir) if args.log_dir else Path(tmp)
         log_dir.mkdir(parents=True, exist_ok=True)
-        server = EmbeddedNats(Path(tmp) / "nats")
+        server = LocalBus(Path(tmp))
         server.start()
-        fleet = Fleet(server.url, MODEL, args.workers, mock=mock, log_dir=log_dir, launcher=args.launcher)
+        fleet = Fleet(server, MODEL, args.workers, mock=mock, log_dir=log_dir, launcher=args.launcher)
         try:
-            nc = await nats.connect(server.url)
-            await ensure_all(nc.jetstream(), history_depth=64, replicas=1, worker_ttl_s=10, heartbeat_s=1)
-            await nc.close()
             await fleet.start()
-            assert server.proc is not None
+            assert server.server.proc is not None
             for label, cfg, modes in (("loaded", loaded, split_modes(args.modes)),
                                       ("idle", idle, split_modes(args.idle_modes))):
                 if cfg.sessions <= 0 or not modes:
@@ -417,8 +412,8 @@ async def main(args: argparse.Namespace) -> None:
                       f"{cfg.session_rate} sessions/s, speedup_ratio {args.speedup}", flush=True)
                 rows = []
                 for mode in modes:
-                    row = await run_mode(server.url, fleet, mode, sessions, selection,
-                                         args.deadline, log_dir, server.proc.pid, args.details)
+                    row = await run_mode(server, fleet, mode, sessions, selection,
+                                         args.deadline, log_dir, server.server.proc.pid, args.details)
                     rows.append(row)
                     print(f"  {mode}: TTFT mean {row['ttft_mean_ms']:.0f} ms, cached "
                           f"{row['cached_fraction']:.3f}, CPU {row['cpu']['machine_busy_pct']:.0f}%, "

@@ -19,6 +19,16 @@ import sysconfig
 import time
 import urllib.request
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+from bus.authority import BusAuthority
+from bus.connect import BusOptions
+from bus.identities import Identity, IdentityKind
+from bus.streams import BusLayout
+from bus.tls import TlsFiles, make_server_tls
+
+if TYPE_CHECKING:
+    from nats.aio.client import Client as NATS
 
 log = logging.getLogger(__name__)
 
@@ -75,18 +85,54 @@ class _EarlyExit(RuntimeError):
     """The server process ended during start-up (a port taken meanwhile, most often)."""
 
 
+def nats_server_config(
+    *, port: int, monitor_port: int, store_dir: Path, auth_include: Path | None,
+    tls: TlsFiles | None = None, server_name: str | None = None, sync_always: bool = False,
+    cluster: tuple[str, int, list[int]] | None = None, host: str = "127.0.0.1",
+) -> str:
+    """A nats-server config: JetStream, our decentralised auth (``auth_include``) and TLS.
+
+    ``cluster`` = (cluster name, this node's route port, every node's route port)."""
+    lines = []
+    if server_name:
+        lines.append(f"server_name: {server_name}")
+    lines += [f"listen: {host}:{port}", f"http: {host}:{monitor_port}",
+              "jetstream {", f'  store_dir: "{store_dir}"']
+    if sync_always:
+        lines.append("  sync_interval: always")
+    lines.append("}")
+    if cluster is not None:
+        name, route_port, all_ports = cluster
+        routes = ", ".join(f"nats-route://{host}:{p}" for p in all_ports)
+        lines += ["cluster {", f"  name: {name}", f"  listen: {host}:{route_port}", f"  routes: [{routes}]", "}"]
+    if tls is not None:
+        lines += ["tls {", f'  cert_file: "{tls.cert}"', f'  key_file: "{tls.key}"', "  timeout: 2", "}"]
+    if auth_include is not None:
+        # nats-server resolves `include` relative to the including file only: embed the text.
+        lines.append(auth_include.read_text())
+    return "\n".join(lines) + "\n"
+
+
 class EmbeddedNats:
-    """A real ``nats-server -js`` on loopback with its store under ``data_dir``."""
+    """A real ``nats-server -js`` on loopback with its store under ``data_dir``.
+
+    With ``auth`` (the bus authority's server include) anonymous connections are refused and every
+    client needs credentials that authority issued; with ``tls`` clients must use TLS.
+    """
 
     def __init__(
         self,
         data_dir: Path,
         *,
+        auth: Path | None,
+        tls: TlsFiles | None = None,
         port: int | None = None,
         monitor_port: int | None = None,
         tie_to_parent: bool = False,
     ):
         self.data_dir = Path(data_dir)
+        self.auth = auth
+        self.tls = tls
         self._auto_ports = port is None and monitor_port is None
         self.port = port or free_port()
         self.monitor_port = monitor_port or free_port()
@@ -95,7 +141,8 @@ class EmbeddedNats:
 
     @property
     def url(self) -> str:
-        return f"nats://127.0.0.1:{self.port}"
+        scheme = "tls" if self.tls is not None else "nats"
+        return f"{scheme}://127.0.0.1:{self.port}"
 
     def start(self, timeout: float = 15.0) -> None:
         """Start and wait until JetStream is healthy. Ports picked here (none given) may be taken
@@ -112,11 +159,13 @@ class EmbeddedNats:
     def _start_once(self, timeout: float) -> None:
         self.data_dir.mkdir(parents=True, exist_ok=True)
         logfile = open(self.data_dir / "nats.log", "ab")  # owned by the child
+        config = self.data_dir / "nats.conf"
+        config.write_text(nats_server_config(
+            port=self.port, monitor_port=self.monitor_port, store_dir=self.data_dir,
+            auth_include=self.auth, tls=self.tls,
+        ))
         self.proc = subprocess.Popen(
-            [
-                nats_server_binary(), "-js", "-sd", str(self.data_dir), "-p", str(self.port),
-                "-a", "127.0.0.1", "-m", str(self.monitor_port),
-            ],
+            [nats_server_binary(), "-c", str(config)],
             stdout=logfile, stderr=subprocess.STDOUT, start_new_session=True,
             preexec_fn=die_with_parent if self.tie_to_parent else None,
         )
@@ -288,3 +337,59 @@ class EmbeddedPostgres:
         self._run([self._bin("psql"), "-h", "127.0.0.1", "-p", str(self.port), "-U", "postgres",
                    "-d", "postgres", "-c", f'CREATE DATABASE "{name}"'])
         return f"postgresql+asyncpg://postgres@127.0.0.1:{self.port}/{name}"
+
+
+class LocalBus:
+    """A bus on one machine: the bus authority, one nats-server trusting it (optionally TLS),
+    and the streams created by the bus admin. ``rudder up`` and the benchmarks run on it; each
+    process they start gets :meth:`env` for its own identity."""
+
+    def __init__(self, data_dir: Path, *, authority: BusAuthority | None = None, tls: bool = False,
+                 port: int | None = None, tie_to_parent: bool = False) -> None:
+        self.data_dir = Path(data_dir)
+        self.authority = authority or BusAuthority.open(self.data_dir / "bus")
+        self.tls = make_server_tls(self.data_dir / "bus" / "tls") if tls else None
+        self.server = EmbeddedNats(self.data_dir / "nats", auth=self.authority.server_config,
+                                   tls=self.tls, port=port, tie_to_parent=tie_to_parent)
+
+    @property
+    def url(self) -> str:
+        return self.server.url
+
+    def creds(self, identity: Identity) -> Path:
+        return self.authority.issue(identity)
+
+    def options(self, identity: Identity, *, name: str | None = None) -> BusOptions:
+        return BusOptions(servers=(self.url,), creds=self.creds(identity),
+                          ca=self.tls.ca if self.tls else None, name=name or f"rudder-{identity.name}")
+
+    def env(self, identity: Identity) -> dict[str, str]:
+        """The bus settings of one process: its own credentials (a file path, never the secret)."""
+        env = {"RUDDER_NATS_URL": self.url, "RUDDER_NATS_CREDS": str(self.creds(identity))}
+        if self.tls is not None:
+            env["RUDDER_NATS_CA"] = str(self.tls.ca)
+        return env
+
+    def start(self, layout: BusLayout | None = None) -> list[str]:
+        """Start the server, then create the streams as the bus admin; returns what bus init did.
+        The admin credentials are removed again: they are for that one job."""
+        import asyncio
+
+        from bus.admin import bus_init
+
+        self.server.start()
+        opts = self.options(Identity(IdentityKind.ADMIN), name="rudder-bus-init")
+        try:
+            return asyncio.run(bus_init(opts, layout or BusLayout(), timeout_s=30))
+        finally:
+            assert opts.creds is not None
+            opts.creds.unlink(missing_ok=True)
+
+    async def admin_connect(self) -> NATS:
+        """A connection with the bus admin's rights (benchmarks publishing around the control plane)."""
+        from bus.connect import connect
+
+        return await connect(self.options(Identity(IdentityKind.ADMIN), name="rudder-admin"))
+
+    def stop(self) -> None:
+        self.server.stop()

@@ -12,6 +12,7 @@ which then stops them in order) and tied to the parent on Linux (``PR_SET_PDEATH
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import signal
 import subprocess
@@ -23,7 +24,9 @@ from pathlib import Path
 
 import httpx
 
-from cli.embedded import EmbeddedNats, EmbeddedPostgres, die_with_parent, free_port, port_is_free
+from bus.identities import Identity
+from bus.streams import BusLayout
+from cli.embedded import EmbeddedNats, EmbeddedPostgres, LocalBus, die_with_parent, free_port, port_is_free
 from cli.errors import CliError, ExitCode
 
 Progress = Callable[[str], None]
@@ -51,8 +54,15 @@ class Child:
     env: dict[str, str]
     log_path: Path
     proc: subprocess.Popen[bytes] | None = None
+    restarts: int = 0
+    state: str = "starting"  # starting | running | exited | restarting | stopped
+    last_exit: int | None = None
+    restart_at: float | None = None  # monotonic time of the next restart (backoff)
+    started_at: float = 0.0
 
     def start(self, cwd: Path | None = None) -> None:
+        self.started_at = time.monotonic()
+        self.state = "starting"
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         with open(self.log_path, "ab") as log:
             self.proc = subprocess.Popen(
@@ -95,7 +105,20 @@ class Child:
                        f"{self.name} was not healthy at {self.health_url} after {timeout:g}s; "
                        f"log {self.log_path}:\n{self.log_tail()}")
 
+    def healthy_now(self) -> bool:
+        """One health probe (no waiting): used while supervising."""
+        try:
+            return httpx.get(self.health_url, timeout=0.5).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    def status(self) -> dict[str, object]:
+        return {"name": self.name, "kind": self.kind, "url": self.url, "pid": self.pid,
+                "state": self.state, "restarts": self.restarts, "last_exit": self.last_exit,
+                "log": str(self.log_path)}
+
     def terminate(self) -> None:
+        self.state = "stopped"
         if self.proc is not None and self.proc.poll() is None:
             with contextlib.suppress(ProcessLookupError):
                 self.proc.send_signal(signal.SIGTERM)
@@ -119,19 +142,37 @@ class Stack:
     progress: Progress
     nats: EmbeddedNats | None = None
     postgres: EmbeddedPostgres | None = None
+    bus: LocalBus | None = None
     children: list[Child] = field(default_factory=list)
+    ready: bool = False
+    extra_status: list[Callable[[], dict[str, object]]] = field(default_factory=list)
 
     # -- servers -----------------------------------------------------------------------------
-    def start_nats(self, port: int) -> EmbeddedNats:
-        nats = EmbeddedNats(self.data_dir / "nats", port=port, tie_to_parent=True)
+    def start_nats(self, port: int, *, tls: bool = False, replicas: int = 1) -> EmbeddedNats:
+        """Start nats-server with the bus authority's decentralised auth (anonymous connections
+        refused), optionally TLS, then create the streams as the bus admin (``rudder bus init``)."""
+        from controlplane.protocol.errors import RudderError
+
+        bus = LocalBus(self.data_dir, tls=tls, port=port, tie_to_parent=True)
         began = time.monotonic()
         try:
-            nats.start()
+            changed = bus.start(BusLayout(replicas=replicas))
         except RuntimeError as exc:
             raise CliError(ExitCode.ERROR, f"nats-server: {exc}") from exc
-        self.nats = nats
-        self.progress(f"nats-server   {nats.url}   ready in {time.monotonic() - began:.1f}s")
-        return nats
+        except RudderError as exc:
+            raise CliError(ExitCode.ERROR, f"bus init: {exc.message}") from exc
+        finally:
+            self.nats = bus.server
+        self.bus = bus
+        secured = "auth on, TLS on" if bus.tls else "auth on, TLS off (--tls to turn it on)"
+        self.progress(f"nats-server   {bus.url}   ready in {time.monotonic() - began:.1f}s ({secured}; "
+                      f"bus init: {len(changed)} change(s))")
+        return bus.server
+
+    def bus_env(self, identity: Identity) -> dict[str, str]:
+        """The bus settings of one child: its own credentials (a file path, never the secret)."""
+        assert self.bus is not None
+        return self.bus.env(identity)
 
     def start_postgres(self, port: int, database: str) -> str:
         pg = EmbeddedPostgres(self.data_dir / "pgdata", port=port)
@@ -157,13 +198,57 @@ class Stack:
         child.start()
         self.children.append(child)
         took = child.wait_healthy(timeout)
+        child.state = "running"
+        self.write_status()
         self.progress(f"{child.name:<13} {child.url}   ready in {took:.1f}s (pid {child.pid})")
 
-    def first_exited(self) -> Child | None:
+    def supervise(self, *, backoff_s: float = 0.5, max_backoff_s: float = 10.0,
+                  stable_s: float = 30.0) -> None:
+        """One supervision pass: a child that exited is restarted after a backoff that doubles
+        with each restart in a row (reset once it stayed up ``stable_s``); printed, never fatal.
+        Call it every fraction of a second while ``rudder up`` runs."""
+        now = time.monotonic()
+        changed = False
         for child in self.children:
-            if child.exited is not None:
-                return child
-        return None
+            code = child.exited
+            if child.state == "restarting" and child.restart_at is not None and now >= child.restart_at:
+                child.restart_at = None
+                child.restarts += 1
+                child.start()
+                self.progress(f"{child.name:<13} restarted (pid {child.pid}, restart {child.restarts})")
+                changed = True
+            elif code is not None and child.state in ("starting", "running"):
+                child.last_exit = code
+                up_for = now - child.started_at
+                streak = 0 if up_for >= stable_s else child.restarts
+                delay = min(max_backoff_s, backoff_s * (2 ** min(streak, 8)))
+                child.state = "restarting"
+                child.restart_at = now + delay
+                self.progress(f"{child.name:<13} exited with {code} after {up_for:.1f}s; "
+                              f"restarting in {delay:.1f}s. log {child.log_path}")
+                changed = True
+            elif child.state == "starting" and code is None and child.healthy_now():
+                child.state = "running"
+                changed = True
+        if changed:
+            self.write_status()
+
+    def write_status(self) -> None:
+        """``<data-dir>/status.json``: what ``rudder status`` shows (atomically replaced)."""
+        rows: list[dict[str, object]] = []
+        if self.nats is not None:
+            rows.append({"name": "nats", "kind": "nats", "url": self.nats.url,
+                         "pid": self.nats.proc.pid if self.nats.proc else None,
+                         "state": "running" if self.nats.running else "exited", "restarts": 0,
+                         "last_exit": None, "log": str(self.nats.data_dir / "nats.log")})
+        for extra in self.extra_status:
+            rows.append(extra())
+        rows += [c.status() for c in self.children]
+        body = {"pid": os.getpid(), "data_dir": str(self.data_dir), "ready": self.ready,
+                "processes": rows}
+        tmp = self.data_dir / "status.json.tmp"
+        tmp.write_text(json.dumps(body, indent=2) + "\n")
+        os.replace(tmp, self.data_dir / "status.json")
 
     # -- stop --------------------------------------------------------------------------------
     def stop(self, timeout: float = 15.0) -> None:
@@ -174,6 +259,9 @@ class Stack:
                 child.terminate()
             for child in tier:
                 child.reap(timeout)
+        self.ready = False
+        with contextlib.suppress(OSError):
+            (self.data_dir / "status.json").unlink()
         self.children.clear()
         if self.nats is not None:
             self.nats.stop()

@@ -2,15 +2,18 @@
 
 Starts NATS (JetStream) and PostgreSQL as real servers, applies the migrations, creates an admin
 token the first time (kept in ``.rudder/credentials``, mode 0600, reused later), then the control
-plane, routers and workers as child processes, each waited for until healthy. Ctrl-C or SIGTERM
-stops everything it started and exits 0; a child that dies on its own stops the rest and exits 1
-(a half-running stack is harder to notice than a stopped one).
+plane, routers and workers as child processes, each waited for until healthy. It says "ready" and
+writes ``.rudder/credentials`` only once every router serves the model with every worker joined.
+Then it supervises: a child that exits on its own is restarted with backoff and the restart is
+printed (``rudder status`` shows each process, its state and restarts). Ctrl-C or SIGTERM stops
+everything it started and exits 0.
 """
 
 from __future__ import annotations
 
 import contextlib
 import enum
+import secrets
 import signal
 import time
 from pathlib import Path
@@ -20,6 +23,7 @@ from typing import Annotated
 import httpx
 import typer
 
+from bus.identities import Identity, IdentityKind
 from cli import admin
 from cli.config import CREDENTIALS_FILE, read_credentials, write_credentials
 from cli.embedded import free_port
@@ -83,6 +87,9 @@ def up(
     timeout: Annotated[
         float, typer.Option("--timeout", help="Seconds to wait for each process to be healthy.")
     ] = 120.0,
+    tls: Annotated[
+        bool, typer.Option("--tls", help="TLS on every NATS connection (a private CA under the data dir).")
+    ] = False,
 ) -> None:
     """Start NATS, PostgreSQL, the control plane, routers and workers; Ctrl-C stops them all."""
     data_dir = data_dir.absolute()
@@ -95,14 +102,12 @@ def up(
         _start(stack, data_dir=data_dir, admin_port=admin_port, router_port=router_port,
                nats_port=nats_port, postgres_port=postgres_port,
                routers=0 if no_router else routers, workers=0 if no_workers else workers,
-               engine=engine, model=model, timeout=timeout)
+               engine=engine, model=model, timeout=timeout, tls=tls)
+        stack.ready = True
+        stack.write_status()
         say("rudder up: ready (Ctrl-C to stop)")
         while True:
-            died = stack.first_exited()
-            if died is not None:
-                raise CliError(ExitCode.ERROR,
-                               f"{died.name} exited with {died.exited}; stopping everything. "
-                               f"log {died.log_path}:\n{died.log_tail()}")
+            stack.supervise()
             time.sleep(0.25)
     except _StopRequested as stop:
         note(f"{stop}: stopping")
@@ -136,9 +141,10 @@ def _start(
     engine: Engine,
     model: str,
     timeout: float,
+    tls: bool = False,
 ) -> None:
     admin_port = pick_port(admin_port, 8080, "admin API")
-    nats = stack.start_nats(pick_port(nats_port, 4222, "NATS"))
+    nats = stack.start_nats(pick_port(nats_port, 4222, "NATS"), tls=tls)
     database_url = stack.start_postgres(pick_port(postgres_port, 5432, "PostgreSQL"), DATABASE)
     began = time.monotonic()
     admin.upgrade(database_url)
@@ -150,22 +156,19 @@ def _start(
     if fresh:
         token = admin.create_token(database_url, TOKEN_NAME, "admin")
 
-    env = child_env({"RUDDER_NATS_URL": nats.url, "RUDDER_DATABASE_URL": database_url})
+    env = child_env({"RUDDER_DATABASE_URL": database_url})
     logs = data_dir / "logs"
     server = f"http://127.0.0.1:{admin_port}"
     stack.start_child(Child(
         name="controlplane", kind="controlplane", url=server, health_url=f"{server}/readyz",
         args=["serve", "controlplane"],
-        env={**env, "RUDDER_ADMIN_HOST": "127.0.0.1", "RUDDER_ADMIN_PORT": str(admin_port)},
+        env={**env, **stack.bus_env(Identity(IdentityKind.CONTROLPLANE)),
+             "RUDDER_ADMIN_HOST": "127.0.0.1", "RUDDER_ADMIN_PORT": str(admin_port)},
         log_path=logs / "controlplane.log",
     ), timeout)
     if not fresh and not _token_works(server, token):
         note("the stored admin token is not known to this database; creating a new one")
         token = admin.create_token(database_url, TOKEN_NAME, "admin")
-    write_credentials(creds_path, {
-        "RUDDER_SERVER": server, "RUDDER_TOKEN": token,
-        "RUDDER_DATABASE_URL": database_url, "RUDDER_NATS_URL": nats.url,
-    })
 
     if workers and not available(WORKER_ENTRY):
         note(f"workers: {WORKER_ENTRY} is not in this installation; starting no workers")
@@ -183,18 +186,32 @@ def _start(
         stack.start_child(Child(
             name=f"router-{i + 1}", kind="router", url=url, health_url=f"{url}/live",
             args=["serve", "router", "--model", model, "--port", str(port)],
-            env=env, log_path=logs / f"router-{i + 1}.log",
+            env={**env, **stack.bus_env(Identity(IdentityKind.ROUTER, router_id=f"router-{i + 1}")),
+                 "RUDDER_ROUTER_ID": f"router-{i + 1}"},
+            log_path=logs / f"router-{i + 1}.log",
         ), timeout)
     worker_timeout = max(timeout, 600.0) if engine is Engine.VLLM else timeout
     for i in range(workers):
         port = free_port()
+        instance_id = secrets.randbelow(2**63) + 1  # bound to its credentials below
         url = f"http://127.0.0.1:{port}"
         stack.start_child(Child(
             name=f"worker-{i + 1}", kind="worker", url=url, health_url=f"{url}/health",
             args=["serve", "worker", "--engine", engine.value, "--model", model,
                   "--port", str(port)],
-            env=env, log_path=logs / f"worker-{i + 1}.log",
+            env={**env, **stack.bus_env(Identity(IdentityKind.WORKER, model=model, instance_id=instance_id)),
+                 "RUDDER_INSTANCE_ID": str(instance_id)},
+            log_path=logs / f"worker-{i + 1}.log",
         ), worker_timeout)
+
+    routers_started = [c for c in stack.children if c.kind == "router"]
+    if routers_started and workers:
+        _wait_fleet(routers_started, model, workers, timeout)
+    # Only now: a script that waits for this file finds a fleet that can serve.
+    write_credentials(creds_path, {
+        "RUDDER_SERVER": server, "RUDDER_TOKEN": token,
+        "RUDDER_DATABASE_URL": database_url, "RUDDER_NATS_URL": nats.url,
+    })
 
     rows: list[tuple[str, str, str, str]] = [
         ("nats", nats.url, str(nats.proc.pid if nats.proc else "-"), str(data_dir / "nats"))]
@@ -210,3 +227,51 @@ def _start(
     if stack.children and any(c.kind == "router" for c in stack.children):
         router_url = next(c.url for c in stack.children if c.kind == "router")
         say(f"try:          curl {router_url}/v1/models ; rudder policy list")
+
+
+def _wait_fleet(routers: list[Child], model: str, workers: int, timeout: float) -> None:
+    """Wait until every router lists ``model`` with ``workers`` workers (its discovery view)."""
+    deadline = time.monotonic() + timeout
+    for router in routers:
+        seen = -1
+        while True:
+            with contextlib.suppress(httpx.HTTPError, ValueError, KeyError):
+                body = httpx.get(f"{router.url}/v1/models", timeout=2).json()
+                seen = max((int(m.get("workers", 0)) for m in body["data"] if m["id"] == model), default=0)
+                if seen >= workers:
+                    break
+            if time.monotonic() > deadline:
+                raise CliError(ExitCode.UNAVAILABLE,
+                               f"{router.name} sees {max(seen, 0)} of {workers} workers of {model} after "
+                               f"{timeout:g}s; log {router.log_path}:\n{router.log_tail()}")
+            time.sleep(0.1)
+    say(f"fleet         every router sees {workers} worker(s) of {model}")
+
+
+def status(
+    data_dir: Annotated[
+        Path, typer.Option("--data-dir", help="The folder `rudder up` runs on.")
+    ] = Path(".rudder"),
+) -> None:
+    """Show what `rudder up` runs: each process, its state, pid and restarts (exit 6 if not running)."""
+    import json
+
+    from cli import app as shared
+    from cli.output import print_json
+    from cli.stack import pid_alive
+
+    path = data_dir.absolute() / "status.json"
+    try:
+        body = json.loads(path.read_text())
+    except (OSError, ValueError):
+        body = None
+    if not body or not pid_alive(int(body.get("pid", 0))):
+        raise CliError(ExitCode.NOT_FOUND, f"rudder up is not running on {data_dir.absolute()}")
+    if shared.json_mode():
+        print_json(body)
+        return
+    rows = [(p["name"], p["state"], str(p.get("pid") or "-"), str(p.get("restarts", 0)),
+             "-" if p.get("last_exit") is None else str(p["last_exit"]), p.get("url") or "-")
+            for p in body["processes"]]
+    show(table(["process", "state", "pid", "restarts", "last exit", "url"], rows))
+    say(f"rudder up (pid {body['pid']}) {'ready' if body.get('ready') else 'starting'} on {body['data_dir']}")

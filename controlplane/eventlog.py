@@ -18,8 +18,6 @@ import nats
 from nats.aio.client import Client as NATS
 from nats.errors import ConnectionClosedError, NoRespondersError, OutboundBufferLimitError
 from nats.errors import TimeoutError as NatsTimeoutError
-from nats.js import JetStreamContext
-from nats.js.api import KeyValueConfig, StreamConfig
 from nats.js.errors import (
     APIError,
     BadRequestError,
@@ -28,7 +26,6 @@ from nats.js.errors import (
     ServiceUnavailableError,
 )
 
-from controlplane.protocol import streams
 from controlplane.protocol.errors import InvalidRequest, LogUnavailable, RevisionConflict
 from controlplane.protocol.events import PolicyEvent, decode_policy_event
 from controlplane.protocol.policy import PolicyKind
@@ -82,45 +79,6 @@ class Ambiguous(LogUnavailable):
     code = "log_ambiguous"
 
 
-async def connect(url: str, *, name: str = "rudder-controlplane") -> NATS:
-    """Connect with reconnects forever; publishes are not buffered while disconnected, so a
-    publish either reaches the server now or fails (never replayed later behind our back)."""
-    servers = [u.strip() for u in url.split(",") if u.strip()]  # a cluster: "nats://a:4222,nats://b:4222"
-    return await nats.connect(
-        servers, name=name, max_reconnect_attempts=-1, reconnect_time_wait=0.5,
-        pending_size=0, connect_timeout=2, allow_reconnect=True,
-    )
-
-
-async def ensure_stream(js: JetStreamContext, config: dict[str, Any]) -> None:
-    """Create a stream if it is missing; leave an existing one as it is (another process or an
-    operator may own its settings, e.g. replicas 3 in production)."""
-    try:
-        await js.stream_info(config["name"])
-        return
-    except NotFoundError:
-        pass
-    try:
-        await js.add_stream(StreamConfig(**config))
-    except BadRequestError as exc:  # raced with another creator
-        if exc.err_code != 10058:
-            raise
-        log.info("stream %s was created concurrently", config["name"])
-
-
-async def ensure_bucket(js: JetStreamContext, config: dict[str, Any]) -> None:
-    try:
-        await js.key_value(config["bucket"])
-        return
-    except (NotFoundError, nats.js.errors.BucketNotFoundError):
-        pass
-    try:
-        await js.create_key_value(KeyValueConfig(**config))
-    except BadRequestError as exc:
-        if exc.err_code != 10058:
-            raise
-
-
 class PolicyLog:
     """Policy documents on the ``RUDDER_POLICY`` stream: head, CAS publish, history."""
 
@@ -140,15 +98,6 @@ class PolicyLog:
             if _api_unavailable(exc):
                 raise LogUnavailable(f"JetStream unavailable ({what}): {exc.description}", retry_after=5) from exc
             raise
-
-    async def ensure(self, *, history_depth: int, replicas: int, worker_ttl_s: float,
-                     router_heartbeat_s: float) -> None:
-        async def go() -> None:
-            await ensure_stream(self.js, streams.policy_stream(history_depth=history_depth, replicas=replicas))
-            await ensure_stream(self.js, streams.membership_stream(worker_ttl_s=worker_ttl_s, replicas=replicas))
-            await ensure_bucket(self.js, streams.routers_bucket(heartbeat_s=router_heartbeat_s, replicas=replicas))
-
-        await self._call("ensure streams", go)
 
     @staticmethod
     def _stored(msg: Any) -> StoredEvent:

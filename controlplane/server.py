@@ -10,18 +10,19 @@ import os
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
-import nats.errors
 import uvicorn
 from fastapi import FastAPI
 from nats.aio.client import Client as NATS
 
+from bus.connect import connect
+from bus.streams import CONTROLPLANE_STREAMS, check, wait_ready
 from controlplane.api import build_app
 from controlplane.audit.store import AuditStore
 from controlplane.auth import AuthFailureLimiter, TokenStore, failure_entry
-from controlplane.eventlog import PolicyLog, connect
+from controlplane.eventlog import PolicyLog
 from controlplane.failpoints import Failpoints
 from controlplane.fleet import FleetView, cancel_all
-from controlplane.protocol.errors import RudderError
+from controlplane.protocol.errors import ConfigurationError, RudderError
 from controlplane.queries import Queries
 from controlplane.reconcile import Reconciler
 from controlplane.settings import ControlPlaneSettings
@@ -44,7 +45,7 @@ class ControlPlane:
 
     async def start(self) -> None:
         s = self.settings
-        self.nc: NATS = await connect(s.nats_url)
+        self.nc: NATS = await connect(s.bus_options("rudder-controlplane"))
         self.log = PolicyLog(self.nc)
         await self._ensure_streams()
         self.audit = AuditStore.from_url(s.database_url.get_secret_value())
@@ -61,20 +62,12 @@ class ControlPlane:
         log.info("control plane ready: nats=%s admin=%s:%d", s.nats_url, s.admin_host, s.admin_port)
 
     async def _ensure_streams(self) -> None:
-        """Create streams and bucket, retrying while the bus is not ready (a cluster still forming,
-        or started in the same breath as us) up to ``startup_timeout_s``."""
+        """Wait for the streams the bus admin creates (``rudder bus init``) and check their
+        settings; a stream that differs from ours stops start-up naming the setting."""
         s = self.settings
-        deadline = asyncio.get_running_loop().time() + s.startup_timeout_s
-        while True:
-            try:
-                await self.log.ensure(history_depth=s.history_depth, replicas=s.policy_replicas,
-                                      worker_ttl_s=s.worker_ttl_s, router_heartbeat_s=s.router_heartbeat_s)
-                return
-            except (RudderError, nats.errors.Error) as exc:
-                if asyncio.get_running_loop().time() > deadline:
-                    raise RuntimeError(f"JetStream not ready after {s.startup_timeout_s}s: {exc}") from exc
-                log.info("JetStream not ready yet (%s); retrying", exc)
-                await asyncio.sleep(0.5)
+        await wait_ready(self.nc.jetstream(), s.bus_layout(worker_ttl_s=s.worker_ttl_s,
+                                                          router_heartbeat_s=s.router_heartbeat_s),
+                         CONTROLPLANE_STREAMS, timeout_s=s.startup_timeout_s)
 
     async def flush_auth_failures(self, *, everything: bool = False) -> int:
         """Write one audit row per ended window of failed authentications; returns how many.
@@ -115,6 +108,16 @@ class ControlPlane:
     async def readiness(self) -> dict[str, str]:
         checks: dict[str, str] = {}
         checks["nats"] = "ok" if self.nc.is_connected else "disconnected"
+        s = self.settings
+        layout = s.bus_layout(worker_ttl_s=s.worker_ttl_s, router_heartbeat_s=s.router_heartbeat_s)
+        try:
+            for stream in CONTROLPLANE_STREAMS:
+                await asyncio.wait_for(check(self.nc.jetstream(timeout=1.0), layout, stream), 1.5)
+            checks["streams"] = "ok"
+        except ConfigurationError as exc:
+            checks["streams"] = exc.message
+        except Exception as exc:  # the bus did not answer: say so without its internals
+            checks["streams"] = f"unavailable ({type(exc).__name__})"
         try:
             await self.audit.ping()
             checks["postgres"] = "ok"

@@ -5,18 +5,17 @@ from __future__ import annotations
 import ipaddress
 
 from pydantic import Field, SecretStr, field_validator
-from pydantic_settings import BaseSettings, SettingsConfigDict
+from pydantic_settings import SettingsConfigDict
+
+from bus.settings import BusSettings
 
 
-class ControlPlaneSettings(BaseSettings):
+class ControlPlaneSettings(BusSettings):
     model_config = SettingsConfigDict(env_prefix="RUDDER_", extra="ignore")
 
-    nats_url: str = "nats://127.0.0.1:4222"
     database_url: SecretStr = SecretStr("postgresql+asyncpg://postgres@127.0.0.1:5432/rudder")
     admin_host: str = "127.0.0.1"
     admin_port: int = Field(default=8080, ge=0, le=65535)
-    history_depth: int = Field(default=64, ge=2)
-    policy_replicas: int = Field(default=1, ge=1, le=5)
     max_body_bytes: int = Field(default=64 * 1024, gt=0)
     worker_ttl_s: float = Field(default=10.0, gt=0)
     router_heartbeat_s: float = Field(default=1.0, gt=0)

@@ -17,15 +17,17 @@ from collections.abc import AsyncIterator
 from datetime import datetime
 from typing import Any
 
-import nats
 import uvicorn
 from fastapi import FastAPI
 from fastapi.responses import Response
 from nats.aio.client import Client as NATS
 
+from bus.connect import connect
+from bus.streams import ROUTER_STREAMS, wait_ready
 from controlplane.protocol.errors import RudderError
 from controlplane.protocol.events import utcnow
 from controlplane.protocol.policy import Number, PolicyKind, startup_values
+from controlplane.protocol.subjects import BUCKET_ROUTERS
 from router.api import build_api, error_response
 from router.consumers import (
     KvDumper,
@@ -43,7 +45,6 @@ from router.policy_state import ApplyResult, Outcome
 from router.proxy import Proxy
 from router.scheduler import Scheduler
 from router.settings import RouterSettings, RoutingMode
-from router.streams import ensure_all
 from router.tokenize import TokenizerRegistry
 from router.upstream import UpstreamClient
 
@@ -85,15 +86,11 @@ class RouterRuntime:
     async def start(self) -> None:
         s = self.settings
         self.scheduler.start()
-        self.nc = await nats.connect(
-            s.nats_url, name=f"rudder-router-{s.router_id}", max_reconnect_attempts=-1,
-            reconnect_time_wait=0.5, connect_timeout=2,
-        )
+        self.nc = await connect(s.bus_options(f"rudder-router-{s.router_id}"))
         js = self.nc.jetstream()
-        bucket = await ensure_all(
-            js, history_depth=s.history_depth, replicas=s.stream_replicas,
-            worker_ttl_s=s.worker_ttl_s, heartbeat_s=s.heartbeat_s,
-        )
+        await wait_ready(js, s.bus_layout(worker_ttl_s=s.worker_ttl_s, router_heartbeat_s=s.heartbeat_s),
+                         ROUTER_STREAMS, timeout_s=s.stream_wait_s)
+        bucket = await js.key_value(BUCKET_ROUTERS)
         self.status = StatusPublisher(
             bucket, self.scheduler, router_id=s.router_id, models=list(s.models), role=s.role,
             mode=s.mode.value, url=s.url(), cache_inputs=self.cache_inputs, startup=self.startup,

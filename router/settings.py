@@ -11,8 +11,9 @@ import enum
 import secrets
 
 from pydantic import Field, field_validator, model_validator
-from pydantic_settings import BaseSettings, SettingsConfigDict
+from pydantic_settings import SettingsConfigDict
 
+from bus.settings import BusSettings
 from controlplane.protocol.events import RouterRole
 from controlplane.protocol.policy import (
     ALL_CACHE_INPUTS,
@@ -35,10 +36,9 @@ def new_router_id() -> str:
     return f"r-{secrets.token_hex(6)}"
 
 
-class RouterSettings(BaseSettings):
+class RouterSettings(BusSettings):
     model_config = SettingsConfigDict(env_prefix="RUDDER_", extra="ignore")
 
-    nats_url: str = "nats://127.0.0.1:4222"
     models: list[str] = Field(default_factory=list)
     host: str = "127.0.0.1"
     port: int = Field(default=8000, ge=0, le=65535)
@@ -56,8 +56,6 @@ class RouterSettings(BaseSettings):
     heartbeat_s: float = Field(default=1.0, gt=0)
     tick_s: float = Field(default=0.2, gt=0)
     overload_status: int = 529
-    history_depth: int = Field(default=64, ge=2)
-    stream_replicas: int = Field(default=1, ge=1, le=5)
 
     selection: dict[str, float] = Field(default_factory=dict)
     busy_thresholds: dict[str, float] = Field(default_factory=dict)

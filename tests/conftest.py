@@ -1,7 +1,9 @@
-"""Shared fixtures: real nats-server (JetStream) and real PostgreSQL.
+"""Shared fixtures: real nats-server (JetStream, anonymous connections refused) and real PostgreSQL.
 
-``RUDDER_TEST_NATS_URL`` / ``RUDDER_TEST_DATABASE_URL`` name external servers instead; fault tests
-that stop and restart a server always start their own (``own_nats`` / ``own_postgres``).
+Every NATS server trusts the session's bus authority (:mod:`tests.buskit`); tests connect with the
+credentials of the identity they stand for. ``RUDDER_TEST_DATABASE_URL`` names an external
+PostgreSQL instead; fault tests that stop and restart a server start their own
+(``own_nats`` / ``own_postgres``).
 """
 
 from __future__ import annotations
@@ -11,13 +13,12 @@ import uuid
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
-import nats
 import pytest
 from nats.aio.client import Client as NATS
 
 from cli.embedded import EmbeddedNats, EmbeddedPostgres
+from tests import buskit
 
-EXTERNAL_NATS = os.environ.get("RUDDER_TEST_NATS_URL")
 EXTERNAL_PG = os.environ.get("RUDDER_TEST_DATABASE_URL")
 
 
@@ -28,13 +29,12 @@ def tmp_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def nats_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    """A JetStream server per test module (it starts in ~30 ms), so streams never leak."""
-    if EXTERNAL_NATS:
-        yield EXTERNAL_NATS
-        return
-    server = EmbeddedNats(tmp_path_factory.mktemp("nats"))
+    """A JetStream server per test module (it starts in ~30 ms), so streams never leak; the streams
+    are created as ``rudder bus init`` does (the bus admin)."""
+    server = EmbeddedNats(tmp_path_factory.mktemp("nats"), auth=buskit.authority().server_config)
     server.start()
     try:
+        buskit.init_streams(server.url)
         yield server.url
     finally:
         server.stop()
@@ -42,9 +42,10 @@ def nats_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
 
 @pytest.fixture
 def own_nats(tmp_path: Path) -> Iterator[EmbeddedNats]:
-    """A server this test may stop and restart (same store, same port)."""
-    server = EmbeddedNats(tmp_path / "nats")
+    """A server this test may stop and restart (same store, same port), streams created."""
+    server = EmbeddedNats(tmp_path / "nats", auth=buskit.authority().server_config)
     server.start()
+    buskit.init_streams(server.url)
     try:
         yield server
     finally:
@@ -107,7 +108,8 @@ def own_postgres(tmp_path: Path) -> Iterator[EmbeddedPostgres]:
 
 @pytest.fixture
 async def nc(nats_url: str) -> AsyncIterator[NATS]:
-    client = await nats.connect(nats_url)
+    """A connection with the bus admin's rights (tests that publish what no service may)."""
+    client = await buskit.admin_connect(nats_url)
     try:
         yield client
     finally:

@@ -26,10 +26,10 @@ import nats
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 from nats.js import JetStreamContext
-from nats.js.api import StreamConfig
-from nats.js.errors import BadRequestError, NotFoundError
 
-from controlplane.protocol import streams
+from bus.connect import connect
+from bus.streams import WORKER_STREAMS, wait_ready
+from controlplane.protocol.errors import LogUnavailable
 from controlplane.protocol.events import (
     KvDumpRank,
     KvDumpReply,
@@ -46,36 +46,6 @@ from worker.settings import EngineKind, WorkerSettings
 
 log = logging.getLogger(__name__)
 
-JS_ERR_STREAM_NAME_IN_USE = 10058
-
-
-async def ensure_membership_stream(
-    js: JetStreamContext, *, worker_ttl_s: float = 10.0, replicas: int = 1
-) -> None:
-    """Create ``RUDDER_MEMBERSHIP`` if it is missing (the one place the worker does this).
-
-    Routers and the control plane create it too, from the same shared settings
-    (``controlplane.protocol.streams``); whoever comes first wins, and an existing stream is left
-    as it is (an operator may run it with 3 replicas). Raises nats errors other than "exists".
-    """
-    config = streams.membership_stream(worker_ttl_s=worker_ttl_s, replicas=replicas)
-    try:
-        info = await js.stream_info(config["name"])
-    except NotFoundError:
-        pass
-    else:
-        max_per_subject = getattr(info.config, "max_msgs_per_subject", None)
-        if max_per_subject not in (None, -1, 1):
-            log.warning("stream %s keeps %s messages per subject, expected 1",
-                        config["name"], max_per_subject)
-        return
-    try:
-        await js.add_stream(StreamConfig(**config))
-        log.info("created stream %s", config["name"])
-    except BadRequestError as exc:
-        if exc.err_code != JS_ERR_STREAM_NAME_IN_USE:
-            raise
-        log.info("stream %s was created concurrently", config["name"])
 
 
 def make_engine(settings: WorkerSettings) -> Engine:
@@ -135,25 +105,19 @@ class Worker:
     async def start(self) -> None:
         """Connect, start the engine, join. Raises on any failure (after cleaning up)."""
         s = self.settings
-        self._nc = NATS()
+        opts = s.bus_options(f"rudder-worker-{s.instance_id}")
         try:
             # Reconnect forever once connected, but fail start-up when NATS is not there at all.
-            await asyncio.wait_for(self._nc.connect(
-                s.nats_url, name=f"rudder-worker-{s.instance_id}", max_reconnect_attempts=-1,
-                reconnect_time_wait=1, connect_timeout=2, error_cb=self._nats_error,
-                disconnected_cb=self._nats_disconnected, reconnected_cb=self._nats_reconnected,
-            ), timeout=s.nats_connect_timeout_s)
-        except (TimeoutError, OSError, nats.errors.Error) as exc:
-            with contextlib.suppress(Exception):
-                await self._nc.close()
+            self._nc = await asyncio.wait_for(connect(opts), timeout=s.nats_connect_timeout_s)
+        except (TimeoutError, OSError, nats.errors.Error, LogUnavailable) as exc:
             raise ConnectionError(
                 f"cannot connect to NATS at {s.nats_url} (RUDDER_NATS_URL) within "
                 f"{s.nats_connect_timeout_s:g} s"
             ) from exc
         try:
             self._js = self._nc.jetstream()
-            await ensure_membership_stream(self._js, worker_ttl_s=s.worker_ttl_s,
-                                           replicas=s.membership_replicas)
+            await wait_ready(self._js, s.bus_layout(worker_ttl_s=s.worker_ttl_s), WORKER_STREAMS,
+                             timeout_s=s.stream_wait_s)
             await self._nc.subscribe(kvdump_subject(s.instance_id), cb=self._on_dump)
             self._spawn(self._publish_kv_events(), "kv-publisher")
             self.info = await self.engine.start(self._on_kv)
@@ -284,19 +248,6 @@ class Worker:
         if exc is not None:
             log.error("worker task %s died", task.get_name(), exc_info=exc)
             self._failed.set()
-
-    async def _nats_error(self, exc: Exception) -> None:
-        if self._nc is not None and self._nc.is_connected:
-            log.warning("NATS error: %r", exc)
-        else:
-            log.debug("NATS error while disconnected: %r", exc)
-
-    async def _nats_disconnected(self) -> None:
-        if not self._closing:
-            log.warning("worker %d disconnected from NATS", self.instance_id)
-
-    async def _nats_reconnected(self) -> None:
-        log.info("worker %d reconnected to NATS", self.instance_id)
 
 
 def _truncate_dump(reply: KvDumpReply, limit: int) -> KvDumpReply:

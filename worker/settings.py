@@ -12,8 +12,9 @@ import secrets
 from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
-from pydantic_settings import BaseSettings, SettingsConfigDict
+from pydantic_settings import SettingsConfigDict
 
+from bus.settings import BusSettings
 from controlplane.protocol.events import U64_MAX, WorkerRole
 
 
@@ -76,14 +77,13 @@ class VllmEngineSettings(BaseModel):
     cpu_kvcache_space_gib: int = Field(default=1, gt=0)
 
 
-class WorkerSettings(BaseSettings):
+class WorkerSettings(BusSettings):
     """Everything one worker process needs. A missing or bad value stops start-up naming it."""
 
     model_config = SettingsConfigDict(
         env_prefix="RUDDER_", env_nested_delimiter="__", extra="ignore"
     )
 
-    nats_url: str = "nats://127.0.0.1:4222"
     nats_connect_timeout_s: float = Field(default=10.0, gt=0)
     model: str = Field(min_length=1)
     engine: EngineKind = EngineKind.MOCK
@@ -95,7 +95,6 @@ class WorkerSettings(BaseSettings):
     instance_id: int = Field(default_factory=random_instance_id, gt=0, le=U64_MAX)
     heartbeat_s: float = Field(default=1.0, gt=0)
     worker_ttl_s: float = Field(default=10.0, gt=0)
-    membership_replicas: int = Field(default=1, ge=1, le=5)
     log_level: str = "INFO"
     mock: MockEngineSettings = Field(default_factory=MockEngineSettings)
     vllm: VllmEngineSettings = Field(default_factory=VllmEngineSettings)

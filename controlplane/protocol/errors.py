@@ -18,7 +18,8 @@
     ├── Overloaded                   (529 by default, configurable) every eligible worker is busy
     │   └── QueueFull                (529) the router's selection queue is at its bound
     ├── RateLimited                  (429) carries retry_after (failed authentications of one source)
-    └── ClientGone                   (499)
+    ├── ClientGone                   (499)
+    └── ConfigurationError           (start-up) a missing or bad setting; ``field`` names it
 
 Each class carries its HTTP status as ``status_code`` and its facts as attributes; every API
 renders its body from ``to_dict()`` in one place (the admin API in the Rudder shape, the router in
@@ -155,3 +156,10 @@ class RateLimited(RudderError):
 class ClientGone(RudderError):
     status_code = 499
     code = "client_gone"
+
+
+class ConfigurationError(RudderError):
+    """A process cannot start: a setting is missing or wrong (``field`` names the setting), or
+    what the bus offers differs from what it relies on (a stream's settings)."""
+
+    code = "configuration_error"

@@ -1,7 +1,7 @@
 """Stream and bucket settings of DESIGN §2, as plain data (no nats import).
 
-Each process that may be first on the bus (control plane, router, worker) creates what it needs
-with these settings and tolerates another process having created it already.
+Only the bus admin (``rudder bus init``, :mod:`bus.streams`) creates and updates streams, with these
+settings; every service checks the ones it relies on at start.
 """
 
 from __future__ import annotations
@@ -49,3 +49,8 @@ def membership_stream(*, worker_ttl_s: float = 10.0, replicas: int = 1) -> dict[
 
 def routers_bucket(*, heartbeat_s: float = 1.0, replicas: int = 1) -> dict[str, Any]:
     return {"bucket": BUCKET_ROUTERS, "ttl": 3.0 * heartbeat_s, "history": 1, "replicas": replicas}
+
+
+def extra_streams(*, replicas: int = 1) -> list[dict[str, Any]]:
+    """Streams beyond the policy and membership ones (ACKs, audit checkpoints), as they land."""
+    return []

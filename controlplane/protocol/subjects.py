@@ -15,12 +15,14 @@ from controlplane.protocol.errors import InvalidRequest
 STREAM_POLICY = "RUDDER_POLICY"
 STREAM_MEMBERSHIP = "RUDDER_MEMBERSHIP"
 BUCKET_ROUTERS = "RUDDER_ROUTERS"
+STREAM_ACKS = "RUDDER_ACKS"
 
 POLICY_PREFIX = "rudder.policy"
 MEMBERSHIP_PREFIX = "rudder.workers"
 KV_PREFIX = "rudder.kv"
 KVDUMP_PREFIX = "rudder.kvdump"
 ACKS_PREFIX = "rudder.acks"
+AUDIT_PREFIX = "rudder.audit"
 
 POLICY_SUBJECTS = f"{POLICY_PREFIX}.>"
 MEMBERSHIP_SUBJECTS = f"{MEMBERSHIP_PREFIX}.>"

@@ -15,12 +15,14 @@ from controlplane.auth import Role, TokenStore
 from controlplane.failpoints import Failpoints
 from controlplane.server import Running, serving
 from controlplane.settings import ControlPlaneSettings
+from tests import buskit
 
 
 def settings_for(nats_url: str, database_url: str, **overrides: Any) -> ControlPlaneSettings:
     values: dict[str, Any] = {
         "nats_url": nats_url, "database_url": SecretStr(database_url), "admin_port": 0,
         "reconcile_interval_s": 3600.0, "router_heartbeat_s": 1.0,
+        "nats_creds": buskit.controlplane_creds(),
     }
     values.update(overrides)
     return ControlPlaneSettings(**values)

@@ -22,6 +22,7 @@ from typer.testing import CliRunner, Result
 from cli.errors import ExitCode
 from cli.main import app
 from controlplane.settings import ControlPlaneSettings
+from tests import buskit
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -102,7 +103,7 @@ def env(nats_url: str, database_url: str) -> Iterator[Env]:
         tokens[role] = body["token"]
     settings = ControlPlaneSettings(
         nats_url=nats_url, database_url=SecretStr(database_url), admin_port=0,
-        reconcile_interval_s=3600.0,
+        reconcile_interval_s=3600.0, nats_creds=buskit.controlplane_creds(),
     )
     cp = ThreadedControlPlane(settings)
     cp.start()

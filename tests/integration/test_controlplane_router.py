@@ -11,9 +11,11 @@ from datetime import UTC, datetime
 
 import pytest
 
-from controlplane.eventlog import PolicyLog, connect
+from bus.identities import Identity, IdentityKind
+from controlplane.eventlog import PolicyLog
 from controlplane.protocol.events import PolicyEvent
 from controlplane.protocol.policy import PolicyKind, PolicyOp
+from tests import buskit
 from tests.integration.cp_support import Tokens, client, controlplane
 from tests.support_router.workers import InProcessRouter, router_settings, wait_for
 
@@ -38,7 +40,7 @@ async def test_nack_of_a_cache_free_router_is_shown_by_the_control_plane(nats_ur
                                                         "parameters": {"host_cache_hit_weight": 0.5}})
             assert r.status_code == 422 and r.json()["error"]["routers"] == [rid], r.text
             # Written around the control plane, it reaches the router, which NACKs it.
-            nc = await connect(nats_url)
+            nc = await buskit.connect_as(nats_url, Identity(IdentityKind.CONTROLPLANE))
             try:
                 bad = (await PolicyLog(nc).publish(PolicyEvent(
                     event_id=uuid.uuid4(), model=model, kind=PolicyKind.SELECTION, op=PolicyOp.PATCH,

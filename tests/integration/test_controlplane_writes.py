@@ -12,9 +12,11 @@ from collections.abc import AsyncIterator
 import httpx
 import pytest
 
+from bus.identities import Identity, IdentityKind
 from controlplane.audit.store import AuditStore
-from controlplane.eventlog import PolicyLog, connect
+from controlplane.eventlog import PolicyLog
 from controlplane.protocol.policy import PolicyKind
+from tests import buskit
 from tests.integration.cp_support import Tokens, client, controlplane
 
 pytestmark = pytest.mark.timeout(120)
@@ -29,7 +31,7 @@ async def audit(db: str) -> AsyncIterator[AuditStore]:
 
 @pytest.fixture(scope="module")
 async def policy_log(nats_url: str) -> AsyncIterator[PolicyLog]:
-    nc = await connect(nats_url)
+    nc = await buskit.connect_as(nats_url, Identity(IdentityKind.CONTROLPLANE))
     yield PolicyLog(nc)
     await nc.close()
 

@@ -15,6 +15,7 @@ import pytest
 from controlplane.protocol import tokenizer
 from controlplane.protocol.events import RankLoad, WorkerRole
 from controlplane.protocol.hashing import block_hashes
+from tests import buskit
 from tests.support_router.workers import InProcessRouter, TestWorker, router_settings, wait_for
 
 pytestmark = pytest.mark.timeout(60)
@@ -46,7 +47,7 @@ class Fleet:
 async def fleet(nats_url: str) -> AsyncIterator[Fleet]:
     workers: dict[WorkerRole, list[Any]] = {WorkerRole.PREFILL: [], WorkerRole.DECODE: []}
     for role in (WorkerRole.PREFILL, WorkerRole.PREFILL, WorkerRole.DECODE, WorkerRole.DECODE):
-        settings = worker_settings.WorkerSettings(
+        settings = buskit.worker_settings(
             nats_url=nats_url, model=MODEL, role=role, heartbeat_s=0.2,
             mock=worker_settings.MockEngineSettings(speedup_ratio=50.0, block_size=BLOCK),
         )

@@ -9,20 +9,21 @@ from datetime import UTC, datetime
 
 import pytest
 
-from controlplane.eventlog import PolicyLog, connect
+from bus.identities import Identity, IdentityKind
+from controlplane.eventlog import PolicyLog
 from controlplane.protocol.errors import RevisionConflict
 from controlplane.protocol.events import PolicyEvent
 from controlplane.protocol.policy import PolicyKind, PolicyOp
 from controlplane.protocol.subjects import STREAM_POLICY
+from tests import buskit
 
 pytestmark = pytest.mark.timeout(60)
 
 
 @pytest.fixture
 async def log(nats_url: str) -> AsyncIterator[PolicyLog]:
-    nc = await connect(nats_url)
+    nc = await buskit.connect_as(nats_url, Identity(IdentityKind.CONTROLPLANE))
     policy_log = PolicyLog(nc)
-    await policy_log.ensure(history_depth=64, replicas=1, worker_ttl_s=10, router_heartbeat_s=1)
     yield policy_log
     await nc.close()
 

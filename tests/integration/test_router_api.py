@@ -10,6 +10,7 @@ import openai
 import pytest
 
 from controlplane.protocol.events import RankLoad
+from tests import buskit
 from tests.support_router.workers import InProcessRouter, TestWorker, router_settings, wait_for
 
 pytestmark = pytest.mark.timeout(60)
@@ -126,9 +127,8 @@ async def test_busy_workers_are_skipped_and_all_busy_is_529(nats_url: str) -> No
     a = await TestWorker(nats_url, model).start()
     b = await TestWorker(nats_url, model).start()
     router = await InProcessRouter(router_settings(nats_url, model)).start()
-    import nats as nats_mod
 
-    nc = await nats_mod.connect(nats_url)
+    nc = await buskit.admin_connect(nats_url)
     try:
         await wait_for(lambda: router.runtime.scheduler.view.workers.get(model) == 2)
         a.load = [RankLoad(active_prefill_tokens=5000)]

@@ -20,6 +20,7 @@ import openai
 import psutil
 import pytest
 
+from tests import buskit
 from tests.support_router.workers import (
     InProcessRouter,
     free_port,
@@ -45,7 +46,7 @@ async def fleet(nats_url: str) -> AsyncIterator[InProcessRouter]:
     """One mock worker and a router with short ingress timeouts and a small selection queue."""
     stop = asyncio.Event()
     ready: list[Any] = []
-    settings = worker_settings.WorkerSettings(
+    settings = buskit.worker_settings(
         nats_url=nats_url, model=MODEL, heartbeat_s=0.2,
         mock=worker_settings.MockEngineSettings(speedup_ratio=200.0, block_size=16),
     )

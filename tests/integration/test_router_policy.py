@@ -18,6 +18,7 @@ from controlplane.protocol.events import decode_apply_ack, decode_router_status
 from controlplane.protocol.policy import PolicyKind
 from controlplane.protocol.subjects import BUCKET_ROUTERS, acks_subject
 from router.scheduler import RoutingRequest, SelectWorker
+from tests import buskit
 from tests.support_router.policy import publish_policy, publish_raw
 from tests.support_router.workers import InProcessRouter, TestWorker, router_settings, wait_for
 
@@ -26,7 +27,7 @@ pytestmark = pytest.mark.timeout(60)
 
 @pytest.fixture
 async def client(nats_url: str) -> AsyncIterator[NATS]:
-    nc = await nats.connect(nats_url)
+    nc = await buskit.admin_connect(nats_url)
     yield nc
     await nc.close()
 

@@ -11,6 +11,7 @@ from typing import Any
 import openai
 import pytest
 
+from tests import buskit
 from tests.support_router.workers import InProcessRouter, router_settings, wait_for
 
 pytestmark = pytest.mark.timeout(60)
@@ -26,7 +27,7 @@ async def mock_fleet(nats_url: str) -> AsyncIterator[tuple[InProcessRouter, list
     ready: list[Any] = []
     tasks = []
     for _ in range(2):
-        settings = worker_settings.WorkerSettings(
+        settings = buskit.worker_settings(
             nats_url=nats_url, model=MODEL, heartbeat_s=0.2,
             mock=worker_settings.MockEngineSettings(speedup_ratio=50.0, block_size=16),
         )
@@ -89,7 +90,7 @@ async def test_eviction_removes_blocks_from_the_router_index(nats_url: str) -> N
     model = "evict-model"
     stop = asyncio.Event()
     ready: list[Any] = []
-    settings = worker_settings.WorkerSettings(
+    settings = buskit.worker_settings(
         nats_url=nats_url, model=model, heartbeat_s=0.2,
         mock=worker_settings.MockEngineSettings(speedup_ratio=50.0, block_size=16, num_blocks=40),
     )
@@ -130,7 +131,7 @@ async def test_client_gone_mid_stream_frees_the_booking_at_once(nats_url: str) -
     model = "gone-model"
     stop = asyncio.Event()
     ready: list[Any] = []
-    settings = worker_settings.WorkerSettings(
+    settings = buskit.worker_settings(
         nats_url=nats_url, model=model, heartbeat_s=0.2,
         mock=worker_settings.MockEngineSettings(speedup_ratio=0.5, block_size=16),  # ~100 ms a token
     )

@@ -13,7 +13,8 @@ import pytest
 
 from controlplane.protocol.events import RouterStatus, decode_router_status
 from controlplane.protocol.policy import PolicyKind
-from router.streams import ensure_all
+from controlplane.protocol.subjects import BUCKET_ROUTERS
+from tests import buskit
 from tests.support_router.policy import publish_policy
 from tests.support_router.workers import free_port, spawn_router, wait_for, wait_http_ok
 
@@ -37,9 +38,9 @@ def procs() -> Iterator[dict[str, subprocess.Popen[bytes]]]:
 async def test_three_replicas_converge_and_a_restarted_one_catches_up(
     nats_url: str, procs: dict[str, subprocess.Popen[bytes]]
 ) -> None:
-    nc = await nats.connect(nats_url)
+    nc = await buskit.admin_connect(nats_url)
     js = nc.jetstream()
-    kv = await ensure_all(js, history_depth=64, replicas=1, worker_ttl_s=10, heartbeat_s=0.5)
+    kv = await js.key_value(BUCKET_ROUTERS)
     ports = {f"rep-{i}": free_port() for i in range(3)}
     try:
         for rid, port in ports.items():

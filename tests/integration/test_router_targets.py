@@ -7,11 +7,11 @@ from dataclasses import dataclass
 from typing import Any
 
 import httpx
-import nats
 import pytest
 
 from controlplane.protocol.events import RankLoad
 from controlplane.protocol.policy import PolicyKind
+from tests import buskit
 from tests.support_router.policy import publish_policy
 from tests.support_router.workers import InProcessRouter, TestWorker, router_settings, wait_for
 
@@ -141,7 +141,7 @@ async def test_nvext_not_an_object_is_400(fleet: Fleet) -> None:
 async def test_pinned_busy_worker_gets_overload_status_and_is_not_rerouted(
     fleet: Fleet, nats_url: str
 ) -> None:
-    nc = await nats.connect(nats_url)
+    nc = await buskit.admin_connect(nats_url)
     try:
         fleet.b.load = [RankLoad(active_prefill_tokens=10_000)]
         await publish_policy(nc.jetstream(), MODEL, {"active_prefill_tokens_threshold": 1000},

@@ -10,6 +10,7 @@ import pytest
 from controlplane.protocol.events import RankLoad
 from controlplane.protocol.policy import PolicyKind
 from router.app import create_app
+from tests import buskit
 from tests.support_router.policy import publish_policy
 from tests.support_router.workers import InProcessRouter, TestWorker, router_settings, wait_for
 
@@ -81,13 +82,12 @@ async def test_leave_removes_worker_and_its_bookings(nats_url: str) -> None:
 
 
 async def test_overload_status_is_configurable_to_503(nats_url: str) -> None:
-    import nats
 
     model = "legacy-model"
     a = await TestWorker(nats_url, model).start()
     a.load = [RankLoad(active_decode_blocks=900)]
     router = await InProcessRouter(router_settings(nats_url, model, overload_status=503)).start()
-    nc = await nats.connect(nats_url)
+    nc = await buskit.admin_connect(nats_url)
     try:
         await publish_policy(nc.jetstream(), model, {"active_decode_blocks_threshold": 0.5},
                              expected_revision=0, kind=PolicyKind.BUSY_THRESHOLD)

@@ -166,3 +166,56 @@ def test_up_serves_stops_everything_and_keeps_data(tmp_path: Path) -> None:
         assert {row["actor"] for row in json.loads(audit.stdout)} == {"rudder-up-admin"}
     finally:
         assert again.stop() == 0, "".join(again.output)
+
+
+def _chat(router_url: str, text: str) -> int:
+    import httpx
+
+    r = httpx.post(f"{router_url}/v1/chat/completions", timeout=20, json={
+        "model": MODEL, "messages": [{"role": "user", "content": text}], "max_tokens": 2})
+    return r.status_code
+
+
+def test_up_supervises_a_killed_worker_and_writes_credentials_only_when_the_fleet_serves(tmp_path: Path) -> None:
+    import httpx
+
+    ports = {"admin": free_port(), "router": free_port(), "nats": free_port(), "postgres": free_port()}
+    up = Up(tmp_path, ports, extra=["--workers", "2"])
+    creds_path = tmp_path / ".rudder" / "credentials"
+    try:
+        # A script that waits for the credentials file finds every worker joined on the router.
+        deadline = time.monotonic() + 180
+        while not creds_path.exists():
+            assert up.proc.poll() is None and time.monotonic() < deadline, "".join(up.output)
+            time.sleep(0.05)
+        router_url = f"http://127.0.0.1:{ports['router']}"
+        models = httpx.get(f"{router_url}/v1/models", timeout=5).json()["data"]
+        assert [m["workers"] for m in models if m["id"] == MODEL] == [2]
+        up.wait_for("rudder up: ready")
+
+        status = rudder(tmp_path, "--json", "status")
+        assert status.returncode == 0, status.stderr
+        workers = [p for p in json.loads(status.stdout)["processes"] if p["kind"] == "worker"]
+        assert [w["restarts"] for w in workers] == [0, 0]
+        victim = workers[0]
+        os.kill(victim["pid"], signal.SIGKILL)
+        # Chats keep succeeding on the other worker while the victim is restarted.
+        for i in range(10):
+            assert _chat(router_url, f"during {i}") == 200
+        up.wait_for(f"{victim['name']:<13} restarted", timeout=60)
+        deadline = time.monotonic() + 60
+        while True:
+            now = json.loads(rudder(tmp_path, "--json", "status").stdout)
+            mine = next(p for p in now["processes"] if p["name"] == victim["name"])
+            models = httpx.get(f"{router_url}/v1/models", timeout=5).json()["data"]
+            if mine["state"] == "running" and [m["workers"] for m in models if m["id"] == MODEL] == [2]:
+                break
+            assert time.monotonic() < deadline, (now, models)
+            time.sleep(0.2)
+        assert mine["restarts"] == 1 and mine["pid"] != victim["pid"] and mine["last_exit"] == -9
+        human = rudder(tmp_path, "status")
+        assert human.returncode == 0 and victim["name"] in human.stdout
+        assert _chat(router_url, "after the restart") == 200
+    finally:
+        assert up.stop() == 0, "".join(up.output)
+    assert rudder(tmp_path, "status").returncode == 6

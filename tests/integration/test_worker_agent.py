@@ -22,7 +22,7 @@ import pytest
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 
-from controlplane.protocol import streams, tokenizer
+from controlplane.protocol import tokenizer
 from controlplane.protocol.events import (
     KvEvent,
     KvRemoved,
@@ -40,7 +40,8 @@ from controlplane.protocol.subjects import (
     kvdump_subject,
     membership_subject,
 )
-from worker.agent import Worker, ensure_membership_stream
+from tests import buskit
+from worker.agent import Worker
 from worker.settings import MockEngineSettings, WorkerSettings
 
 MODEL = "test/mock-1.0:latest"
@@ -53,7 +54,7 @@ def settings(nats_url: str, **overrides: Any) -> WorkerSettings:
     base: dict[str, Any] = {"nats_url": nats_url, "model": MODEL, "heartbeat_s": 0.2,
                             "mock": mock}
     base.update(overrides)
-    return WorkerSettings(**base)
+    return buskit.worker_settings(**base)  # type: ignore[return-value]
 
 
 class Collector:
@@ -270,21 +271,8 @@ async def test_prefill_and_decode_roles(nats_url: str, nc: NATS) -> None:
 
 
 @pytest.mark.timeout(30)
-async def test_membership_stream_creation_tolerates_an_existing_stream(
-    nats_url: str, nc: NATS
-) -> None:
-    js = nc.jetstream()
-    await ensure_membership_stream(js, worker_ttl_s=10.0)
-    await ensure_membership_stream(js, worker_ttl_s=10.0)  # idempotent
-    await ensure_membership_stream(js, worker_ttl_s=3.0)  # another config: left as it is
-    info = await js.stream_info(STREAM_MEMBERSHIP)
-    expected = streams.membership_stream(worker_ttl_s=10.0)
-    assert info.config.max_age == pytest.approx(expected["max_age"])
-
-
-@pytest.mark.timeout(30)
 async def test_start_fails_fast_without_nats() -> None:
-    s = WorkerSettings(nats_url="nats://127.0.0.1:1", model=MODEL, nats_connect_timeout_s=1.0)
+    s = buskit.worker_settings(nats_url="nats://127.0.0.1:1", model=MODEL, nats_connect_timeout_s=1.0)
     with pytest.raises(ConnectionError, match="RUDDER_NATS_URL"):
         async with Worker(s):
             pass
@@ -296,8 +284,8 @@ async def test_worker_process_leaves_on_sigterm(nats_url: str, nc: NATS) -> None
     seen = Collector(decode_membership_event)
     await nc.subscribe(membership_subject(MODEL, instance_id), cb=seen.on_msg)
     await nc.flush()
-    env = {**os.environ, "RUDDER_NATS_URL": nats_url, "RUDDER_MODEL": MODEL,
-           "RUDDER_INSTANCE_ID": str(instance_id), "RUDDER_HEARTBEAT_S": "0.2",
+    env = {**os.environ, **buskit.worker_env(MODEL, instance_id), "RUDDER_NATS_URL": nats_url,
+           "RUDDER_MODEL": MODEL, "RUDDER_HEARTBEAT_S": "0.2",
            "RUDDER_MOCK__SPEEDUP_RATIO": "10"}
     proc = subprocess.Popen(  # noqa: ASYNC220 - the worker must be a real process to signal
         [sys.executable, "-m", "worker"], env=env, stdout=subprocess.DEVNULL,

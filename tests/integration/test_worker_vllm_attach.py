@@ -24,6 +24,7 @@ from starlette.routing import Route
 from controlplane.protocol.events import KvCleared, KvEvent, KvStored, decode_kv_dump, decode_kv_event
 from controlplane.protocol.hashing import block_hashes
 from controlplane.protocol.subjects import kv_subject, kvdump_subject
+from tests import buskit
 from worker.agent import Worker
 from worker.engines.vllm import _free_port
 from worker.httpserver import HttpServer
@@ -127,7 +128,7 @@ async def test_attached_worker_translates_replays_and_restarts(nats_url: str, nc
     tokens = list(range(40, 56))  # 4 blocks of 4
     canon = block_hashes(tokens, BS)
     async with stand_in() as (vllm, url):
-        s = WorkerSettings(
+        s: WorkerSettings = buskit.worker_settings(  # type: ignore[assignment]
             nats_url=nats_url, model=MODEL, engine="vllm", heartbeat_s=0.2,
             vllm=VllmEngineSettings(attach_url=url, kv_events_endpoint=vllm.events,
                                     kv_replay_endpoint=vllm.replay_endpoint, block_size=BS,

@@ -28,6 +28,7 @@ from controlplane.protocol.events import (
 )
 from controlplane.protocol.hashing import chain_hashes
 from controlplane.protocol.subjects import kv_subject, kvdump_subject
+from tests import buskit
 from tests.vllm_env import ensure_vllm_python
 from worker.agent import Worker
 from worker.settings import VllmEngineSettings, WorkerSettings
@@ -121,7 +122,7 @@ async def test_vllm_worker_events_match_cached_tokens(
         got.append(decode_kv_event(msg.data))
         arrived.set()
 
-    s = WorkerSettings(
+    s: WorkerSettings = buskit.worker_settings(  # type: ignore[assignment]
         nats_url=nats_url, model="tiny-llama", engine="vllm", heartbeat_s=0.5,
         vllm=VllmEngineSettings(model_path=tiny_model, vllm_python=vllm_python, block_size=BS,
                                 max_model_len=512, startup_timeout_s=400),
@@ -177,7 +178,7 @@ async def test_chat_through_the_router_to_vllm_prediction_matches(
     from tests.support_router.workers import InProcessRouter, router_settings, wait_for
 
     model = "tiny-llama"
-    s = WorkerSettings(
+    s: WorkerSettings = buskit.worker_settings(  # type: ignore[assignment]
         nats_url=nats_url, model=model, engine="vllm", heartbeat_s=0.5,
         vllm=VllmEngineSettings(model_path=tiny_model, vllm_python=vllm_python, block_size=BS,
                                 max_model_len=512, startup_timeout_s=400),

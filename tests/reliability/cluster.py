@@ -1,4 +1,5 @@
-"""A real 3-node NATS JetStream cluster on loopback (one config file per node, fsync always)."""
+"""A real 3-node NATS JetStream cluster on loopback (one config file per node, fsync always),
+trusting the test session's bus authority (anonymous connections refused)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,8 @@ import time
 import urllib.request
 from pathlib import Path
 
-from cli.embedded import free_port, nats_server_binary
+from cli.embedded import free_port, nats_server_binary, nats_server_config
+from tests import buskit
 
 
 class NatsCluster:
@@ -25,14 +27,13 @@ class NatsCluster:
         return ",".join(f"nats://127.0.0.1:{p}" for p in self.client_ports.values())
 
     def _config(self, name: str) -> Path:
-        routes = ", ".join(f"nats-route://127.0.0.1:{p}" for p in self.route_ports.values())
         path = self.root / f"{name}.conf"
-        path.write_text(
-            f"server_name: {name}\nlisten: 127.0.0.1:{self.client_ports[name]}\n"
-            f"http: 127.0.0.1:{self.http_ports[name]}\n"
-            f'jetstream {{\n  store_dir: "{self.root / name}"\n  sync_interval: always\n}}\n'
-            f"cluster {{\n  name: c1\n  listen: 127.0.0.1:{self.route_ports[name]}\n  routes: [{routes}]\n}}\n"
-        )
+        path.write_text(nats_server_config(
+            server_name=name, port=self.client_ports[name], monitor_port=self.http_ports[name],
+            store_dir=self.root / name, sync_always=True,
+            cluster=("c1", self.route_ports[name], list(self.route_ports.values())),
+            auth_include=buskit.authority().server_config,
+        ))
         return path
 
     def start_node(self, name: str) -> None:

@@ -10,10 +10,12 @@ from pathlib import Path
 
 import pytest
 
-from controlplane.eventlog import PolicyLog, connect
+from bus.streams import BusLayout
+from controlplane.eventlog import PolicyLog
 from controlplane.protocol.policy import PolicyKind
 from controlplane.protocol.subjects import STREAM_POLICY
 from migrations import upgrade_async
+from tests import buskit
 from tests.integration.cp_support import client, controlplane, make_tokens
 from tests.reliability.cluster import NatsCluster
 
@@ -27,14 +29,15 @@ async def test_leader_killed_under_writes_loses_nothing(tmp_path: Path, database
         await upgrade_async(database_url)
         tokens = await make_tokens(database_url)
         model = f"ha/{uuid.uuid4().hex[:6]}"
-        # Streams may be refused until the cluster has formed: the control plane's start retries.
-        cp_ctx = controlplane(cluster.url, database_url, policy_replicas=3, history_depth=100_000)
+        # The bus admin creates the R3 streams (retrying until the cluster has formed).
+        await asyncio.to_thread(buskit.init_streams, cluster.url, BusLayout(replicas=3, history_depth=100_000))
+        cp_ctx = controlplane(cluster.url, database_url, stream_replicas=3, history_depth=100_000)
         running = await cp_ctx.__aenter__()
         try:
             accepted: list[int] = []
             unavailable = 0
             async with client(running, tokens.operator) as http:
-                nc = await connect(cluster.url)
+                nc = await buskit.admin_connect(cluster.url)
                 info = await nc.jetstream().stream_info(STREAM_POLICY)
                 assert info.config.num_replicas == 3
                 revision = 0

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import secrets
 import signal
 import subprocess
 import sys
@@ -14,6 +15,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from tests import buskit
 from tests.support_router.workers import InProcessRouter, router_settings, wait_for
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(120)]
@@ -23,7 +25,8 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def start_worker(nats_url: str, log: Path) -> subprocess.Popen[bytes]:
-    env = {**os.environ, "RUDDER_NATS_URL": nats_url, "RUDDER_MODEL": MODEL, "RUDDER_PORT": "0",
+    env = {**os.environ, **buskit.worker_env(MODEL, secrets.randbelow(2**63) + 1),
+           "RUDDER_NATS_URL": nats_url, "RUDDER_MODEL": MODEL, "RUDDER_PORT": "0",
            "RUDDER_HEARTBEAT_S": "0.2", "RUDDER_MOCK__SPEEDUP_RATIO": "20", "PYTHONPATH": str(ROOT)}
     out = open(log, "wb")
     proc = subprocess.Popen([sys.executable, "-m", "worker"], env=env, stdout=out, stderr=subprocess.STDOUT,

@@ -23,7 +23,6 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-import nats
 import uvicorn
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
@@ -32,6 +31,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+from bus.identities import Identity, IdentityKind
 from controlplane.protocol import tokenizer
 from controlplane.protocol.events import (
     KvDumpRank,
@@ -48,8 +48,8 @@ from controlplane.protocol.events import (
 from controlplane.protocol.hashing import block_hashes
 from controlplane.protocol.subjects import kv_subject, kvdump_subject, membership_subject
 from router.app import create_app, uvicorn_options
-from router.settings import RouterSettings
-from router.streams import ensure_all
+from router.settings import RouterSettings, new_router_id
+from tests import buskit
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -148,8 +148,9 @@ class TestWorker:
         await self.nc.jetstream().publish(membership_subject(self.model, self.instance_id), event.to_bytes())
 
     async def start(self) -> TestWorker:
-        self.nc = await nats.connect(self.nats_url)
-        await ensure_all(self.nc.jetstream(), history_depth=64, replicas=1, worker_ttl_s=10, heartbeat_s=1)
+        # A worker's own identity: it may publish only its own membership and KV subjects.
+        self.nc = await buskit.connect_as(
+            self.nats_url, Identity(IdentityKind.WORKER, model=self.model, instance_id=self.instance_id))
         await self.nc.subscribe(kvdump_subject(self.instance_id), cb=self._on_dump)
         await self.start_http()
         await self.publish_membership(MembershipOp.JOIN)
@@ -312,6 +313,8 @@ def router_settings(nats_url: str, model: str, **kw: Any) -> RouterSettings:
     kw.setdefault("worker_ttl_s", 5.0)
     kw.setdefault("worker_stale_s", 1.0)
     kw.setdefault("heartbeat_s", 0.5)
+    kw.setdefault("router_id", new_router_id())
+    kw.setdefault("nats_creds", buskit.router_creds(kw["router_id"]))
     return RouterSettings(nats_url=nats_url, models=[model], **kw)
 
 
@@ -335,6 +338,7 @@ def spawn_router(nats_url: str, model: str, *, port: int, router_id: str, comman
     full.update({
         "RUDDER_NATS_URL": nats_url, "RUDDER_MODELS": json.dumps([model]), "RUDDER_PORT": str(port),
         "RUDDER_ROUTER_ID": router_id, "RUDDER_HEARTBEAT_S": "0.5", "RUDDER_LOG_LEVEL": "WARNING",
+        "RUDDER_NATS_CREDS": str(buskit.router_creds(router_id)),
         "PYTHONPATH": str(ROOT),
     })
     full.update(env)
