@@ -33,6 +33,7 @@ if str(ROOT) not in sys.path:
 
 from bus.identities import Identity, IdentityKind  # noqa: E402
 from cli.embedded import LocalBus, free_port  # noqa: E402
+from cli.keys import ensure_keys  # noqa: E402
 
 
 def pct(values: Iterable[float], q: float) -> float:
@@ -148,6 +149,25 @@ def worker_env(bus: LocalBus, model: str, port: int, **mock: Any) -> dict[str, s
     return env
 
 
+_KEYS: tuple[Path, Path] | None = None
+
+
+def policy_key_files() -> tuple[Path, Path]:
+    """(seed, verify-keys) of this run's policy signing key, made once per process under a temporary
+    folder: routers always verify policy signatures, benchmarks included."""
+    global _KEYS
+    if _KEYS is None:
+        import atexit
+        import shutil
+        import tempfile
+
+        folder = Path(tempfile.mkdtemp(prefix="rudder-bench-keys-"))
+        atexit.register(shutil.rmtree, folder, True)
+        seed, pub, _ = ensure_keys(folder)
+        _KEYS = (seed, pub)
+    return _KEYS
+
+
 def router_env(bus: LocalBus, model: str, port: int, *, mode: str = "kv",
                selection: dict[str, float] | None = None, kv_events: bool = True,
                router_id: str | None = None) -> dict[str, str]:
@@ -157,6 +177,7 @@ def router_env(bus: LocalBus, model: str, port: int, *, mode: str = "kv",
         "RUDDER_MODELS": json.dumps([model]),
         "RUDDER_PORT": str(port), "RUDDER_MODE": mode, "RUDDER_LOG_LEVEL": "WARNING",
         "RUDDER_KV_EVENTS": "true" if kv_events else "false",
+        "RUDDER_POLICY_VERIFY_KEYS": str(policy_key_files()[1]),
     }
     if selection:
         env["RUDDER_SELECTION"] = json.dumps(selection)

@@ -36,6 +36,7 @@ sys.path.insert(0, str(ROOT))
 from bus.connect import connect  # noqa: E402
 from bus.identities import Identity, IdentityKind  # noqa: E402
 from cli.embedded import EmbeddedPostgres, LocalBus, free_port  # noqa: E402
+from cli.keys import ensure_keys  # noqa: E402
 from controlplane.auth import Role, create_token_sync  # noqa: E402
 from controlplane.protocol.subjects import HDR_EXPECTED_LAST_SUBJECT_SEQ, HDR_MSG_ID, policy_subject  # noqa: E402
 from migrations import upgrade  # noqa: E402
@@ -165,8 +166,10 @@ def main() -> None:
             upgrade(db)
             token = create_token_sync(db, "bench", Role.OPERATOR)
             port = free_port()
+            seed, verify_keys, _ = ensure_keys(Path(tmp) / "keys")
             env = dict(os.environ, **nats_srv.env(Identity(IdentityKind.CONTROLPLANE)), RUDDER_DATABASE_URL=db,
-                       RUDDER_ADMIN_PORT=str(port), RUDDER_LOG_LEVEL="WARNING", PYTHONPATH=str(ROOT))
+                       RUDDER_ADMIN_PORT=str(port), RUDDER_LOG_LEVEL="WARNING", PYTHONPATH=str(ROOT),
+                       RUDDER_POLICY_SIGNING_KEY=str(seed), RUDDER_POLICY_VERIFY_KEYS=str(verify_keys))
             # RUDDER_BENCH_CP_SCRIPT: run the control plane through another script (e.g. a profiler wrapper)
             script = os.environ.get("RUDDER_BENCH_CP_SCRIPT")
             cmd = [script] if script else ["-m", "cli.main", "serve", "controlplane"]

@@ -25,6 +25,8 @@ from pathlib import Path
 
 import numpy as np
 
+from controlplane.protocol.signing import Keyring
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from controlplane.protocol.events import (
@@ -70,6 +72,7 @@ def build(n_workers: int, temperature: float, rng: random.Random) -> tuple[Sched
         router_id="bench", models=[MODEL], role=RouterRole.AGGREGATED, mode=RoutingMode.KV,
         kv_events=True, cache_inputs=ALL_CACHE_INPUTS, startup=startup, worker_ttl_s=1e9,
         worker_stale_s=1e9, wall=lambda: now, rng=rng,
+        keyring=Keyring({}),  # selections only: no policy event is applied here
     )
     prefixes = [[rng.randrange(256) for _ in range(PROMPT)] for _ in range(PREFIXES)]
     prefix_blocks = [block_hashes(p, BLOCK) for p in prefixes]

@@ -27,6 +27,17 @@ from controlplane.protocol.errors import ConfigurationError, LogUnavailable
 log = logging.getLogger(__name__)
 
 
+class _TlsEofNoise(logging.Filter):
+    """asyncio warns "returning true from eof_received() has no effect when using ssl" each time
+    nats-py closes a TLS connection: noise that says nothing about the connection."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "eof_received()" not in record.getMessage()
+
+
+logging.getLogger("asyncio").addFilter(_TlsEofNoise())
+
+
 def split_servers(url: str) -> list[str]:
     """``"nats://a:4222, nats://b:4222"`` → both; nats-py needs a list for a cluster."""
     servers = [u.strip() for u in url.split(",") if u.strip()]

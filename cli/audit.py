@@ -112,7 +112,8 @@ def verify() -> None:
 
 @app.command("reconcile")
 def reconcile() -> None:
-    """Resolve pending records, then check stream ↔ audit both ways; exit 1 if not clean."""
+    """Resolve pending records, then check stream ↔ audit both ways, event signatures, documents
+    against their audit records and Nats-Msg-Id reuse; exit 1 if not clean."""
     with shared.client() as api:
         result = api.post("/audit/reconcile", {})
     result = result if isinstance(result, dict) else {}
@@ -122,7 +123,8 @@ def reconcile() -> None:
         show(table(["check", "result"], [(k, fmt_value(v)) for k, v in result.items()]))
     if not result.get("ok"):
         problems = [f"{k}={fmt_value(result.get(k))}" for k in
-                    ("events_without_decision", "decisions_without_event", "duplicate_decisions")
+                    ("events_without_decision", "decisions_without_event", "duplicate_decisions",
+                     "bad_signatures", "document_mismatches", "reused_msg_ids")
                     if result.get(k)]
         raise CliError(ExitCode.ERROR,
                        "stream and audit log disagree: " + (", ".join(problems) or "not ok"),

@@ -102,4 +102,6 @@ def database_url(flag: str | None) -> str:
         return creds["RUDDER_DATABASE_URL"]
     from controlplane.settings import ControlPlaneSettings
 
-    return ControlPlaneSettings().database_url.get_secret_value()
+    # The field's default, not a whole ControlPlaneSettings(): that one needs the signing key.
+    default = ControlPlaneSettings.model_fields["database_url"].default
+    return str(default.get_secret_value())

@@ -129,14 +129,20 @@ class EmbeddedNats:
         port: int | None = None,
         monitor_port: int | None = None,
         tie_to_parent: bool = False,
+        server_name: str | None = None,
+        cluster: tuple[str, int, list[int]] | None = None,
+        sync_always: bool = False,
     ):
         self.data_dir = Path(data_dir)
         self.auth = auth
         self.tls = tls
-        self._auto_ports = port is None and monitor_port is None
+        self._auto_ports = port is None and monitor_port is None and cluster is None
         self.port = port or free_port()
         self.monitor_port = monitor_port or free_port()
         self.tie_to_parent = tie_to_parent
+        self.server_name = server_name
+        self.cluster = cluster
+        self.sync_always = sync_always
         self.proc: subprocess.Popen[bytes] | None = None
 
     @property
@@ -157,12 +163,18 @@ class EmbeddedNats:
                 self.port, self.monitor_port = free_port(), free_port()
 
     def _start_once(self, timeout: float) -> None:
+        self.launch()
+        self.wait_healthy(timeout)
+
+    def launch(self) -> None:
+        """Start the process without waiting (a cluster starts every node, then waits)."""
         self.data_dir.mkdir(parents=True, exist_ok=True)
         logfile = open(self.data_dir / "nats.log", "ab")  # owned by the child
         config = self.data_dir / "nats.conf"
         config.write_text(nats_server_config(
             port=self.port, monitor_port=self.monitor_port, store_dir=self.data_dir,
-            auth_include=self.auth, tls=self.tls,
+            auth_include=self.auth, tls=self.tls, server_name=self.server_name,
+            cluster=self.cluster, sync_always=self.sync_always,
         ))
         self.proc = subprocess.Popen(
             [nats_server_binary(), "-c", str(config)],
@@ -170,6 +182,9 @@ class EmbeddedNats:
             preexec_fn=die_with_parent if self.tie_to_parent else None,
         )
         logfile.close()
+
+    def wait_healthy(self, timeout: float) -> None:
+        assert self.proc is not None
         deadline = time.monotonic() + timeout
         url = f"http://127.0.0.1:{self.monitor_port}/healthz?js-enabled-only=true"
         while time.monotonic() < deadline:
@@ -332,6 +347,11 @@ class EmbeddedPostgres:
             return self.create_database(name)
         return self.database_url(name)
 
+    def execute(self, sql: str, *, database: str = "postgres") -> None:
+        """Run SQL as the superuser (set-up steps: roles, databases)."""
+        self._run([self._bin("psql"), "-h", "127.0.0.1", "-p", str(self.port), "-U", "postgres",
+                   "-d", database, "-v", "ON_ERROR_STOP=1", "-c", sql])
+
     def create_database(self, name: str) -> str:
         """Create a database and return its SQLAlchemy URL."""
         self._run([self._bin("psql"), "-h", "127.0.0.1", "-p", str(self.port), "-U", "postgres",
@@ -340,27 +360,41 @@ class EmbeddedPostgres:
 
 
 class LocalBus:
-    """A bus on one machine: the bus authority, one nats-server trusting it (optionally TLS),
-    and the streams created by the bus admin. ``rudder up`` and the benchmarks run on it; each
-    process they start gets :meth:`env` for its own identity."""
+    """A bus on one machine: the bus authority, one nats-server trusting it (or, with ``nodes=3``,
+    a JetStream cluster with fsync always), optionally TLS, and the streams created by the bus
+    admin. ``rudder up`` and the benchmarks run on it; each process they start gets :meth:`env`
+    for its own identity."""
 
     def __init__(self, data_dir: Path, *, authority: BusAuthority | None = None, tls: bool = False,
-                 port: int | None = None, tie_to_parent: bool = False) -> None:
+                 port: int | None = None, tie_to_parent: bool = False, nodes: int = 1) -> None:
         self.data_dir = Path(data_dir)
         self.authority = authority or BusAuthority.open(self.data_dir / "bus")
         self.tls = make_server_tls(self.data_dir / "bus" / "tls") if tls else None
-        self.server = EmbeddedNats(self.data_dir / "nats", auth=self.authority.server_config,
-                                   tls=self.tls, port=port, tie_to_parent=tie_to_parent)
+        if nodes == 1:
+            self.servers = [EmbeddedNats(self.data_dir / "nats", auth=self.authority.server_config,
+                                         tls=self.tls, port=port, tie_to_parent=tie_to_parent)]
+        else:
+            ports = [port + i if port else free_port() for i in range(nodes)]
+            routes = [free_port() for _ in range(nodes)]
+            self.servers = [
+                EmbeddedNats(self.data_dir / f"nats-{i + 1}", auth=self.authority.server_config,
+                             tls=self.tls, port=ports[i], monitor_port=free_port(),
+                             tie_to_parent=tie_to_parent, server_name=f"n{i + 1}",
+                             cluster=("rudder", routes[i], routes), sync_always=True)
+                for i in range(nodes)
+            ]
+        self.server = self.servers[0]
 
     @property
     def url(self) -> str:
-        return self.server.url
+        """One URL, or a cluster's comma-separated list (what RUDDER_NATS_URL takes)."""
+        return ",".join(server.url for server in self.servers)
 
     def creds(self, identity: Identity) -> Path:
         return self.authority.issue(identity)
 
     def options(self, identity: Identity, *, name: str | None = None) -> BusOptions:
-        return BusOptions(servers=(self.url,), creds=self.creds(identity),
+        return BusOptions(servers=tuple(s.url for s in self.servers), creds=self.creds(identity),
                           ca=self.tls.ca if self.tls else None, name=name or f"rudder-{identity.name}")
 
     def env(self, identity: Identity) -> dict[str, str]:
@@ -377,13 +411,33 @@ class LocalBus:
 
         from bus.admin import bus_init
 
-        self.server.start()
-        opts = self.options(Identity(IdentityKind.ADMIN), name="rudder-bus-init")
-        try:
+        if len(self.servers) == 1:
+            self.server.start()
+        else:
+            for server in self.servers:
+                server.launch()
+            for server in self.servers:
+                server.wait_healthy(30)
+        # Admin credentials of its own for this one job (not the authority's shared file), gone after.
+        creds = self.authority.issue(Identity(IdentityKind.ADMIN),
+                                     self.data_dir / f".bus-init-{os.getpid()}.creds")
+        opts = BusOptions(servers=tuple(s.url for s in self.servers), creds=creds,
+                          ca=self.tls.ca if self.tls else None, name="rudder-bus-init")
+        def init() -> list[str]:
             return asyncio.run(bus_init(opts, layout or BusLayout(), timeout_s=30))
+
+        try:
+            try:
+                asyncio.get_running_loop()
+            except RuntimeError:
+                return init()
+            # Called from async code (a benchmark's main): its own loop, in a thread of its own.
+            from concurrent.futures import ThreadPoolExecutor
+
+            with ThreadPoolExecutor(1) as pool:
+                return pool.submit(init).result()
         finally:
-            assert opts.creds is not None
-            opts.creds.unlink(missing_ok=True)
+            creds.unlink(missing_ok=True)
 
     async def admin_connect(self) -> NATS:
         """A connection with the bus admin's rights (benchmarks publishing around the control plane)."""
@@ -391,5 +445,13 @@ class LocalBus:
 
         return await connect(self.options(Identity(IdentityKind.ADMIN), name="rudder-admin"))
 
+    def restart_dead(self) -> list[EmbeddedNats]:
+        """Start again any node that exited (same ports, same store); returns those restarted."""
+        dead = [server for server in self.servers if server.proc is not None and not server.running]
+        for server in dead:
+            server.launch()
+        return dead
+
     def stop(self) -> None:
-        self.server.stop()
+        for server in self.servers:
+            server.stop()

@@ -6,7 +6,7 @@ from typing import Annotated
 
 import typer
 
-from cli import admin, audit, bus, fleet, policy, serve, threshold, up
+from cli import admin, audit, bus, fleet, keys, policy, serve, threshold, up
 from cli.app import RudderGroup, use_settings
 from cli.config import DEFAULT_SERVER, resolve
 from cli.errors import EXIT_CODES_HELP
@@ -52,6 +52,7 @@ app.add_typer(audit.app, name="audit")
 app.add_typer(admin.token_app, name="token")
 app.add_typer(admin.db_app, name="db")
 app.add_typer(bus.app, name="bus")
+app.add_typer(keys.app, name="keys")
 app.add_typer(serve.app, name="serve")
 app.command("up")(up.up)
 app.command("status")(up.status)

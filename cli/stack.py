@@ -25,7 +25,6 @@ from pathlib import Path
 import httpx
 
 from bus.identities import Identity
-from bus.streams import BusLayout
 from cli.embedded import EmbeddedNats, EmbeddedPostgres, LocalBus, die_with_parent, free_port, port_is_free
 from cli.errors import CliError, ExitCode
 
@@ -148,15 +147,20 @@ class Stack:
     extra_status: list[Callable[[], dict[str, object]]] = field(default_factory=list)
 
     # -- servers -----------------------------------------------------------------------------
-    def start_nats(self, port: int, *, tls: bool = False, replicas: int = 1) -> EmbeddedNats:
-        """Start nats-server with the bus authority's decentralised auth (anonymous connections
-        refused), optionally TLS, then create the streams as the bus admin (``rudder bus init``)."""
+    def start_nats(self, port: int, *, tls: bool = False, nodes: int = 1) -> EmbeddedNats:
+        """Start nats-server (``nodes=3``: a JetStream cluster, R3 streams, fsync always) with the
+        bus authority's decentralised auth (anonymous connections refused), optionally TLS, then
+        create the streams as the bus admin (``rudder bus init``)."""
+        from bus.settings import BusAdminSettings
         from controlplane.protocol.errors import RudderError
 
-        bus = LocalBus(self.data_dir, tls=tls, port=port, tie_to_parent=True)
+        bus = LocalBus(self.data_dir, tls=tls, port=port, tie_to_parent=True, nodes=nodes)
+        # The same RUDDER_* settings the children read (history depth, TTLs), replicas by shape.
+        admin = BusAdminSettings(stream_replicas=3 if nodes >= 3 else 1)
         began = time.monotonic()
         try:
-            changed = bus.start(BusLayout(replicas=replicas))
+            changed = bus.start(admin.bus_layout(worker_ttl_s=admin.worker_ttl_s,
+                                                 router_heartbeat_s=admin.router_heartbeat_s))
         except RuntimeError as exc:
             raise CliError(ExitCode.ERROR, f"nats-server: {exc}") from exc
         except RudderError as exc:
@@ -209,6 +213,10 @@ class Stack:
         Call it every fraction of a second while ``rudder up`` runs."""
         now = time.monotonic()
         changed = False
+        if self.bus is not None:
+            for server in self.bus.restart_dead():
+                self.progress(f"nats {server.server_name or ''}   {server.url} exited; restarted (same store)")
+                changed = True
         for child in self.children:
             code = child.exited
             if child.state == "restarting" and child.restart_at is not None and now >= child.restart_at:
@@ -236,11 +244,12 @@ class Stack:
     def write_status(self) -> None:
         """``<data-dir>/status.json``: what ``rudder status`` shows (atomically replaced)."""
         rows: list[dict[str, object]] = []
-        if self.nats is not None:
-            rows.append({"name": "nats", "kind": "nats", "url": self.nats.url,
-                         "pid": self.nats.proc.pid if self.nats.proc else None,
-                         "state": "running" if self.nats.running else "exited", "restarts": 0,
-                         "last_exit": None, "log": str(self.nats.data_dir / "nats.log")})
+        for server in self.bus.servers if self.bus is not None else []:
+            rows.append({"name": f"nats-{server.server_name}" if server.server_name else "nats",
+                         "kind": "nats", "url": server.url,
+                         "pid": server.proc.pid if server.proc else None,
+                         "state": "running" if server.running else "exited", "restarts": 0,
+                         "last_exit": None, "log": str(server.data_dir / "nats.log")})
         for extra in self.extra_status:
             rows.append(extra())
         rows += [c.status() for c in self.children]
@@ -263,8 +272,9 @@ class Stack:
         with contextlib.suppress(OSError):
             (self.data_dir / "status.json").unlink()
         self.children.clear()
-        if self.nats is not None:
-            self.nats.stop()
+        if self.bus is not None:
+            self.bus.stop()
+            self.bus = None
             self.nats = None
         if self.postgres is not None:
             self.postgres.stop(mode="fast")

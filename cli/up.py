@@ -28,6 +28,7 @@ from cli import admin
 from cli.config import CREDENTIALS_FILE, read_credentials, write_credentials
 from cli.embedded import free_port
 from cli.errors import CliError, ExitCode
+from cli.keys import ensure_keys
 from cli.loader import available
 from cli.output import note, report_error, say, show, table
 from cli.stack import Child, Stack, UpLock, child_env, pick_port
@@ -90,6 +91,10 @@ def up(
     tls: Annotated[
         bool, typer.Option("--tls", help="TLS on every NATS connection (a private CA under the data dir).")
     ] = False,
+    ha: Annotated[
+        bool, typer.Option("--ha", help="Production shape: 3-node JetStream cluster (R3, fsync always), "
+                           "2 control planes, 2 routers.")
+    ] = False,
 ) -> None:
     """Start NATS, PostgreSQL, the control plane, routers and workers; Ctrl-C stops them all."""
     data_dir = data_dir.absolute()
@@ -101,8 +106,9 @@ def up(
     try:
         _start(stack, data_dir=data_dir, admin_port=admin_port, router_port=router_port,
                nats_port=nats_port, postgres_port=postgres_port,
-               routers=0 if no_router else routers, workers=0 if no_workers else workers,
-               engine=engine, model=model, timeout=timeout, tls=tls)
+               routers=0 if no_router else (max(routers, 2) if ha else routers),
+               workers=0 if no_workers else workers,
+               engine=engine, model=model, timeout=timeout, tls=tls, ha=ha)
         stack.ready = True
         stack.write_status()
         say("rudder up: ready (Ctrl-C to stop)")
@@ -142,9 +148,12 @@ def _start(
     model: str,
     timeout: float,
     tls: bool = False,
+    ha: bool = False,
 ) -> None:
     admin_port = pick_port(admin_port, 8080, "admin API")
-    nats = stack.start_nats(pick_port(nats_port, 4222, "NATS"), tls=tls)
+    stack.start_nats(pick_port(nats_port, 4222, "NATS"), tls=tls, nodes=3 if ha else 1)
+    assert stack.bus is not None
+    nats_url = stack.bus.url
     database_url = stack.start_postgres(pick_port(postgres_port, 5432, "PostgreSQL"), DATABASE)
     began = time.monotonic()
     admin.upgrade(database_url)
@@ -156,16 +165,26 @@ def _start(
     if fresh:
         token = admin.create_token(database_url, TOKEN_NAME, "admin")
 
-    env = child_env({"RUDDER_DATABASE_URL": database_url})
+    # Policy events are signed (DESIGN §9): one key pair under .rudder/keys, made on the first
+    # start and reused after; `rudder keys rotate` replaces it without a restart.
+    seed, verify_keys, made = ensure_keys(data_dir / "keys")
+    say(f"policy keys   {'made' if made else 'reused'}: {seed} (signing), {verify_keys} (verify)")
+    env = child_env({"RUDDER_DATABASE_URL": database_url, "RUDDER_POLICY_VERIFY_KEYS": str(verify_keys),
+                     "RUDDER_STREAM_REPLICAS": "3" if ha else "1"})
     logs = data_dir / "logs"
     server = f"http://127.0.0.1:{admin_port}"
-    stack.start_child(Child(
-        name="controlplane", kind="controlplane", url=server, health_url=f"{server}/readyz",
-        args=["serve", "controlplane"],
-        env={**env, **stack.bus_env(Identity(IdentityKind.CONTROLPLANE)),
-             "RUDDER_ADMIN_HOST": "127.0.0.1", "RUDDER_ADMIN_PORT": str(admin_port)},
-        log_path=logs / "controlplane.log",
-    ), timeout)
+    planes = [admin_port] + ([pick_port(None, admin_port + 1, "admin API")] if ha else [])
+    for i, port in enumerate(planes):
+        name = "controlplane" if len(planes) == 1 else f"controlplane-{i + 1}"
+        url = f"http://127.0.0.1:{port}"
+        stack.start_child(Child(
+            name=name, kind="controlplane", url=url, health_url=f"{url}/readyz",
+            args=["serve", "controlplane"],
+            env={**env, **stack.bus_env(Identity(IdentityKind.CONTROLPLANE)),
+                 "RUDDER_ADMIN_HOST": "127.0.0.1", "RUDDER_ADMIN_PORT": str(port),
+                 "RUDDER_POLICY_SIGNING_KEY": str(seed)},
+            log_path=logs / f"{name}.log",
+        ), timeout)
     if not fresh and not _token_works(server, token):
         note("the stored admin token is not known to this database; creating a new one")
         token = admin.create_token(database_url, TOKEN_NAME, "admin")
@@ -210,11 +229,12 @@ def _start(
     # Only now: a script that waits for this file finds a fleet that can serve.
     write_credentials(creds_path, {
         "RUDDER_SERVER": server, "RUDDER_TOKEN": token,
-        "RUDDER_DATABASE_URL": database_url, "RUDDER_NATS_URL": nats.url,
+        "RUDDER_DATABASE_URL": database_url, "RUDDER_NATS_URL": nats_url,
     })
 
     rows: list[tuple[str, str, str, str]] = [
-        ("nats", nats.url, str(nats.proc.pid if nats.proc else "-"), str(data_dir / "nats"))]
+        (f"nats-{n.server_name}" if n.server_name else "nats", n.url, str(n.proc.pid if n.proc else "-"),
+         str(n.data_dir)) for n in stack.bus.servers]
     if stack.postgres is not None:
         rows.append(("postgres", database_url, "-", str(stack.postgres.data_dir)))
     rows += [(c.name, c.url, str(c.pid), str(c.log_path)) for c in stack.children]

@@ -11,14 +11,16 @@ import json
 import logging
 import time
 import uuid
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Callable, Iterator
 from datetime import datetime
 from typing import TYPE_CHECKING, Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily
+from prometheus_client.registry import Collector
 from starlette.datastructures import MutableHeaders
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -36,6 +38,7 @@ from controlplane.protocol.errors import (
     UnsupportedMediaType,
 )
 from controlplane.protocol.policy import PolicyKind, PolicyOp, parse_kind
+from controlplane.reconcile import ReconcileReport
 from controlplane.writepath import Attempt, RequestContext
 
 if TYPE_CHECKING:
@@ -65,6 +68,37 @@ class Metrics:
                                  buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5))
         self.writes = Counter("rudder_policy_writes", "Policy write decisions", ["decision", "code"],
                               registry=self.registry)
+        # From the reconciler's last report (it runs every reconcile_interval_s).
+        self.reconcile_problems = Gauge("rudder_reconcile_problems",
+                                        "Findings of the last stream/audit reconciliation, by kind",
+                                        ["kind"], registry=self.registry)
+        self.reconcile_last_run = Gauge("rudder_reconcile_last_run_timestamp_seconds",
+                                        "When the last reconciliation finished (0 = not yet)",
+                                        registry=self.registry)
+
+    def observe_reconcile(self, report: ReconcileReport | None, at: datetime | None) -> None:
+        if report is None or at is None:
+            return
+        for kind, count in report.problems().items():
+            self.reconcile_problems.labels(kind).set(count)
+        self.reconcile_last_run.set(at.timestamp())
+
+
+class BusDropsCollector(Collector):
+    """``rudder_controlplane_bus_dropped_total{kind, reason}``: bus messages the fleet view dropped
+    as hostile or malformed (read at scrape time from the running fleet view's counts)."""
+
+    def __init__(self, totals: Callable[[], dict[tuple[str, str], int]]) -> None:
+        self.totals = totals
+
+    def collect(self) -> Iterator[CounterMetricFamily]:
+        family = CounterMetricFamily(
+            "rudder_controlplane_bus_dropped", "Bus messages dropped as hostile or malformed",
+            labels=["kind", "reason"],
+        )
+        for (kind, reason), n in sorted(self.totals().items()):
+            family.add_metric([kind, reason], n)
+        yield family
 
 
 class ObserveMiddleware:
@@ -111,6 +145,9 @@ def build_app(cp: ControlPlane, *, lifespan: Any = None) -> FastAPI:
     app = FastAPI(title="Rudder admin API", version="1", lifespan=lifespan,
                   description="The only write path for router policy. See docs/api.md.")
     metrics = Metrics()
+    metrics.registry.register(BusDropsCollector(
+        lambda: dict(cp.fleet.drops.totals) if hasattr(cp, "fleet") else {}
+    ))
     max_body = cp.settings.max_body_bytes
 
     # ---- edges ---------------------------------------------------------------------------
@@ -380,6 +417,7 @@ def build_app(cp: ControlPlane, *, lifespan: Any = None) -> FastAPI:
 
     @app.get("/metrics")
     async def prom() -> PlainTextResponse:
+        metrics.observe_reconcile(cp.reconciler.last_report, cp.reconciler.last_run_at)
         return PlainTextResponse(generate_latest(metrics.registry).decode(), media_type=CONTENT_TYPE_LATEST)
 
     return app

@@ -3,6 +3,11 @@
 Every nats exception is translated here, once: stale CAS (JetStream 10071) → RevisionConflict,
 anything that means "the server did not answer" → LogUnavailable. A publish whose answer was lost
 is resolved by reading the subject's last message back and comparing its ``Nats-Msg-Id``.
+
+Every event is signed on the way out (DESIGN §9) and verified on the way back in: a stored
+message whose signature does not verify against the keyring reads as an event that is not valid
+(``event`` is None, ``signature_error`` names the reason), so nothing the control plane does is
+ever based on a document it did not sign.
 """
 
 from __future__ import annotations
@@ -26,9 +31,10 @@ from nats.js.errors import (
     ServiceUnavailableError,
 )
 
-from controlplane.protocol.errors import InvalidRequest, LogUnavailable, RevisionConflict
-from controlplane.protocol.events import PolicyEvent, decode_policy_event
+from controlplane.protocol.errors import InvalidRequest, LogUnavailable, RevisionConflict, SignatureInvalid
+from controlplane.protocol.events import PolicyEvent, check_policy_subject, decode_policy_event
 from controlplane.protocol.policy import PolicyKind
+from controlplane.protocol.signing import Keyring, SigningKey
 from controlplane.protocol.subjects import (
     HDR_EXPECTED_LAST_SUBJECT_SEQ,
     HDR_MSG_ID,
@@ -63,8 +69,10 @@ class StoredEvent:
     revision: int
     subject: str
     msg_id: str | None
-    event: PolicyEvent | None  # None when the payload is not a valid PolicyEvent
+    event: PolicyEvent | None  # None when the payload is not a valid, verified PolicyEvent
     error: str | None = None
+    signed_by: str | None = None  # key id of a verified signature
+    signature_error: str | None = None  # reason code when the signature does not verify
 
 
 @dataclass(frozen=True, slots=True)
@@ -82,10 +90,16 @@ class Ambiguous(LogUnavailable):
 class PolicyLog:
     """Policy documents on the ``RUDDER_POLICY`` stream: head, CAS publish, history."""
 
-    def __init__(self, nc: NATS, *, timeout_s: float = 2.0) -> None:
+    def __init__(self, nc: NATS, *, signer: SigningKey, keyring: Keyring, timeout_s: float = 2.0) -> None:
         self.nc = nc
         self.js = nc.jetstream(timeout=timeout_s)
         self.timeout_s = timeout_s
+        self.use_keys(signer, keyring)
+
+    def use_keys(self, signer: SigningKey, keyring: Keyring) -> None:
+        """Sign with ``signer`` from now on; accept events signed by ``keyring`` or by it."""
+        self.signer = signer
+        self.keyring = keyring.union(Keyring.of([signer.public_key]))
 
     async def _call(self, what: str, fn: Callable[[], Awaitable[T]]) -> T:
         if not self.nc.is_connected:
@@ -99,16 +113,25 @@ class PolicyLog:
                 raise LogUnavailable(f"JetStream unavailable ({what}): {exc.description}", retry_after=5) from exc
             raise
 
-    @staticmethod
-    def _stored(msg: Any) -> StoredEvent:
+    def _stored(self, msg: Any) -> StoredEvent:
         headers = msg.headers or {}
+        data = msg.data or b""
         try:
-            event: PolicyEvent | None = decode_policy_event(msg.data or b"")
+            signed_by = self.keyring.verify(msg.subject, data, headers)
+        except SignatureInvalid as exc:
+            return StoredEvent(revision=int(msg.seq), subject=msg.subject, msg_id=headers.get(HDR_MSG_ID),
+                               event=None, error=f"{exc.reason_code}: {exc.message}",
+                               signature_error=exc.reason_code)
+        try:
+            event: PolicyEvent | None = decode_policy_event(data)
+            assert event is not None
+            # An event naming another document than its subject is malformed here too.
+            check_policy_subject(msg.subject, event)
             error = None
         except Exception as exc:  # a malformed message on the stream must not break reads
             event, error = None, str(exc)
         return StoredEvent(revision=int(msg.seq), subject=msg.subject,
-                           msg_id=headers.get(HDR_MSG_ID), event=event, error=error)
+                           msg_id=headers.get(HDR_MSG_ID), event=event, error=error, signed_by=signed_by)
 
     async def head(self, model: str, kind: PolicyKind) -> StoredEvent | None:
         """The newest event of a document, or None (revision 0) if it has none."""
@@ -127,14 +150,16 @@ class PolicyLog:
         """Publish with compare-and-set. Raises RevisionConflict, LogUnavailable, Ambiguous."""
         subject = policy_subject(event.model, event.kind)
         msg_id = str(event.event_id)
+        payload = event.to_bytes()
         headers = {
             HDR_EXPECTED_LAST_SUBJECT_SEQ: str(event.expected_revision),
             HDR_MSG_ID: msg_id,
+            **self.signer.sign(subject, payload),
         }
         if not self.nc.is_connected:
             raise LogUnavailable("NATS is not connected; nothing was published", retry_after=2)
         try:
-            ack = await self.js.publish(subject, event.to_bytes(), timeout=self.timeout_s, headers=headers)
+            ack = await self.js.publish(subject, payload, timeout=self.timeout_s, headers=headers)
             return PublishResult(revision=int(ack.seq), recovered=False)
         except APIError as exc:
             if _api_unavailable(exc):

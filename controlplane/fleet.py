@@ -3,7 +3,14 @@
 
 Background watchers keep an in-memory view so the write path's capability check costs no I/O.
 A router is live while its status is younger than 3 heartbeats; a worker while its last
-membership event is not ``leave`` and younger than the worker TTL.
+membership event is not ``leave`` and younger than the worker TTL. Ages use the bus's clock (when
+NATS stored the entry), never a timestamp in the payload, so a stamp in the future cannot keep a
+router or worker alive.
+
+Hostile input is dropped, logged once per source and counted (``self.drops``): a router status
+whose key is not its ``router_id`` or that does not decode (a naive timestamp, a size past its
+bound) is removed from the view and listed in :attr:`FleetView.bad_routers`, so it breaks no
+query; a membership event or an ACK whose ids differ from its subject's is not used.
 """
 
 from __future__ import annotations
@@ -15,20 +22,25 @@ from collections.abc import Awaitable, Callable
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
+import nats.errors
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 from nats.js.api import DeliverPolicy
 
-from controlplane.protocol.errors import InvalidRequest
+from controlplane.protocol.errors import InvalidRequest, SubjectMismatch
 from controlplane.protocol.events import (
     ApplyAck,
     MembershipEvent,
     MembershipOp,
     RouterStatus,
+    check_ack_subject,
+    check_membership_subject,
+    check_router_status_key,
     decode_apply_ack,
     decode_membership_event,
     decode_router_status,
 )
+from controlplane.protocol.guard import Drops
 from controlplane.protocol.policy import CacheInput, PolicyKind, missing_cache_inputs
 from controlplane.protocol.subjects import (
     ACKS_SUBJECTS,
@@ -39,6 +51,14 @@ from controlplane.protocol.subjects import (
 log = logging.getLogger(__name__)
 
 AckSink = Callable[[ApplyAck], Awaitable[None]]
+
+
+def _reason(exc: InvalidRequest) -> str:
+    return "subject_mismatch" if isinstance(exc, SubjectMismatch) else "malformed"
+
+
+def _stored_at(value: Any) -> datetime | None:
+    return value if isinstance(value, datetime) and value.tzinfo is not None else None
 
 
 async def cancel_all(tasks: list[asyncio.Task[None]]) -> None:
@@ -58,9 +78,15 @@ class FleetView:
         self.js = nc.jetstream()
         self.worker_ttl = timedelta(seconds=worker_ttl_s)
         self.router_ttl = timedelta(seconds=3 * router_heartbeat_s)
+        self.stall_s = max(2.0, 2 * router_heartbeat_s)
         self.clock = clock
         self._routers: dict[str, RouterStatus] = {}
+        self._router_seen: dict[str, datetime] = {}  # when the bus stored each status
         self._workers: dict[int, MembershipEvent] = {}
+        self._worker_seen: dict[int, datetime] = {}
+        # Router status entries that could not be used: key → why (shown by GET /routers).
+        self.bad_routers: dict[str, str] = {}
+        self.drops = Drops(log)
         self._tasks: list[asyncio.Task[None]] = []
         self._subs: list[Any] = []
 
@@ -68,14 +94,15 @@ class FleetView:
         self._tasks.append(asyncio.create_task(self._watch_routers(), name="fleet-routers"))
         self._subs.append(await self.js.subscribe(
             MEMBERSHIP_SUBJECTS, ordered_consumer=True, cb=self._on_membership,
-            deliver_policy=DeliverPolicy.LAST_PER_SUBJECT,
+            deliver_policy=DeliverPolicy.LAST_PER_SUBJECT, idle_heartbeat=0.5,
         ))
         if ack_sink is not None:
             async def on_ack(msg: Msg) -> None:
                 try:
                     ack = decode_apply_ack(msg.data)
+                    check_ack_subject(msg.subject, ack)
                 except InvalidRequest as exc:
-                    log.warning("malformed ACK on %s: %s", msg.subject, exc)
+                    self.drops.drop("ack", _reason(exc), msg.subject, exc.message)
                     return
                 try:
                     await ack_sink(ack)
@@ -97,29 +124,62 @@ class FleetView:
             try:
                 kv = await self.js.key_value(BUCKET_ROUTERS)
                 watcher = await kv.watchall()
-                async for entry in watcher:
+                while True:
+                    try:
+                        # Routers write every heartbeat: silence this long means the watch's
+                        # consumer went with a JetStream node; start a new one.
+                        entry = await watcher.updates(timeout=self.stall_s)  # type: ignore[no-untyped-call]
+                    except nats.errors.TimeoutError:
+                        log.info("router watch silent for %.1fs; restarting it", self.stall_s)
+                        with contextlib.suppress(Exception):
+                            await watcher.stop()  # type: ignore[no-untyped-call]
+                        break
                     if entry is None:
                         continue
                     if entry.operation in ("DEL", "PURGE") or not entry.value:
-                        self._routers.pop(entry.key, None)
+                        self._forget_router(entry.key)
+                        self.bad_routers.pop(entry.key, None)
                         continue
-                    try:
-                        self._routers[entry.key] = decode_router_status(entry.value)
-                    except InvalidRequest as exc:
-                        log.warning("malformed router status %s: %s", entry.key, exc)
+                    self._on_router_status(entry.key, entry.value, _stored_at(entry.created))
             except asyncio.CancelledError:
                 raise
             except Exception as exc:  # NATS restart, bucket not created yet: retry
                 log.debug("router watch restarting: %s", exc)
                 await asyncio.sleep(1.0)
 
+    def _forget_router(self, key: str) -> None:
+        self._routers.pop(key, None)
+        self._router_seen.pop(key, None)
+
+    def _on_router_status(self, key: str, value: bytes, stored_at: datetime | None) -> None:
+        try:
+            status = decode_router_status(value)
+            check_router_status_key(key, status)
+        except InvalidRequest as exc:
+            # The router's newest status is unusable: it is not shown as live (its old status
+            # would be stale information) and is flagged instead.
+            self._forget_router(key)
+            self.bad_routers[key] = exc.message
+            self.drops.drop("router_status", _reason(exc), f"key {key}", exc.message)
+            return
+        self.bad_routers.pop(key, None)
+        self._routers[key] = status
+        self._router_seen[key] = min(stored_at or self.clock(), self.clock())
+
     async def _on_membership(self, msg: Msg) -> None:
         try:
             event = decode_membership_event(msg.data)
+            check_membership_subject(msg.subject, event)
         except InvalidRequest as exc:
-            log.warning("malformed membership event on %s: %s", msg.subject, exc)
+            self.drops.drop("membership", _reason(exc), msg.subject, exc.message)
             return
-        self._workers[event.worker.instance_id] = event
+        try:
+            stored_at = _stored_at(msg.metadata.timestamp)
+        except (ValueError, AttributeError, IndexError):
+            stored_at = None
+        wid = event.worker.instance_id
+        self._workers[wid] = event
+        self._worker_seen[wid] = min(stored_at or self.clock(), self.clock())
 
     # ---- queries (no I/O) ----------------------------------------------------------------
 
@@ -127,8 +187,9 @@ class FleetView:
         now = self.clock()
         return sorted(
             (
-                r for r in self._routers.values()
-                if now - r.heartbeat_at <= self.router_ttl and (model is None or model in r.models)
+                r for key, r in self._routers.items()
+                if now - self._router_seen[key] <= self.router_ttl
+                and (model is None or model in r.models)
             ),
             key=lambda r: r.router_id,
         )
@@ -137,12 +198,16 @@ class FleetView:
         now = self.clock()
         return sorted(
             (
-                w for w in self._workers.values()
-                if w.op is not MembershipOp.LEAVE and now - w.at <= self.worker_ttl
+                w for wid, w in self._workers.items()
+                if w.op is not MembershipOp.LEAVE and now - self._worker_seen[wid] <= self.worker_ttl
                 and (model is None or w.worker.model == model)
             ),
             key=lambda w: (w.worker.model, w.worker.instance_id),
         )
+
+    def last_seen(self, instance_id: int) -> datetime | None:
+        """When the bus stored the worker's last membership event (what liveness uses)."""
+        return self._worker_seen.get(instance_id)
 
     def serves(self, model: str) -> bool:
         return bool(self.live_routers(model) or self.live_workers(model))

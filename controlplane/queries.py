@@ -35,7 +35,7 @@ def _event_view(stored: StoredEvent) -> dict[str, Any]:
         "revision": stored.revision, "event_id": str(ev.event_id), "op": ev.op.value,
         "expected_revision": ev.expected_revision, "actor": ev.actor, "at": _iso(ev.at),
         "changes": ev.changes, "document": ev.document, "rollback_to": ev.rollback_to,
-        "request_id": ev.request_id,
+        "request_id": ev.request_id, "signed_by": stored.signed_by,
     }
 
 
@@ -92,17 +92,20 @@ class Queries:
                     "applied": {k: v.model_dump() for k, v in r.applied.items()},
                     "startup": r.startup, "heartbeat_at": _iso(r.heartbeat_at),
                     "started_at": _iso(r.started_at),
+                    "policy_resync": r.policy_resync.model_dump(mode="json") if r.policy_resync else None,
                 }
                 for r in routers
             ],
             "heads": heads,
+            # Status entries dropped as unusable (naive timestamp, key ≠ router_id, too large).
+            "rejected": [{"key": k, "reason": why} for k, why in sorted(self.fleet.bad_routers.items())],
         }
 
     def workers(self, model: str | None = None) -> list[dict[str, Any]]:
         return [
             {
                 **w.worker.model_dump(mode="json"),
-                "last_seen": _iso(w.at), "state": w.op.value,
+                "last_seen": _iso(self.fleet.last_seen(w.worker.instance_id) or w.at), "state": w.op.value,
                 "load": [load.model_dump() for load in w.load],
             }
             for w in self.fleet.live_workers(model)

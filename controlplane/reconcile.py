@@ -5,6 +5,16 @@ ambiguous publish between steps 5 and 7) by looking its ``event_id`` up on the s
 ``check`` verifies the invariant in both directions: every event in ``RUDDER_POLICY`` has exactly
 one accepted decision, and every accepted decision has its event. Decisions whose event was
 dropped by the stream's per-document history limit are counted as ``retired``, not missing.
+
+It also checks what the stream itself says (DESIGN §9): every event's signature verifies against
+the control plane's valid keys (``bad_signatures``: unsigned, unknown key, or not verifying),
+each event's ``document`` equals its accepted audit record's ``after`` (``document_mismatches``),
+and no ``Nats-Msg-Id`` appears on more than one event (``reused_msg_ids``). A policy event written
+around the control plane therefore shows up at least twice: as a bad signature and as an event
+without a decision.
+
+The server runs :meth:`Reconciler.check` every ``reconcile_interval_s`` and exports the counts of
+the last report as ``rudder_reconcile_problems{kind=...}``.
 """
 
 from __future__ import annotations
@@ -35,6 +45,16 @@ class ReconcileReport:
     events_without_decision: list[dict[str, Any]] = field(default_factory=list)
     decisions_without_event: list[dict[str, Any]] = field(default_factory=list)
     duplicate_decisions: list[dict[str, Any]] = field(default_factory=list)
+    bad_signatures: list[dict[str, Any]] = field(default_factory=list)
+    document_mismatches: list[dict[str, Any]] = field(default_factory=list)
+    reused_msg_ids: list[dict[str, Any]] = field(default_factory=list)
+
+    PROBLEM_KINDS = ("events_without_decision", "decisions_without_event", "duplicate_decisions",
+                     "bad_signatures", "document_mismatches", "reused_msg_ids")
+
+    def problems(self) -> dict[str, int]:
+        """Number of findings of each kind (the ``rudder_reconcile_problems`` metric)."""
+        return {kind: len(getattr(self, kind)) for kind in self.PROBLEM_KINDS}
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -45,6 +65,8 @@ class Reconciler:
         self.log = log_
         self.audit = audit
         self.grace = timedelta(seconds=grace_s)
+        self.last_report: ReconcileReport | None = None
+        self.last_run_at: datetime | None = None
 
     async def resolve_pending(self, *, now: datetime | None = None, grace: timedelta | None = None) -> int:
         """Record the decision of every received-without-decision row older than the grace."""
@@ -79,15 +101,27 @@ class Reconciler:
         if resolve:
             report.resolved = await self.resolve_pending()
         events: dict[str, tuple[int, str]] = {}
+        documents: dict[str, dict[str, Any]] = {}
         first_retained: dict[str, int] = {}
         async for stored in self.log.all_events():
             report.checked_events += 1
             first_retained.setdefault(stored.subject, stored.revision)
+            if stored.signature_error is not None:
+                report.bad_signatures.append(
+                    {"revision": stored.revision, "subject": stored.subject, "event_id": stored.msg_id,
+                     "reason_code": stored.signature_error, "reason": stored.error})
             if stored.msg_id is None:
                 report.events_without_decision.append(
                     {"revision": stored.revision, "subject": stored.subject, "event_id": None})
                 continue
+            if stored.msg_id in events:
+                report.reused_msg_ids.append(
+                    {"event_id": stored.msg_id, "revisions": [events[stored.msg_id][0], stored.revision],
+                     "subject": stored.subject})
+                continue
             events[stored.msg_id] = (stored.revision, stored.subject)
+            if stored.event is not None:
+                documents[stored.msg_id] = dict(stored.event.document)
         accepted: dict[str, list[Any]] = defaultdict(list)
         for row in await self.audit.accepted_decisions():
             report.checked_decisions += 1
@@ -97,9 +131,16 @@ class Reconciler:
             if not rows:
                 report.events_without_decision.append(
                     {"revision": revision, "subject": subject, "event_id": msg_id})
-            elif len(rows) > 1:
+                continue
+            if len(rows) > 1:
                 report.duplicate_decisions.append(
                     {"event_id": msg_id, "audit_ids": [r.id for r in rows]})
+            document = documents.get(msg_id)
+            after = rows[0].after
+            if document is not None and not _same_document(document, after):
+                report.document_mismatches.append(
+                    {"event_id": msg_id, "revision": revision, "subject": subject, "audit_id": rows[0].id,
+                     "document": document, "after": after})
         for event_id, rows in accepted.items():
             if event_id in events:
                 continue
@@ -111,19 +152,30 @@ class Reconciler:
             report.decisions_without_event.append(
                 {"event_id": event_id, "audit_id": row.id, "revision": row.new_revision,
                  "model": row.model, "kind": row.kind})
-        report.ok = not (report.events_without_decision or report.decisions_without_event
-                         or report.duplicate_decisions)
+        report.ok = not any(report.problems().values())
+        self.last_report, self.last_run_at = report, datetime.now(UTC)
         return report
 
     async def run_periodically(self, interval_s: float) -> None:
-        """Background loop owned by the server's lifespan."""
+        """Background loop owned by the server's lifespan: settle pending records, then check
+        the invariants; findings are logged and kept for the metric."""
         while True:
             try:
-                await self.resolve_pending()
+                report = await self.check()
+                if not report.ok:
+                    log.error("reconcile found problems: %s",
+                              ", ".join(f"{k}={n}" for k, n in report.problems().items() if n))
             except asyncio.CancelledError:
                 raise
             except Exception as exc:  # audit or NATS down: try again next round
                 log.warning("reconciler round failed: %s", exc)
             await asyncio.sleep(interval_s)
+
+
+def _same_document(document: dict[str, Any], after: Any) -> bool:
+    """Equal as numbers (JSONB may render 1.0 as 1)."""
+    if not isinstance(after, dict) or set(after) != set(document):
+        return False
+    return all(isinstance(after[k], int | float) and float(after[k]) == float(v) for k, v in document.items())
 
 

@@ -22,7 +22,8 @@ from controlplane.auth import AuthFailureLimiter, TokenStore, failure_entry
 from controlplane.eventlog import PolicyLog
 from controlplane.failpoints import Failpoints
 from controlplane.fleet import FleetView, cancel_all
-from controlplane.protocol.errors import ConfigurationError, RudderError
+from controlplane.protocol.errors import ConfigurationError, KeyFileInvalid, RudderError
+from controlplane.protocol.signing import Keyring, KeyringFile, SigningKeyFile
 from controlplane.queries import Queries
 from controlplane.reconcile import Reconciler
 from controlplane.settings import ControlPlaneSettings
@@ -45,8 +46,12 @@ class ControlPlane:
 
     async def start(self) -> None:
         s = self.settings
+        assert s.policy_signing_key is not None  # the settings refuse to exist without it
+        self.signing_key = SigningKeyFile(s.policy_signing_key, field="RUDDER_POLICY_SIGNING_KEY")
+        self.verify_keys = (KeyringFile(s.policy_verify_keys, field="RUDDER_POLICY_VERIFY_KEYS")
+                            if s.policy_verify_keys is not None else None)
         self.nc: NATS = await connect(s.bus_options("rudder-controlplane"))
-        self.log = PolicyLog(self.nc)
+        self.log = PolicyLog(self.nc, signer=self.signing_key.key, keyring=self._keyring())
         await self._ensure_streams()
         self.audit = AuditStore.from_url(s.database_url.get_secret_value())
         self.tokens = TokenStore(self.audit.engine)
@@ -59,7 +64,33 @@ class ControlPlane:
         self._tasks.append(asyncio.create_task(
             self.reconciler.run_periodically(s.reconcile_interval_s), name="reconciler"))
         self._tasks.append(asyncio.create_task(self._record_auth_failures(), name="auth-failures"))
-        log.info("control plane ready: nats=%s admin=%s:%d", s.nats_url, s.admin_host, s.admin_port)
+        self._tasks.append(asyncio.create_task(self._watch_keys(), name="policy-keys"))
+        log.info("control plane ready: nats=%s admin=%s:%d signing key %s, valid keys %s", s.nats_url,
+                 s.admin_host, s.admin_port, self.signing_key.key.key_id, ", ".join(self.log.keyring.key_ids))
+
+    def _keyring(self) -> Keyring:
+        return self.verify_keys.keyring if self.verify_keys is not None else Keyring({})
+
+    def refresh_keys(self) -> bool:
+        """Re-read the key files if they changed; a bad new file keeps the last good keys."""
+        changed = False
+        for watched in (self.signing_key, self.verify_keys):
+            if watched is None:
+                continue
+            try:
+                changed = watched.refresh() or changed
+            except KeyFileInvalid as exc:
+                log.error("policy key file not reloaded, keeping the last good keys: %s", exc.message)
+        if changed:
+            self.log.use_keys(self.signing_key.key, self._keyring())
+            log.info("policy keys reloaded: signing with %s, valid keys %s", self.signing_key.key.key_id,
+                     ", ".join(self.log.keyring.key_ids))
+        return changed
+
+    async def _watch_keys(self) -> None:
+        while True:
+            await asyncio.sleep(self.settings.key_poll_s)
+            self.refresh_keys()
 
     async def _ensure_streams(self) -> None:
         """Wait for the streams the bus admin creates (``rudder bus init``) and check their

@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import ipaddress
+from pathlib import Path
 
 from pydantic import Field, SecretStr, field_validator
 from pydantic_settings import SettingsConfigDict
 
 from bus.settings import BusSettings
+from controlplane.protocol.errors import KeyFileInvalid
+from controlplane.protocol.signing import load_keyring, load_signing_key
 
 
 class ControlPlaneSettings(BusSettings):
@@ -36,6 +39,35 @@ class ControlPlaneSettings(BusSettings):
     trusted_proxies: list[str] = Field(default_factory=list)
     # Audited header values (User-Agent) are cut to this many characters.
     audit_header_max_chars: int = Field(default=256, ge=16)
+    # Policy event signatures (DESIGN §9). The signing key is required: without it the control
+    # plane does not start. The verify-keys file (the routers' file) lets it read back events
+    # signed by another valid key, e.g. the previous one during a rotation. Both files are
+    # re-read when they change (every key_poll_s), so a rotation needs no restart.
+    policy_signing_key: Path | None = Field(default=None, validate_default=True)
+    policy_verify_keys: Path | None = None
+    key_poll_s: float = Field(default=1.0, gt=0)
+
+    @field_validator("policy_signing_key")
+    @classmethod
+    def _signing_key(cls, value: Path | None) -> Path:
+        if value is None:
+            raise ValueError("required: the path of the policy signing key seed file "
+                             "(RUDDER_POLICY_SIGNING_KEY; make one with `rudder keys new`)")
+        try:
+            load_signing_key(value)
+        except KeyFileInvalid as exc:
+            raise ValueError(exc.message) from exc
+        return value
+
+    @field_validator("policy_verify_keys")
+    @classmethod
+    def _verify_keys(cls, value: Path | None) -> Path | None:
+        if value is not None:
+            try:
+                load_keyring(value)
+            except KeyFileInvalid as exc:
+                raise ValueError(exc.message) from exc
+        return value
 
     @field_validator("trusted_proxies")
     @classmethod

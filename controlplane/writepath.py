@@ -2,6 +2,14 @@
 capabilities, record "received", publish with compare-and-set, record the decision.
 
 Fail closed: if the audit store cannot record, nothing is published and the answer is 503.
+
+A head message that is not a valid policy event (written around the control plane) does not jam
+its document: a write that names it, ``expected_revision`` = that head's revision, replaces it.
+The malformed head's contents are not carried over (``before`` is ``{}``): a PATCH's document is
+exactly its parameters, a reset is ``{}``, a rollback the target's document. The decision is
+recorded with ``reason_code`` ``replaced_malformed_head`` and the head's error as ``reason``, and
+the publish is compare-and-set against that revision like any other. A write that does not name
+the revision (the compatible threshold API without ``expected_revision``) is refused with 409.
 Every rejection of steps 1-4, and a 409 at publish, is itself recorded. A publish whose outcome is
 unknown leaves its "received" row without a decision; the reconciler settles it from the stream.
 """
@@ -88,6 +96,8 @@ class Attempt:
     after: Document | None = None
     rollback_to: int | None = None
     dry_run: bool = False
+    # Set when the head it replaces is malformed: that head's decode error.
+    replaces_malformed: str | None = None
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -244,9 +254,15 @@ class WritePath:
             raise
         self.failpoints.hit("after_publish")
         self.failpoints.hit("before_decision")
+        code = "recovered" if result.recovered else None
+        reason = None
+        if a.replaces_malformed is not None:
+            code = code or "replaced_malformed_head"
+            reason = (f"replaced malformed head revision {a.head_revision}: "
+                      f"{a.replaces_malformed}")[:2000]
         await self.audit.append(self._entry(
             ctx, a, stage=AuditStage.DECISION, decision=Decision.ACCEPTED,
-            reason_code="recovered" if result.recovered else None, new_revision=result.revision,
+            reason_code=code, reason=reason, new_revision=result.revision,
         ))
         log.info("accepted request_id=%s event_id=%s model=%s kind=%s revision=%d actor=%s",
                  ctx.request_id, a.event_id, a.model, a.kind, result.revision, ctx.actor)
@@ -267,11 +283,18 @@ class WritePath:
         head = await self.log.head(a.model, a.kind)
         a.head_revision = head.revision if head else 0
         if head is not None and head.event is None:
-            # The newest message is not a valid event (written around the control plane):
-            # refuse to build on it rather than guess.
-            raise LogUnavailable(
+            # The newest message is not a valid event (written around the control plane). Never
+            # build on it; a write naming its revision replaces it (CAS-checked and audited).
+            if a.expected_revision == head.revision:
+                a.replaces_malformed = head.error or "not a valid policy event"
+                log.warning("model=%s kind=%s: replacing malformed head revision %d (%s)",
+                            a.model, a.kind.value, head.revision, a.replaces_malformed)
+                return {}
+            raise RevisionConflict(
                 f"head revision {head.revision} of {a.model}/{a.kind.value} is not a valid policy "
-                f"event ({head.error}); repair it by writing a full document", retry_after=0,
+                f"event ({head.error}); replace it with a write whose expected_revision is "
+                f"{head.revision}", expected_revision=a.expected_revision, head_revision=head.revision,
+                malformed_head=True,
             )
         return dict(head.event.document) if head and head.event else {}
 
@@ -403,6 +426,8 @@ class WritePath:
                 create = _bool(b, "create")
                 a.changes = {k: v for k, v in changes.items() if v is not None}
                 a.changes.update({name: None for name in unset})
+                if explicit:  # known before the head is read: it may name a malformed head
+                    a.expected_revision = require_revision(b["expected_revision"])
                 a.before = await self._head(a)
                 if a.head_revision == 0 and not create and not self.fleet.serves(a.model):
                     raise NotFound(f"model {a.model!r} is not served by any live worker or router and "
@@ -415,9 +440,9 @@ class WritePath:
             try:
                 result = await self._run_thresholds(ctx, a, prepare)
                 return result
-            except RevisionConflict:
+            except RevisionConflict as exc:
                 conflicts += 1
-                if explicit or conflicts >= self.retries:
+                if explicit or conflicts >= self.retries or exc.facts.get("malformed_head"):
                     raise
                 await asyncio.sleep(random.uniform(0, 0.005 * min(conflicts, 10)))
 

@@ -24,9 +24,11 @@ from nats.aio.client import Client as NATS
 
 from bus.connect import connect
 from bus.streams import ROUTER_STREAMS, wait_ready
-from controlplane.protocol.errors import RudderError
+from controlplane.protocol.errors import KeyFileInvalid, RudderError
 from controlplane.protocol.events import utcnow
+from controlplane.protocol.guard import Drops
 from controlplane.protocol.policy import Number, PolicyKind, startup_values
+from controlplane.protocol.signing import KeyringFile
 from controlplane.protocol.subjects import BUCKET_ROUTERS
 from router.api import build_api, error_response
 from router.consumers import (
@@ -43,7 +45,7 @@ from router.ingress import IngressLimits, protocol_class
 from router.metrics import RouterMetrics
 from router.policy_state import ApplyResult, Outcome
 from router.proxy import Proxy
-from router.scheduler import Scheduler
+from router.scheduler import Scheduler, UseVerifyKeys
 from router.settings import RouterSettings, RoutingMode
 from router.tokenize import TokenizerRegistry
 from router.upstream import UpstreamClient
@@ -63,14 +65,21 @@ class RouterRuntime:
             )
             for kind in PolicyKind
         }
+        assert settings.policy_verify_keys is not None  # the settings refuse to exist without it
+        self.verify_keys = KeyringFile(settings.policy_verify_keys, field="RUDDER_POLICY_VERIFY_KEYS")
         self.scheduler = Scheduler(
             router_id=settings.router_id, models=settings.models, role=settings.role,
             mode=settings.mode, kv_events=settings.kv_events, cache_inputs=self.cache_inputs,
             startup=self.startup, worker_ttl_s=settings.worker_ttl_s,
-            worker_stale_s=settings.worker_stale_s, approx_ttl_s=settings.approx_ttl_s, rng=rng,
+            worker_stale_s=settings.worker_stale_s, approx_ttl_s=settings.approx_ttl_s,
+            keyring=self.verify_keys.keyring, rng=rng,
             max_queued_selections=settings.max_queued_selections,
         )
         self.metrics = RouterMetrics()
+        self.drops = Drops(
+            logging.getLogger("router.bus"),
+            count=lambda kind, reason: self.metrics.bus_drops.labels(kind, reason).inc(),
+        )
         self.tokenizers = TokenizerRegistry()
         self.tasks = TaskSet()
         self.started_at: datetime = utcnow()
@@ -98,32 +107,52 @@ class RouterRuntime:
         )
         dumper = None
         if s.mode is RoutingMode.KV and s.kv_events:
-            dumper = KvDumper(self.nc, self.scheduler, self.tasks, timeout_s=s.kvdump_timeout_s)
-            self.kv = KvEventSubscriber(self.nc, self.scheduler, dumper, models=list(s.models))
+            dumper = KvDumper(self.nc, self.scheduler, self.tasks, timeout_s=s.kvdump_timeout_s,
+                              drops=self.drops)
+            self.kv = KvEventSubscriber(self.nc, self.scheduler, dumper, models=list(s.models),
+                                        drops=self.drops)
             await self.kv.start()
-        self.membership = MembershipConsumer(js, self.scheduler, dumper, models=list(s.models))
+        self.membership = MembershipConsumer(js, self.scheduler, dumper, models=list(s.models),
+                                             allow=s.url_allow_list, drops=self.drops)
         await self.membership.start()
         self.policy = PolicyConsumer(
             self.nc, js, self.scheduler, self.status, router_id=s.router_id,
-            models=list(s.models), on_result=self._count,
+            models=list(s.models), on_result=self._count, on_resync=self.metrics.policy_resyncs.inc,
         )
         await self.policy.start()
         await self.status.put()
         self.tasks.spawn(every(s.tick_s, lambda: tick(self.scheduler), "tick"), name="tick")
         self.tasks.spawn(every(s.heartbeat_s, self.status.put, "status"), name="status")
+        self.tasks.spawn(self.status.run(), name="status-writer")
+        self.tasks.spawn(every(s.heartbeat_s, self.policy.check_stream, "policy stream check"),
+                         name="policy-stream-check")
         self.tasks.spawn(every(s.tick_s, self._prewarm_tokenizers, "tokenizers"), name="tokenizers")
+        self.tasks.spawn(every(s.tick_s, self.refresh_verify_keys, "verify keys"), name="verify-keys")
         # /health answers 503 until the membership replay is applied; the API serves meanwhile.
         self.tasks.spawn(self.membership.wait_complete(), name="first-discovery")
         log.info(
-            "router %s serving %s on %s (mode %s, role %s, cache inputs %s)", s.router_id,
-            ", ".join(s.models), s.url(), s.mode.value, s.role.value,
-            ", ".join(sorted(self.cache_inputs)) or "none",
+            "router %s serving %s on %s (mode %s, role %s, cache inputs %s, policy keys %s)",
+            s.router_id, ", ".join(s.models), s.url(), s.mode.value, s.role.value,
+            ", ".join(sorted(self.cache_inputs)) or "none", ", ".join(self.verify_keys.keyring.key_ids),
         )
 
     async def _prewarm_tokenizers(self) -> None:
         """Load a newly advertised tokenizer (a model folder) before requests need it."""
         for names in self.scheduler.view.tokenizers.values():
             self.tokenizers.prewarm(names)
+
+    async def refresh_verify_keys(self) -> None:
+        """Re-read the verify-keys file when it changed (rotation: a new key becomes valid, a
+        retired one stops being valid); a broken file keeps the last good keyring."""
+        try:
+            changed = self.verify_keys.refresh()
+        except KeyFileInvalid as exc:
+            log.error("verify keys not reloaded, keeping %s: %s",
+                      ", ".join(self.verify_keys.keyring.key_ids), exc.message)
+            return
+        if changed:
+            await self.scheduler.call(UseVerifyKeys(self.verify_keys.keyring))
+            log.info("policy verify keys reloaded: %s", ", ".join(self.verify_keys.keyring.key_ids))
 
     def _count(self, result: ApplyResult) -> None:
         status = "ACK" if result.outcome is Outcome.ACK else "NACK"

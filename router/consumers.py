@@ -4,16 +4,24 @@ Each turns bus messages into scheduler commands and scheduler answers into bus m
 routing state. nats exceptions are caught here, at the edge, and logged with their ids: a router
 keeps serving with its last good state while NATS is away.
 
-- :class:`PolicyConsumer`: one ordered consumer per served model on ``rudder.policy.<key>.*``,
-  starting with the last message per subject, then live. The revision is the message's stream
-  sequence. Each event goes through :class:`~router.scheduler.ApplyPolicy`; the answer is
-  published as an :class:`ApplyAck` on ``rudder.acks.<router_id>`` and the status is rewritten.
+- :class:`PolicyConsumer`: one ordered consumer for all served models (a multi-subject filter of
+  ``rudder.policy.<key>.*``), starting with the last message per subject, then live. The
+  revision is the message's stream sequence. Each event goes through
+  :class:`~router.scheduler.ApplyPolicy` with its headers, so its signature is checked (replayed
+  or live, re-read or not) in the policy state; the answer is published as an :class:`ApplyAck`
+  on ``rudder.acks.<router_id>`` and a status write is requested (coalesced, off the path).
   A reported gap re-reads the document's head with a direct get and applies it if newer.
-- :class:`MembershipConsumer`: the same on ``rudder.workers.<key>.*``; the first discovery is
-  complete when the replay has been applied (``num_pending`` reaches 0, or nothing was there).
+- :class:`MembershipConsumer`: the same, one consumer on ``rudder.workers.<key>.*``; the first
+  discovery is complete when the replay has been applied (``num_pending`` reaches 0, or nothing was there).
 - :class:`KvEventSubscriber`: core subscription on ``rudder.kv.<key>.*``; gaps and new workers
   lead to a full dump over ``rudder.kvdump.<instance_id>`` (:class:`KvDumper`).
 - :class:`StatusPublisher`: the router's :class:`RouterStatus` in ``RUDDER_ROUTERS``.
+
+Hostile but well-formed input is dropped here, before it reaches the scheduler (DESIGN §9): a
+payload whose ids differ from its subject's, a worker URL outside ``RUDDER_WORKER_URL_ALLOW``,
+anything past the size bounds (refused at decode). Each drop is logged once per source and counted
+(:class:`~controlplane.protocol.guard.Drops`). A policy stream whose sequence went backwards (it
+was deleted and created again) is noticed by :meth:`PolicyConsumer.check_stream`, which re-syncs.
 """
 
 from __future__ import annotations
@@ -29,20 +37,26 @@ import nats.errors
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 from nats.js import JetStreamContext
-from nats.js.api import DeliverPolicy
+from nats.js.api import ConsumerConfig, DeliverPolicy
 from nats.js.kv import KeyValue
 
-from controlplane.protocol.errors import InvalidRequest, RudderError
+from controlplane.protocol.errors import InvalidRequest, RudderError, SubjectMismatch, ValidationFailed
 from controlplane.protocol.events import (
     AckStatus,
     ApplyAck,
+    MembershipEvent,
+    PolicyResync,
     RouterRole,
     RouterStatus,
+    check_kv_dump,
+    check_kv_subject,
+    check_membership_subject,
     decode_kv_dump,
     decode_kv_event,
     decode_membership_event,
     utcnow,
 )
+from controlplane.protocol.guard import Drops, UrlAllowList
 from controlplane.protocol.policy import CacheInput, Number, PolicyKind
 from controlplane.protocol.subjects import (
     STREAM_MEMBERSHIP,
@@ -57,20 +71,41 @@ from controlplane.protocol.subjects import (
     router_status_key,
 )
 from router.discovery import Change
-from router.policy_state import ApplyResult, Outcome
+from router.policy_state import ApplyResult, Outcome, stream_went_backwards
 from router.scheduler import (
     ApplyKvEvents,
     ApplyMembership,
     ApplyPolicy,
     DiscoveryComplete,
     LoadKvDump,
+    ResyncPolicy,
     Scheduler,
     Tick,
 )
 
 log = logging.getLogger(__name__)
 
+
+def _reason(exc: InvalidRequest) -> str:
+    return "subject_mismatch" if isinstance(exc, SubjectMismatch) else "malformed"
+
 _NATS_ERRORS = (nats.errors.Error, asyncio.TimeoutError, OSError)
+
+
+# Ordered consumers notice a consumer lost with a node after two missed idle heartbeats: short
+# heartbeats bound how long a router misses policy events after a JetStream node dies.
+IDLE_HEARTBEAT_S = 0.5
+
+
+async def ordered_consumer(js: JetStreamContext, stream: str, filters: list[str],
+                           cb: Callable[[Msg], Awaitable[None]]) -> Any:
+    """An ordered push consumer on ``stream`` over every subject in ``filters``, starting with the
+    last message per subject (the current state), then live."""
+    config = ConsumerConfig(filter_subjects=filters) if len(filters) > 1 else None
+    return await js.subscribe(
+        filters[0] if len(filters) == 1 else "", stream=stream, cb=cb, ordered_consumer=True,
+        deliver_policy=DeliverPolicy.LAST_PER_SUBJECT, idle_heartbeat=IDLE_HEARTBEAT_S, config=config,
+    )
 
 
 async def unsubscribe_all(subs: list[Any]) -> None:
@@ -140,18 +175,33 @@ class StatusPublisher:
             "started_at": started_at,
         }
         self._lock = asyncio.Lock()
+        self._dirty = asyncio.Event()
+        self.resync: PolicyResync | None = None  # set by the policy consumer when it re-syncs
 
     def status(self) -> RouterStatus:
         return RouterStatus(
-            **self._static, applied=self.scheduler.view.applied, heartbeat_at=utcnow()
+            **self._static, applied=self.scheduler.view.applied, heartbeat_at=utcnow(),
+            policy_resync=self.resync,
         )
 
     async def put(self) -> None:
         async with self._lock:
+            self._dirty.clear()
             try:
                 await self.kv.put(router_status_key(self.router_id), self.status().to_bytes())
             except _NATS_ERRORS as exc:
                 log.warning("router status not written: %s", type(exc).__name__)
+
+    def request(self) -> None:
+        """Ask for a status write soon, without waiting for it: a burst of applied events costs
+        one write, and a bucket electing a leader never holds up the policy consumer."""
+        self._dirty.set()
+
+    async def run(self) -> None:
+        """The writer behind :meth:`request` (a task of the router's lifespan)."""
+        while True:
+            await self._dirty.wait()
+            await self.put()
 
     async def delete(self) -> None:
         try:
@@ -165,6 +215,7 @@ class PolicyConsumer:
         self, nc: NATS, js: JetStreamContext, scheduler: Scheduler, status: StatusPublisher, *,
         router_id: str, models: list[str],
         on_result: Callable[[ApplyResult], None] | None = None,
+        on_resync: Callable[[], None] | None = None,
     ) -> None:
         self.nc = nc
         self.js = js
@@ -173,16 +224,72 @@ class PolicyConsumer:
         self.router_id = router_id
         self.models = models
         self.on_result = on_result
+        self.on_resync = on_resync
         self._subs: list[Any] = []
+        self._stream_created: datetime | None = None
+        self._resync_lock = asyncio.Lock()
+        self.resyncs = 0
 
     async def start(self) -> None:
-        for model in self.models:
-            sub = await self.js.subscribe(
-                policy_filter(model), stream=STREAM_POLICY,
-                cb=self._on_msg, ordered_consumer=True,
-                deliver_policy=DeliverPolicy.LAST_PER_SUBJECT, idle_heartbeat=2.0,
+        info = await self._stream_info()
+        if info is not None:
+            self._stream_created = info.created
+        await self._subscribe()
+
+    async def _stream_info(self) -> Any:
+        try:
+            return await self.js.stream_info(STREAM_POLICY)
+        except (*_NATS_ERRORS, nats.js.errors.Error) as exc:
+            log.debug("%s info not read: %s", STREAM_POLICY, type(exc).__name__)
+            return None
+
+    async def check_stream(self) -> bool:
+        """Re-sync when ``RUDDER_POLICY`` went backwards: it was created again (its creation time
+        changed) or its last sequence is below a revision this router has seen. Otherwise the
+        router would skip every later revision as "already seen" (and its ordered consumers would
+        wait past the old sequence). Returns whether it re-synced."""
+        info = await self._stream_info()
+        if info is None:
+            return False
+        if not self._subs:  # a re-sync whose subscribe failed (NATS away): subscribe again
+            async with self._resync_lock:
+                if not self._subs:
+                    await self._subscribe()
+        seen = await self.scheduler.inspect(lambda s: s.policy.max_seen())
+        reason = stream_went_backwards(
+            known_created=self._stream_created, created=info.created,
+            last_seq=info.state.last_seq, max_seen=seen,
+        )
+        if self._stream_created is None:
+            self._stream_created = info.created
+        if reason is None:
+            return False
+        await self.resync(reason, created=info.created)
+        return True
+
+    async def resync(self, reason: str, *, created: datetime | None) -> None:
+        """Forget the applied revisions (keeping the effective values) and read every document
+        again from the last message per subject; report it in the status, the log and a metric."""
+        async with self._resync_lock:
+            await unsubscribe_all(self._subs)
+            forgotten = await self.scheduler.call(ResyncPolicy(reason))
+            self._stream_created = created
+            self.resyncs += 1
+            log.warning(
+                "policy stream %s went backwards (%s): re-syncing; forgot applied revisions %s",
+                STREAM_POLICY, reason, forgotten or "none",
             )
-            self._subs.append(sub)
+            self.status.resync = PolicyResync(at=utcnow(), reason=reason, count=self.resyncs)
+            if self.on_resync is not None:
+                self.on_resync()
+            await self._subscribe()
+            await self.status.put()
+
+    async def _subscribe(self) -> None:
+        """One ordered consumer for every served model (a multi-subject filter): a router's
+        consumers do not grow with its models (JetStream limits consumers per stream)."""
+        self._subs.append(await ordered_consumer(
+            self.js, STREAM_POLICY, [policy_filter(m) for m in self.models], self._on_msg))
 
     async def stop(self) -> None:
         await unsubscribe_all(self._subs)
@@ -195,11 +302,13 @@ class PolicyConsumer:
         except (InvalidRequest, ValueError) as exc:
             log.warning("ignoring message on %s: %s", msg.subject, exc)
             return
-        await self._apply(model, kind, revision, msg.data)
+        await self._apply(model, kind, revision, msg.data, msg.headers)
 
-    async def _apply(self, model: str, kind: PolicyKind, revision: int, payload: bytes) -> None:
+    async def _apply(
+        self, model: str, kind: PolicyKind, revision: int, payload: bytes, headers: dict[str, str] | None,
+    ) -> None:
         try:
-            applied = await self.scheduler.call(ApplyPolicy(model, kind, revision, payload))
+            applied = await self.scheduler.call(ApplyPolicy(model, kind, revision, payload, headers))
         except RudderError as exc:
             log.warning("policy %s|%s revision %d not applied: %s", model, kind.value, revision, exc)
             return
@@ -209,7 +318,7 @@ class PolicyConsumer:
         await self._ack(result)
         if self.on_result is not None:
             self.on_result(result)
-        await self.status.put()
+        self.status.request()
         if result.gap:
             log.warning(
                 "policy %s|%s: gap before revision %d; re-reading the head", model, kind.value,
@@ -224,7 +333,7 @@ class PolicyConsumer:
             log.warning("head of %s|%s not re-read: %s", model, kind.value, type(exc).__name__)
             return
         if msg.seq is not None and msg.seq > revision and msg.data is not None:
-            await self._apply(model, kind, msg.seq, msg.data)
+            await self._apply(model, kind, msg.seq, msg.data, msg.headers)
 
     async def _ack(self, result: ApplyResult) -> None:
         ack = ApplyAck(
@@ -241,11 +350,14 @@ class PolicyConsumer:
 
 
 class KvDumper:
-    def __init__(self, nc: NATS, scheduler: Scheduler, tasks: TaskSet, *, timeout_s: float) -> None:
+    def __init__(
+        self, nc: NATS, scheduler: Scheduler, tasks: TaskSet, *, timeout_s: float, drops: Drops,
+    ) -> None:
         self.nc = nc
         self.scheduler = scheduler
         self.tasks = tasks
         self.timeout_s = timeout_s
+        self.drops = drops
         self._inflight: set[int] = set()
 
     def request(self, instance_id: int) -> None:
@@ -259,11 +371,10 @@ class KvDumper:
         try:
             msg = await self.nc.request(kvdump_subject(instance_id), b"", timeout=self.timeout_s)
             reply = decode_kv_dump(msg.data)
-            if reply.instance_id != instance_id:
-                log.warning("dump for %s answered by %s", instance_id, reply.instance_id)
-                reply = None
+            check_kv_dump(instance_id, reply)
         except InvalidRequest as exc:
-            log.warning("bad dump from worker %s: %s", instance_id, exc.message)
+            reply = None
+            self.drops.drop("kvdump", _reason(exc), kvdump_subject(instance_id), exc.message)
         except _NATS_ERRORS as exc:
             log.info("no dump from worker %s: %s", instance_id, type(exc).__name__)
         finally:
@@ -274,31 +385,28 @@ class KvDumper:
 class MembershipConsumer:
     def __init__(
         self, js: JetStreamContext, scheduler: Scheduler, dumper: KvDumper | None, *,
-        models: list[str], ready_timeout_s: float = 3.0,
+        models: list[str], allow: UrlAllowList, drops: Drops, ready_timeout_s: float = 3.0,
     ) -> None:
         self.js = js
         self.scheduler = scheduler
         self.dumper = dumper
         self.models = models
+        self.allow = allow
+        self.drops = drops
         self.ready_timeout_s = ready_timeout_s
-        self._pending_models: set[str] = set(models)
         self._subs: list[Any] = []
         self._complete = asyncio.Event()
 
     async def start(self) -> None:
-        for model in self.models:
-            sub = await self.js.subscribe(
-                membership_filter(model), stream=STREAM_MEMBERSHIP,
-                cb=functools.partial(self._on_msg, model), ordered_consumer=True,
-                deliver_policy=DeliverPolicy.LAST_PER_SUBJECT, idle_heartbeat=2.0,
-            )
-            self._subs.append(sub)
-            try:
-                info = await sub.consumer_info()
-                if info.num_pending == 0 and (info.delivered is None or not info.delivered.consumer_seq):
-                    self._model_done(model)
-            except (*_NATS_ERRORS, nats.js.errors.Error):
-                pass
+        sub = await ordered_consumer(self.js, STREAM_MEMBERSHIP,
+                                     [membership_filter(m) for m in self.models], self._on_msg)
+        self._subs.append(sub)
+        try:
+            info = await sub.consumer_info()
+            if info.num_pending == 0 and (info.delivered is None or not info.delivered.consumer_seq):
+                self._declare()  # nothing to replay: discovery is complete (and empty)
+        except (*_NATS_ERRORS, nats.js.errors.Error):
+            pass
 
     async def wait_complete(self) -> None:
         """Wait for the first discovery; give up waiting (and declare it) after the timeout."""
@@ -308,10 +416,6 @@ class MembershipConsumer:
             log.warning("membership replay not confirmed in %.1fs; serving anyway", self.ready_timeout_s)
             self._declare()
 
-    def _model_done(self, model: str) -> None:
-        self._pending_models.discard(model)
-        if not self._pending_models:
-            self._declare()
 
     def _declare(self) -> None:
         if not self._complete.is_set():
@@ -321,47 +425,72 @@ class MembershipConsumer:
     async def stop(self) -> None:
         await unsubscribe_all(self._subs)
 
-    async def _on_msg(self, model: str, msg: Msg) -> None:
+    def _accept(self, msg: Msg) -> MembershipEvent | None:
+        """The event, if it speaks for its own subject and names an allowed URL; else None
+        (dropped and reported)."""
         try:
             event = decode_membership_event(msg.data)
+            check_membership_subject(msg.subject, event)
         except InvalidRequest as exc:
-            log.warning("bad membership event on %s: %s", msg.subject, exc.message)
-            event = None
+            self.drops.drop("membership", _reason(exc), msg.subject, exc.message)
+            return None
+        try:
+            self.allow.check(event.worker.url)
+        except ValidationFailed as exc:
+            self.drops.drop(
+                "membership", "url_not_allowed", msg.subject,
+                f"worker {event.worker.instance_id}: {exc.message}",
+            )
+            return None
+        return event
+
+    async def _on_msg(self, msg: Msg) -> None:
+        event = self._accept(msg)
         if event is not None:
             try:
-                change = await self.scheduler.call(ApplyMembership(event))
+                stored_at: datetime | None = msg.metadata.timestamp
+            except (ValueError, AttributeError, IndexError):
+                stored_at = None
+            try:
+                change = await self.scheduler.call(ApplyMembership(event, stored_at))
             except RudderError:
                 return
             if change is Change.JOINED and self.dumper is not None:
                 self.dumper.request(event.worker.instance_id)
         try:
             if msg.metadata.num_pending == 0:
-                self._model_done(model)
+                self._declare()  # the replay of the last state of every worker is applied
         except (ValueError, AttributeError):
             pass
 
 
 class KvEventSubscriber:
-    def __init__(self, nc: NATS, scheduler: Scheduler, dumper: KvDumper, *, models: list[str]) -> None:
+    def __init__(
+        self, nc: NATS, scheduler: Scheduler, dumper: KvDumper, *, models: list[str], drops: Drops,
+    ) -> None:
         self.nc = nc
         self.scheduler = scheduler
         self.dumper = dumper
         self.models = models
+        self.drops = drops
         self._subs: list[Any] = []
         self.received = 0
 
     async def start(self) -> None:
         for model in self.models:
-            self._subs.append(await self.nc.subscribe(kv_filter(model), cb=self._on_msg))
+            self._subs.append(await self.nc.subscribe(
+                kv_filter(model), cb=functools.partial(self._on_msg, model)
+            ))
 
     async def stop(self) -> None:
         await unsubscribe_all(self._subs)
 
-    async def _on_msg(self, msg: Msg) -> None:
+    async def _on_msg(self, model: str, msg: Msg) -> None:
         try:
             event = decode_kv_event(msg.data)
+            check_kv_subject(msg.subject, model, event)
         except InvalidRequest as exc:
-            log.warning("bad KV event on %s: %s", msg.subject, exc.message)
+            self.drops.drop("kv", _reason(exc), msg.subject, exc.message)
             return
         self.received += 1
         try:

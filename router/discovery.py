@@ -2,9 +2,13 @@
 
 A worker is *live* while its last heartbeat is younger than ``stale_s``, *stale* after that (not a
 candidate; a pin to it is 503), and *gone* after ``ttl_s`` or a ``leave`` event (removed; a pin to
-it is 400). A connection failure marks it *unreachable* until its next heartbeat. The age of an
-event is taken from its ``at`` stamp, so a replayed heartbeat of a dead worker is not mistaken for
-a live one; both clocks are passed in.
+it is 400). A connection failure marks it *unreachable* until its next heartbeat.
+
+Liveness uses the receiver's clock, never the worker's ``at`` stamp (a future ``at`` could
+otherwise keep a dead worker alive or, as "newer than anything", hide a real worker's later
+heartbeats). An event's age is ``wall_now - received_at``, where ``received_at`` is when the bus
+stored it (JetStream's own timestamp, so a replayed heartbeat of a dead worker is not mistaken for a
+live one) or, without one, now. Both clocks are passed in.
 """
 
 from __future__ import annotations
@@ -55,20 +59,23 @@ class Discovery:
         self.models = models
         self.workers: dict[int, WorkerState] = {}
 
-    def apply(self, event: MembershipEvent, *, now: float, wall_now: datetime) -> Change:
+    def apply(
+        self, event: MembershipEvent, *, now: float, wall_now: datetime,
+        received_at: datetime | None = None,
+    ) -> Change:
+        """Apply one event, in the order the bus delivered it (per worker, the order it stored
+        them). ``received_at``: when the bus stored it (None: just now)."""
         rec = event.worker
         wid = rec.instance_id
         if self.models is not None and rec.model not in self.models:
             return Change.IGNORED
         state = self.workers.get(wid)
-        if state is not None and event.at < state.at:
-            return Change.IGNORED  # older than what we know
         if event.op is MembershipOp.LEAVE:
             if state is None:
                 return Change.IGNORED
             del self.workers[wid]
             return Change.LEFT
-        age = max(0.0, (wall_now - event.at).total_seconds())
+        age = 0.0 if received_at is None else max(0.0, (wall_now - received_at).total_seconds())
         if age >= self.ttl_s:
             return Change.IGNORED  # a replayed record of a worker that is already gone
         last_seen = now - age

@@ -54,6 +54,15 @@ class RouterMetrics:
             "rudder_router_policy_events", "Policy events applied or refused", ["status"], registry=r
         )
         self.workers = Gauge("rudder_router_workers", "Workers in the snapshot", ["model"], registry=r)
+        self.bus_drops = Counter(
+            "rudder_router_bus_dropped", "Bus messages dropped as hostile or malformed, by kind "
+            "and reason", ["kind", "reason"], registry=r,
+        )
+        self.policy_resyncs = Counter(
+            "rudder_router_policy_resyncs",
+            "Re-syncs of the policy stream after its sequence went backwards (stream recreated)",
+            registry=r,
+        )
         self.retries = Counter(
             "rudder_router_retries", "Requests retried on another worker", ["model"], registry=r
         )

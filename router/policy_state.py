@@ -6,6 +6,12 @@ is idempotent (a revision ≤ the last one seen is skipped) and never leaves a d
 applied: an event that does not decode, names another document, fails validation, or turns on a
 weight whose cache input this router lacks is refused (NACK) and the last good values stay.
 
+Every event must carry a valid signature (DESIGN §9) by a key of the router's keyring, over the
+exact subject and payload bytes: an unsigned event, one signed by an unknown key id, or one whose
+signature does not verify is refused first, before its payload is even decoded, and the NACK
+detail starts with the reason code (``signature_missing``, ``signature_unknown_key``,
+``signature_invalid``). The keyring is replaced as a whole when the verify-keys file changes.
+
 A gap is reported when an event's ``expected_revision`` is not the revision seen last for its
 document (after the first one: a router starts from the last message per subject on purpose);
 the consumer then re-reads the document's head.
@@ -15,10 +21,11 @@ from __future__ import annotations
 
 import enum
 import uuid
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
+from datetime import datetime
 
-from controlplane.protocol.errors import InvalidRequest
+from controlplane.protocol.errors import InvalidRequest, SignatureInvalid
 from controlplane.protocol.events import AppliedDocument, decode_policy_event, doc_key
 from controlplane.protocol.policy import (
     SELECTION_PARAMETERS,
@@ -30,6 +37,8 @@ from controlplane.protocol.policy import (
     missing_cache_inputs,
     validate_document,
 )
+from controlplane.protocol.signing import Keyring
+from controlplane.protocol.subjects import policy_subject
 
 
 class Outcome(enum.Enum):
@@ -70,9 +79,11 @@ class PolicyState:
     def __init__(
         self, *, router_id: str, models: Iterable[str],
         startup: dict[PolicyKind, dict[str, Number | None]], cache_inputs: frozenset[CacheInput],
+        keyring: Keyring,
     ) -> None:
         self.router_id = router_id
         self.cache_inputs = cache_inputs
+        self.keyring = keyring
         self.docs: dict[tuple[str, PolicyKind], DocumentState] = {
             (m, k): DocumentState(m, k, dict(startup[k])) for m in models for k in PolicyKind
         }
@@ -80,13 +91,24 @@ class PolicyState:
     def get(self, model: str, kind: PolicyKind) -> DocumentState:
         return self.docs[(model, kind)]
 
-    def apply(self, model: str, kind: PolicyKind, revision: int, payload: bytes) -> ApplyResult:
-        """Apply the event stored at ``revision`` on the (model, kind) subject."""
+    def use_keyring(self, keyring: Keyring) -> None:
+        self.keyring = keyring
+
+    def apply(
+        self, model: str, kind: PolicyKind, revision: int, payload: bytes,
+        headers: Mapping[str, str] | None,
+    ) -> ApplyResult:
+        """Apply the event stored at ``revision`` on the (model, kind) subject, with the message
+        ``headers`` that carry its signature."""
         doc = self.docs.get((model, kind))
         if doc is None:
             return ApplyResult(Outcome.SKIP, model, kind, revision, "not a document this router serves")
         if revision <= doc.seen:
             return ApplyResult(Outcome.SKIP, model, kind, revision, f"revision {revision} already seen")
+        try:
+            self.keyring.verify(policy_subject(model, kind.value), payload, headers)
+        except SignatureInvalid as exc:
+            return self._nack(doc, revision, f"{exc.reason_code}: {exc.message}", None, False)
         try:
             event = decode_policy_event(payload)
         except InvalidRequest as exc:
@@ -143,3 +165,36 @@ class PolicyState:
             )
             for d in self.docs.values()
         }
+
+    def max_seen(self) -> int:
+        """The highest stream sequence this router has applied or refused (0: none)."""
+        return max((d.seen for d in self.docs.values()), default=0)
+
+    def resync(self) -> dict[str, int]:
+        """Forget applied revisions after the stream went backwards, so that the heads of the new
+        stream are applied whatever their sequence. The effective values and the documents stay
+        (the last good values) until a new head replaces them. Returns the forgotten revisions
+        (``{"<model>|<kind>": revision}`` of the documents that had one)."""
+        forgotten: dict[str, int] = {}
+        for d in self.docs.values():
+            if d.seen:
+                forgotten[doc_key(d.model, d.kind)] = d.seen
+            d.seen = 0
+            d.revision = 0
+        return forgotten
+
+
+def stream_went_backwards(
+    *, known_created: datetime | None, created: datetime | None, last_seq: int, max_seen: int,
+) -> str | None:
+    """Why the policy stream is not the one this router's revisions come from, or None.
+
+    A stream created again (an operator deleted it, a disaster recovery) restarts its sequence:
+    its creation time differs from the one seen at start, or its last sequence is below a revision
+    already seen. Either way every revision the router knows is meaningless for the new stream."""
+    if known_created is not None and created is not None and created != known_created:
+        return (f"stream created again at {created.isoformat()} "
+                f"(was {known_created.isoformat()}); last sequence {last_seq}")
+    if last_seq < max_seen:
+        return f"last sequence {last_seq} is below the applied revision {max_seen}"
+    return None

@@ -46,6 +46,7 @@ from controlplane.protocol.events import (
     utcnow,
 )
 from controlplane.protocol.policy import CacheInput, Number, PolicyKind
+from controlplane.protocol.signing import Keyring
 from router.bookings import Bookings
 from router.busy import Thresholds, rank_busy
 from router.discovery import Change, Discovery, Health, WorkerState
@@ -160,11 +161,27 @@ class ApplyPolicy(_Command[PolicyApplied]):
     kind: PolicyKind
     revision: int
     payload: bytes
+    headers: dict[str, str] | None  # the message's headers: the signature is among them
+
+
+@dataclass(slots=True)
+class UseVerifyKeys(_Command[None]):
+    """The verify-keys file changed: check policy signatures against this keyring from now on."""
+
+    keyring: Keyring
+
+
+@dataclass(slots=True)
+class ResyncPolicy(_Command[dict[str, int]]):
+    """The policy stream went backwards: forget applied revisions (answers them)."""
+
+    reason: str
 
 
 @dataclass(slots=True)
 class ApplyMembership(_Command[Change]):
     event: MembershipEvent
+    received_at: datetime | None = None  # when the bus stored it (liveness uses it, not event.at)
 
 
 @dataclass(slots=True)
@@ -244,7 +261,7 @@ class Scheduler:
         startup: dict[PolicyKind, dict[str, Number | None]],
         worker_ttl_s: float, worker_stale_s: float, approx_ttl_s: float = 120.0,
         clock: Callable[[], float] = time.monotonic, wall: Callable[[], datetime] = utcnow,
-        rng: random.Random | None = None, max_queued_selections: int | None = None,
+        keyring: Keyring, rng: random.Random | None = None, max_queued_selections: int | None = None,
     ) -> None:
         self.router_id = router_id
         # Selections waiting in the queue at most (None: unbounded); past it submit refuses.
@@ -267,7 +284,8 @@ class Scheduler:
         self.wall = wall
         self.rng = rng or random.Random()
         self.policy = PolicyState(
-            router_id=router_id, models=models, startup=startup, cache_inputs=cache_inputs
+            router_id=router_id, models=models, startup=startup, cache_inputs=cache_inputs,
+            keyring=keyring,
         )
         self.discovery = Discovery(ttl_s=worker_ttl_s, stale_s=worker_stale_s, models=frozenset(models))
         self.index = PrefixIndex()
@@ -408,8 +426,16 @@ class Scheduler:
                 return self._select(cmd.request, cmd.seq)
             case ApplyPolicy():
                 return self._apply_policy(cmd)
+            case UseVerifyKeys():
+                self.policy.use_keyring(cmd.keyring)
+                return None
+            case ResyncPolicy():
+                forgotten = self.policy.resync()
+                log.warning("policy re-sync (%s): revisions %s forgotten", cmd.reason, forgotten)
+                self._publish_view()
+                return forgotten
             case ApplyMembership():
-                return self._apply_membership(cmd.event)
+                return self._apply_membership(cmd.event, cmd.received_at)
             case ApplyKvEvents():
                 return self._apply_kv(cmd.events)
             case LoadKvDump():
@@ -450,7 +476,7 @@ class Scheduler:
         )
 
     def _apply_policy(self, cmd: ApplyPolicy) -> PolicyApplied:
-        result = self.policy.apply(cmd.model, cmd.kind, cmd.revision, cmd.payload)
+        result = self.policy.apply(cmd.model, cmd.kind, cmd.revision, cmd.payload, cmd.headers)
         if result.outcome is Outcome.ACK:
             self.stats["applied"] += 1
             self._refresh_policy(cmd.model)
@@ -475,8 +501,10 @@ class Scheduler:
 
     # -- membership --------------------------------------------------------------------------
 
-    def _apply_membership(self, event: MembershipEvent) -> Change:
-        change = self.discovery.apply(event, now=self.clock(), wall_now=self.wall())
+    def _apply_membership(self, event: MembershipEvent, received_at: datetime | None = None) -> Change:
+        change = self.discovery.apply(
+            event, now=self.clock(), wall_now=self.wall(), received_at=received_at
+        )
         wid = event.worker.instance_id
         if change is Change.LEFT:
             self._forget(wid, "left")

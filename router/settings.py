@@ -9,12 +9,15 @@ from __future__ import annotations
 
 import enum
 import secrets
+from pathlib import Path
 
 from pydantic import Field, field_validator, model_validator
 from pydantic_settings import SettingsConfigDict
 
 from bus.settings import BusSettings
+from controlplane.protocol.errors import KeyFileInvalid, ValidationFailed
 from controlplane.protocol.events import RouterRole
+from controlplane.protocol.guard import DEFAULT_WORKER_URL_ALLOW, UrlAllowList
 from controlplane.protocol.policy import (
     ALL_CACHE_INPUTS,
     CacheInput,
@@ -22,6 +25,7 @@ from controlplane.protocol.policy import (
     PolicyKind,
     validate_value,
 )
+from controlplane.protocol.signing import load_keyring
 
 
 class RoutingMode(enum.StrEnum):
@@ -68,6 +72,38 @@ class RouterSettings(BusSettings):
     kvdump_timeout_s: float = Field(default=2.0, gt=0)
     max_retries: int = Field(default=3, ge=0)
     log_level: str = "INFO"
+    # Public keys that may sign policy events (DESIGN §9), "<key id> <base64>" per line. Required:
+    # a router without it does not start. Re-read on every tick when the file changes (rotation).
+    policy_verify_keys: Path | None = Field(default=None, validate_default=True)
+
+    @field_validator("policy_verify_keys")
+    @classmethod
+    def _verify_keys(cls, value: Path | None) -> Path:
+        if value is None:
+            raise ValueError("required: the path of the file of public keys that may sign policy events "
+                             "(RUDDER_POLICY_VERIFY_KEYS; `rudder keys new` makes one)")
+        try:
+            load_keyring(value)
+        except KeyFileInvalid as exc:
+            raise ValueError(exc.message) from exc
+        return value
+
+    # Hosts and networks worker URLs must match (comma-separated CIDRs and host names, "*.suffix"
+    # for every name below a suffix); a worker announcing another URL never receives traffic.
+    worker_url_allow: str = DEFAULT_WORKER_URL_ALLOW
+
+    @field_validator("worker_url_allow")
+    @classmethod
+    def _url_allow(cls, value: str) -> str:
+        try:
+            UrlAllowList.parse(value)
+        except ValidationFailed as exc:
+            raise ValueError(exc.message) from exc
+        return value
+
+    @property
+    def url_allow_list(self) -> UrlAllowList:
+        return UrlAllowList.parse(self.worker_url_allow)
 
     # Ingress limits (docs/router.md, "Ingress limits"): what one client can hold of a router.
     # A request body is read up to this size and refused with 413 past it (never buffered whole).

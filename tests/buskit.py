@@ -44,7 +44,9 @@ def creds_for(identity: Identity) -> Path:
     auth = authority()
     with _lock:
         path = _issued.get(identity)
-        if path is None:
+        # Re-issued when gone: LocalBus.start removes the admin credentials after bus init, and
+        # test_bus_tls starts a LocalBus on this session's authority.
+        if path is None or not path.exists():
             path = _issued[identity] = auth.issue(identity)
         return path
 

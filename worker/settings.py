@@ -15,6 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 from pydantic_settings import SettingsConfigDict
 
 from bus.settings import BusSettings
+from controlplane.protocol import limits as L
 from controlplane.protocol.events import U64_MAX, WorkerRole
 
 
@@ -33,10 +34,12 @@ class MockEngineSettings(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    num_blocks: int = Field(default=16384, gt=0)
-    block_size: int = Field(default=64, gt=0)
+    # Bounded as routers bound them (controlplane.protocol.limits): a worker refuses at start-up
+    # what every router would refuse in its membership record.
+    num_blocks: int = Field(default=16384, gt=0, le=L.MAX_KV_TOTAL_BLOCKS)
+    block_size: int = Field(default=64, gt=0, le=L.MAX_BLOCK_SIZE)
     max_num_seqs: int = Field(default=256, gt=0)
-    max_num_batched_tokens: int = Field(default=8192, gt=0)
+    max_num_batched_tokens: int = Field(default=8192, gt=0, le=L.MAX_BATCHED_TOKENS)
     # prefill ms = a·N² + b·N + c for N uncached tokens in the batch
     prefill_a: float = 4.209989e-7
     prefill_b: float = 1.518344e-2
@@ -63,8 +66,8 @@ class VllmEngineSettings(BaseModel):
     vllm_python: str = "python"
     attach_url: str | None = None  # attach to a running server instead of starting one
     served_model_name: str | None = None  # defaults to the worker's model
-    block_size: int = Field(default=32, gt=0)
-    max_num_batched_tokens: int = Field(default=2048, gt=0)
+    block_size: int = Field(default=32, gt=0, le=L.MAX_BLOCK_SIZE)
+    max_num_batched_tokens: int = Field(default=2048, gt=0, le=L.MAX_BATCHED_TOKENS)
     max_num_seqs: int = Field(default=64, gt=0)
     max_model_len: int = Field(default=512, gt=0)
     kv_events_endpoint: str = ""  # default: tcp://127.0.0.1:<free port>

@@ -2,12 +2,17 @@
 
     RudderError                      (500, the root; a bare one is a bug)
     ├── InvalidRequest               (400) malformed input; ``field`` names what is wrong
+    │   ├── SubjectMismatch          a bus payload's ids differ from its subject's (dropped)
     │   ├── ValidationFailed         (422) well-formed but not allowed (range, type, unknown name)
     │   │   └── CapabilityMismatch   (422) a weight needs a cache input a live router lacks
     │   ├── PayloadTooLarge          (413)
     │   ├── UnsupportedMediaType     (415)
     │   ├── RequestTimeout           (408) the request (head or body) did not arrive in time
-    │   └── HeadersTooLarge          (431)
+    │   ├── HeadersTooLarge          (431)
+    │   ├── SignatureInvalid         a policy event is unsigned, signed by an unknown key, or its
+    │   │                            signature does not verify; ``reason_code`` says which
+    │   └── KeyFileInvalid           a signing or verify-keys file is missing, too open or malformed;
+    │                                ``field`` names the setting
     ├── Unauthenticated              (401)
     ├── Forbidden                    (403)
     ├── NotFound                     (404)
@@ -58,6 +63,13 @@ class InvalidRequest(RudderError):
     code = "invalid_request"
 
 
+class SubjectMismatch(InvalidRequest):
+    """A bus payload names other ids than the subject (or KV key) it was published on: a process
+    speaking for someone else. Carries ``subject`` and, in ``field``, the payload field."""
+
+    code = "subject_mismatch"
+
+
 class ValidationFailed(InvalidRequest):
     status_code = 422
     code = "validation_failed"
@@ -87,6 +99,24 @@ class HeadersTooLarge(InvalidRequest):
     code = "headers_too_large"
 
 
+class SignatureInvalid(InvalidRequest):
+    """A policy event that does not carry a valid signature by a configured key (DESIGN §9).
+
+    ``reason_code`` is one of ``signature_missing``, ``signature_unknown_key``,
+    ``signature_invalid``; routers put it first in their NACK detail."""
+
+    code = "signature_invalid"
+
+    def __init__(self, message: str, *, reason_code: str, key_id: str | None = None) -> None:
+        super().__init__(message, reason_code=reason_code, key_id=key_id)
+        self.reason_code = reason_code
+        self.key_id = key_id
+
+
+class KeyFileInvalid(InvalidRequest):
+    code = "key_file_invalid"
+
+
 class Unauthenticated(RudderError):
     status_code = 401
     code = "unauthenticated"
@@ -108,9 +138,11 @@ class RevisionConflict(RudderError):
     status_code = 409
     code = "revision_conflict"
 
-    def __init__(self, message: str, *, expected_revision: int, head_revision: int) -> None:
+    def __init__(
+        self, message: str, *, expected_revision: int | None, head_revision: int, **facts: Any
+    ) -> None:
         super().__init__(
-            message, expected_revision=expected_revision, head_revision=head_revision
+            message, expected_revision=expected_revision, head_revision=head_revision, **facts
         )
         self.expected_revision = expected_revision
         self.head_revision = head_revision

@@ -12,12 +12,29 @@ import uuid
 from datetime import UTC, datetime
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import AwareDatetime, BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from controlplane.protocol.errors import InvalidRequest
+from controlplane.protocol import limits as L
+from controlplane.protocol.errors import InvalidRequest, SubjectMismatch
 from controlplane.protocol.policy import CacheInput, PolicyKind, PolicyOp
+from controlplane.protocol.subjects import (
+    MAX_MODEL_NAME_BYTES,
+    acks_subject,
+    kv_subject,
+    membership_subject,
+    policy_subject,
+    router_status_key,
+)
 
-U64_MAX = 2**64 - 1
+U64_MAX = L.U64_MAX
+# Every timestamp on the bus carries its time zone: a naive one is refused at decode (comparing it
+# with an aware one raises, which once made every PATCH answer 500).
+Timestamp = AwareDatetime
+ModelName = Annotated[str, Field(min_length=1, max_length=MAX_MODEL_NAME_BYTES)]
+RouterId = Annotated[str, Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")]
+Count = Annotated[int, Field(ge=0, le=L.MAX_LOAD_VALUE)]
+Hash64 = Annotated[int, Field(ge=0, le=U64_MAX)]
+Rank = Annotated[int, Field(ge=0, lt=L.MAX_DP_SIZE)]
 
 
 def utcnow() -> datetime:
@@ -51,15 +68,15 @@ class PolicyEvent(_Event):
 
     schema_version: Literal[1] = 1
     event_id: uuid.UUID
-    model: str
+    model: ModelName
     kind: PolicyKind
     op: PolicyOp
     expected_revision: int = Field(ge=0)
-    changes: dict[str, float | int | None] = Field(default_factory=dict)
-    document: dict[str, float | int]
-    actor: str
-    request_id: str
-    at: datetime
+    changes: dict[str, float | int | None] = Field(default_factory=dict, max_length=L.MAX_DOCUMENT_KEYS)
+    document: dict[str, float | int] = Field(max_length=L.MAX_DOCUMENT_KEYS)
+    actor: str = Field(max_length=L.MAX_ID_CHARS)
+    request_id: str = Field(max_length=L.MAX_ID_CHARS)
+    at: Timestamp
     rollback_to: int | None = None
 
 
@@ -78,15 +95,15 @@ class ApplyAck(_Event):
     """A router's report that it applied (ACK) or refused (NACK) one policy revision."""
 
     schema_version: Literal[1] = 1
-    router_id: str
-    model: str
+    router_id: RouterId
+    model: ModelName
     kind: PolicyKind
-    revision: int
+    revision: int = Field(ge=0)
     status: AckStatus
-    detail: str = ""
+    detail: str = Field(default="", max_length=L.MAX_DETAIL_CHARS)
     event_id: uuid.UUID | None = None
-    effective: dict[str, float | int | None] = Field(default_factory=dict)
-    at: datetime
+    effective: dict[str, float | int | None] = Field(default_factory=dict, max_length=L.MAX_DOCUMENT_KEYS)
+    at: Timestamp
 
 
 def decode_apply_ack(data: bytes | str | dict[str, Any]) -> ApplyAck:
@@ -96,9 +113,9 @@ def decode_apply_ack(data: bytes | str | dict[str, Any]) -> ApplyAck:
 
 class AppliedDocument(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
-    revision: int
-    effective: dict[str, float | int | None]
-    last_nack: str | None = None
+    revision: int = Field(ge=0)
+    effective: dict[str, float | int | None] = Field(max_length=L.MAX_DOCUMENT_KEYS)
+    last_nack: str | None = Field(default=None, max_length=L.MAX_DETAIL_CHARS)
     last_nack_revision: int | None = None
 
 
@@ -108,21 +125,33 @@ class RouterRole(enum.StrEnum):
     DECODE = "decode"
 
 
+class PolicyResync(BaseModel):
+    """The last time a router found ``RUDDER_POLICY`` gone backwards and re-synced."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+    at: Timestamp
+    reason: str = Field(max_length=L.MAX_DETAIL_CHARS)
+    count: int = Field(ge=1)
+
+
 class RouterStatus(_Event):
     """A router's status in the ``RUDDER_ROUTERS`` bucket, refreshed every heartbeat."""
 
     schema_version: Literal[1] = 1
-    router_id: str
-    models: list[str]
+    router_id: RouterId
+    models: list[ModelName] = Field(max_length=L.MAX_ROUTER_MODELS)
     role: RouterRole = RouterRole.AGGREGATED
-    mode: str = "kv"
-    url: str = ""
-    cache_inputs: list[CacheInput] = Field(default_factory=list)
-    startup: dict[str, dict[str, float | int | None]] = Field(default_factory=dict)
+    mode: str = Field(default="kv", max_length=32)
+    url: str = Field(default="", max_length=L.MAX_URL_CHARS)
+    cache_inputs: list[CacheInput] = Field(default_factory=list, max_length=L.MAX_CACHE_TIERS)
+    startup: dict[str, dict[str, float | int | None]] = Field(default_factory=dict, max_length=8)
     # key: "<model>|<kind>"
-    applied: dict[str, AppliedDocument] = Field(default_factory=dict)
-    started_at: datetime
-    heartbeat_at: datetime
+    applied: dict[str, AppliedDocument] = Field(
+        default_factory=dict, max_length=len(PolicyKind) * L.MAX_ROUTER_MODELS
+    )
+    started_at: Timestamp
+    heartbeat_at: Timestamp
+    policy_resync: PolicyResync | None = None
 
 
 def doc_key(model: str, kind: PolicyKind | str) -> str:
@@ -153,35 +182,47 @@ class MembershipOp(enum.StrEnum):
 class WorkerRecord(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
     instance_id: int = Field(gt=0, le=U64_MAX)
-    model: str
+    model: ModelName
     role: WorkerRole = WorkerRole.AGGREGATED
-    url: str
-    dp_size: int = Field(default=1, ge=1)
-    block_size: int = Field(gt=0)
-    kv_total_blocks: int = Field(gt=0)
-    max_num_batched_tokens: int = Field(gt=0)
-    tokenizer: str = "rudder-bytes"
-    cache_tiers: list[CacheInput] = Field(default_factory=lambda: [CacheInput.DEVICE])
-    engine: str = "mock"
-    started_at: datetime
+    url: str = Field(min_length=1, max_length=L.MAX_URL_CHARS)
+    dp_size: int = Field(default=1, ge=1, le=L.MAX_DP_SIZE)
+    block_size: int = Field(gt=0, le=L.MAX_BLOCK_SIZE)
+    kv_total_blocks: int = Field(gt=0, le=L.MAX_KV_TOTAL_BLOCKS)
+    max_num_batched_tokens: int = Field(gt=0, le=L.MAX_BATCHED_TOKENS)
+    tokenizer: str = Field(default="rudder-bytes", min_length=1, max_length=L.MAX_TOKENIZER_CHARS)
+    cache_tiers: list[CacheInput] = Field(
+        default_factory=lambda: [CacheInput.DEVICE], max_length=L.MAX_CACHE_TIERS
+    )
+    engine: str = Field(default="mock", max_length=L.MAX_ENGINE_CHARS)
+    started_at: Timestamp
 
 
 class RankLoad(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
-    dp_rank: int = Field(default=0, ge=0)
-    active_decode_blocks: int = Field(default=0, ge=0)
-    active_prefill_tokens: int = Field(default=0, ge=0)
-    kv_used_blocks: int = Field(default=0, ge=0)
-    running: int = Field(default=0, ge=0)
-    waiting: int = Field(default=0, ge=0)
+    dp_rank: Rank = 0
+    active_decode_blocks: Count = 0
+    active_prefill_tokens: Count = 0
+    kv_used_blocks: Count = 0
+    running: Count = 0
+    waiting: Count = 0
 
 
 class MembershipEvent(_Event):
     schema_version: Literal[1] = 1
     op: MembershipOp
     worker: WorkerRecord
-    load: list[RankLoad] = Field(default_factory=list)
-    at: datetime
+    load: list[RankLoad] = Field(default_factory=list, max_length=L.MAX_DP_SIZE)
+    # The worker's own clock: shown, never used for liveness (the receiver's clock decides).
+    at: Timestamp
+
+    @model_validator(mode="after")
+    def _ranks(self) -> MembershipEvent:
+        for i, rank in enumerate(self.load):
+            if rank.dp_rank >= self.worker.dp_size:
+                raise ValueError(
+                    f"load.{i}.dp_rank={rank.dp_rank} is not below worker.dp_size={self.worker.dp_size}"
+                )
+        return self
 
 
 def decode_membership_event(data: bytes | str | dict[str, Any]) -> MembershipEvent:
@@ -195,21 +236,21 @@ def decode_membership_event(data: bytes | str | dict[str, Any]) -> MembershipEve
 
 class StoredBlock(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
-    block_hash: int = Field(ge=0, le=U64_MAX)  # chain hash (identifies the prefix)
-    tokens_hash: int = Field(ge=0, le=U64_MAX)  # hash of this block's tokens alone
+    block_hash: Hash64  # chain hash (identifies the prefix)
+    tokens_hash: Hash64  # hash of this block's tokens alone
 
 
 class KvStored(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
     type: Literal["stored"] = "stored"
     parent_hash: int | None = Field(default=None, ge=0, le=U64_MAX)
-    blocks: list[StoredBlock]
+    blocks: list[StoredBlock] = Field(max_length=L.MAX_KV_EVENT_BLOCKS)
 
 
 class KvRemoved(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
     type: Literal["removed"] = "removed"
-    block_hashes: list[int]
+    block_hashes: list[Hash64] = Field(max_length=L.MAX_KV_EVENT_BLOCKS)
 
 
 class KvCleared(BaseModel):
@@ -223,8 +264,8 @@ KvData = Annotated[KvStored | KvRemoved | KvCleared, Field(discriminator="type")
 class KvEvent(_Event):
     schema_version: Literal[1] = 1
     instance_id: int = Field(gt=0, le=U64_MAX)
-    dp_rank: int = Field(default=0, ge=0)
-    event_id: int = Field(ge=0)
+    dp_rank: Rank = 0
+    event_id: int = Field(ge=0, le=U64_MAX)
     tier: CacheInput = CacheInput.DEVICE
     data: KvData
 
@@ -236,22 +277,77 @@ def decode_kv_event(data: bytes | str | dict[str, Any]) -> KvEvent:
 
 class KvDumpRank(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
-    dp_rank: int = 0
+    dp_rank: Rank = 0
     tier: CacheInput = CacheInput.DEVICE
     # Each stored block as (parent chain hash or None, chain hash, tokens hash), parents first.
-    blocks: list[tuple[int | None, int, int]] = Field(default_factory=list)
+    blocks: list[tuple[Hash64 | None, Hash64, Hash64]] = Field(
+        default_factory=list, max_length=L.MAX_KV_DUMP_BLOCKS
+    )
 
 
 class KvDumpReply(_Event):
     """Answer to a request on ``rudder.kvdump.<instance_id>``: the full cache state."""
 
     schema_version: Literal[1] = 1
-    instance_id: int
-    last_event_id: int
-    ranks: list[KvDumpRank]
+    instance_id: int = Field(gt=0, le=U64_MAX)
+    last_event_id: int = Field(ge=-1, le=U64_MAX)
+    ranks: list[KvDumpRank] = Field(max_length=L.MAX_DP_SIZE * len(CacheInput))
     partial: bool = False  # True when the agent attached late and cannot see every block
 
 
 def decode_kv_dump(data: bytes | str | dict[str, Any]) -> KvDumpReply:
     reply: KvDumpReply = _decode(KvDumpReply, data)
     return reply
+
+
+# ---------------------------------------------------------------------------------------------
+# A payload speaks only for its subject (DESIGN §9). One pure check per message kind; each raises
+# SubjectMismatch naming the payload field, the subject and both ids. The subject (or KV key) is
+# what NATS permissions bind to an identity, so it is the id that counts.
+
+
+def _mismatch(what: str, field: str, subject: str, payload_value: object, subject_value: str) -> SubjectMismatch:
+    return SubjectMismatch(
+        f"{what} on {subject!r} names {field}={payload_value!r}, not its subject's {subject_value!r}",
+        field=field, subject=subject,
+    )
+
+
+def check_membership_subject(subject: str, event: MembershipEvent) -> None:
+    """``rudder.workers.<model_key>.<instance_id>`` must name the record's model and instance id."""
+    expected = membership_subject(event.worker.model, event.worker.instance_id)
+    if subject != expected:
+        raise _mismatch("membership event", "worker", subject, (event.worker.model, event.worker.instance_id),
+                        subject)
+
+
+def check_kv_subject(subject: str, model: str, event: KvEvent) -> None:
+    """``rudder.kv.<model_key>.<instance_id>`` must name the event's instance id (and the model the
+    subscriber subscribed for)."""
+    if subject != kv_subject(model, event.instance_id):
+        raise _mismatch("KV event", "instance_id", subject, event.instance_id, subject)
+
+
+def check_kv_dump(instance_id: int, reply: KvDumpReply) -> None:
+    """A dump requested on ``rudder.kvdump.<instance_id>`` must describe that worker."""
+    if reply.instance_id != instance_id:
+        raise _mismatch("KV dump", "instance_id", f"rudder.kvdump.{instance_id}", reply.instance_id,
+                        str(instance_id))
+
+
+def check_ack_subject(subject: str, ack: ApplyAck) -> None:
+    """``rudder.acks.<router_id>`` must name the ACK's router."""
+    if subject != acks_subject(ack.router_id):
+        raise _mismatch("ACK", "router_id", subject, ack.router_id, subject)
+
+
+def check_router_status_key(key: str, status: RouterStatus) -> None:
+    """A router's status lives under its own id in ``RUDDER_ROUTERS``."""
+    if key != router_status_key(status.router_id):
+        raise _mismatch("router status", "router_id", f"key {key}", status.router_id, key)
+
+
+def check_policy_subject(subject: str, event: PolicyEvent) -> None:
+    """``rudder.policy.<model_key>.<kind>`` must name the event's document."""
+    if subject != policy_subject(event.model, event.kind.value):
+        raise _mismatch("policy event", "model", subject, f"{event.model}|{event.kind.value}", subject)

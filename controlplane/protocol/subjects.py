@@ -8,6 +8,7 @@ itself escaped and decoding is unambiguous.
 
 from __future__ import annotations
 
+import functools
 import re
 
 from controlplane.protocol.errors import InvalidRequest
@@ -30,6 +31,9 @@ ACKS_SUBJECTS = f"{ACKS_PREFIX}.*"
 
 HDR_EXPECTED_LAST_SUBJECT_SEQ = "Nats-Expected-Last-Subject-Sequence"
 HDR_MSG_ID = "Nats-Msg-Id"
+# Policy event signature (DESIGN §9): key id and base64 Ed25519 signature over subject + payload.
+HDR_KEY_ID = "Rudder-Key-Id"
+HDR_SIGNATURE = "Rudder-Signature"
 
 # JetStream API error codes we branch on.
 JS_ERR_WRONG_LAST_SEQUENCE = 10071
@@ -40,6 +44,7 @@ _TOKEN = re.compile(r"^(?:[A-Za-z0-9-]|_[0-9A-F]{2})+$")
 MAX_MODEL_NAME_BYTES = 256
 
 
+@functools.lru_cache(maxsize=4096)  # on every bus message's subject check; names are few
 def encode_model_key(model: str) -> str:
     """Encode a model name as one NATS subject token. Raises InvalidRequest for '' or too long."""
     if not isinstance(model, str) or not model:

@@ -16,6 +16,7 @@ from controlplane.failpoints import Failpoints
 from controlplane.server import Running, serving
 from controlplane.settings import ControlPlaneSettings
 from tests import buskit
+from tests.policy_keys import session_keys
 
 
 def settings_for(nats_url: str, database_url: str, **overrides: Any) -> ControlPlaneSettings:
@@ -23,6 +24,7 @@ def settings_for(nats_url: str, database_url: str, **overrides: Any) -> ControlP
         "nats_url": nats_url, "database_url": SecretStr(database_url), "admin_port": 0,
         "reconcile_interval_s": 3600.0, "router_heartbeat_s": 1.0,
         "nats_creds": buskit.controlplane_creds(),
+        "policy_signing_key": session_keys().seed_path, "policy_verify_keys": session_keys().verify_path,
     }
     values.update(overrides)
     return ControlPlaneSettings(**values)

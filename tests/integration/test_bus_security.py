@@ -231,10 +231,12 @@ async def test_a_service_waits_for_the_bus_admin_then_checks_replicas(tmp_path: 
 
 def test_secrets_stay_out_of_repr_and_settings(tmp_path: Path) -> None:
     from router.settings import RouterSettings
+    from tests.policy_keys import session_keys
 
     creds = buskit.router_creds("r-repr")
     seed_line = next(line for line in creds.read_text().splitlines() if line.startswith("SU"))
-    settings = RouterSettings(router_id="r-repr", nats_creds=creds, models=["m"])
+    settings = RouterSettings(router_id="r-repr", nats_creds=creds, models=["m"],
+                              policy_verify_keys=session_keys().verify_path)
     assert seed_line not in repr(settings) and seed_line not in str(settings.model_dump())
     authority = buskit.authority()
     assert "seed" not in repr(authority).lower()

@@ -23,6 +23,7 @@ from cli.errors import ExitCode
 from cli.main import app
 from controlplane.settings import ControlPlaneSettings
 from tests import buskit
+from tests.policy_keys import session_keys
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -104,6 +105,7 @@ def env(nats_url: str, database_url: str) -> Iterator[Env]:
     settings = ControlPlaneSettings(
         nats_url=nats_url, database_url=SecretStr(database_url), admin_port=0,
         reconcile_interval_s=3600.0, nats_creds=buskit.controlplane_creds(),
+        policy_signing_key=session_keys().seed_path, policy_verify_keys=session_keys().verify_path,
     )
     cp = ThreadedControlPlane(settings)
     cp.start()

@@ -12,11 +12,11 @@ from datetime import UTC, datetime
 import pytest
 
 from bus.identities import Identity, IdentityKind
-from controlplane.eventlog import PolicyLog
 from controlplane.protocol.events import PolicyEvent
 from controlplane.protocol.policy import PolicyKind, PolicyOp
 from tests import buskit
 from tests.integration.cp_support import Tokens, client, controlplane
+from tests.policy_keys import session_keys
 from tests.support_router.workers import InProcessRouter, router_settings, wait_for
 
 pytestmark = pytest.mark.timeout(120)
@@ -42,7 +42,7 @@ async def test_nack_of_a_cache_free_router_is_shown_by_the_control_plane(nats_ur
             # Written around the control plane, it reaches the router, which NACKs it.
             nc = await buskit.connect_as(nats_url, Identity(IdentityKind.CONTROLPLANE))
             try:
-                bad = (await PolicyLog(nc).publish(PolicyEvent(
+                bad = (await session_keys().policy_log(nc).publish(PolicyEvent(
                     event_id=uuid.uuid4(), model=model, kind=PolicyKind.SELECTION, op=PolicyOp.PATCH,
                     expected_revision=good, changes={"host_cache_hit_weight": 0.5},
                     document={"router_temperature": 0.25, "host_cache_hit_weight": 0.5},

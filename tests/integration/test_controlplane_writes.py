@@ -18,6 +18,7 @@ from controlplane.eventlog import PolicyLog
 from controlplane.protocol.policy import PolicyKind
 from tests import buskit
 from tests.integration.cp_support import Tokens, client, controlplane
+from tests.policy_keys import session_keys
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -32,7 +33,7 @@ async def audit(db: str) -> AsyncIterator[AuditStore]:
 @pytest.fixture(scope="module")
 async def policy_log(nats_url: str) -> AsyncIterator[PolicyLog]:
     nc = await buskit.connect_as(nats_url, Identity(IdentityKind.CONTROLPLANE))
-    yield PolicyLog(nc)
+    yield session_keys().policy_log(nc)
     await nc.close()
 
 

@@ -16,6 +16,7 @@ from controlplane.protocol.events import PolicyEvent
 from controlplane.protocol.policy import PolicyKind, PolicyOp
 from controlplane.protocol.subjects import STREAM_POLICY
 from tests import buskit
+from tests.policy_keys import session_keys
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -23,7 +24,7 @@ pytestmark = pytest.mark.timeout(60)
 @pytest.fixture
 async def log(nats_url: str) -> AsyncIterator[PolicyLog]:
     nc = await buskit.connect_as(nats_url, Identity(IdentityKind.CONTROLPLANE))
-    policy_log = PolicyLog(nc)
+    policy_log = session_keys().policy_log(nc)
     yield policy_log
     await nc.close()
 

@@ -21,6 +21,7 @@ import pytest
 
 from cli.config import read_credentials
 from cli.embedded import free_port
+from controlplane.protocol.signing import load_signing_key
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(400)]
 
@@ -58,9 +59,10 @@ def _alive(pid: int) -> bool:
 
 
 class Up:
-    def __init__(self, cwd: Path, ports: dict[str, int], *, extra: list[str] | None = None) -> None:
+    def __init__(self, cwd: Path, ports: dict[str, int], *, extra: list[str] | None = None,
+                 env: dict[str, str] | None = None) -> None:
         self.cwd = cwd
-        env = {**os.environ, "PYTHONUNBUFFERED": "1", "COLUMNS": "200"}
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", "COLUMNS": "200", **(env or {})}
         for name in ("RUDDER_SERVER", "RUDDER_TOKEN", "RUDDER_DATABASE_URL", "RUDDER_NATS_URL"):
             env.pop(name, None)
         self.proc = subprocess.Popen(
@@ -129,6 +131,10 @@ def test_up_serves_stops_everything_and_keeps_data(tmp_path: Path) -> None:
     creds = read_credentials(creds_path)
     assert creds["RUDDER_SERVER"] == f"http://127.0.0.1:{ports['admin']}"
     assert creds["RUDDER_TOKEN"] in text
+    seed = tmp_path / ".rudder" / "keys" / "policy.seed"
+    assert seed.stat().st_mode & 0o777 == 0o600
+    key_id = load_signing_key(seed).key_id
+    assert seed.read_text().splitlines()[-1] not in text  # the seed is never printed
 
     started = _children_of(up.proc.pid) | {_postmaster_pid(tmp_path)}
     try:
@@ -141,6 +147,16 @@ def test_up_serves_stops_everything_and_keeps_data(tmp_path: Path) -> None:
         conflict = rudder(tmp_path, "policy", "set", MODEL, "overlap_score_credit=0.6",
                           "--revision", "0")
         assert conflict.returncode == 3, conflict.stderr
+        # Signed by the key `rudder up` made, verified and applied by its router.
+        deadline = time.monotonic() + 20
+        routers: list[dict[str, object]] = []
+        while time.monotonic() < deadline:
+            got = rudder(tmp_path, "--json", "policy", "get", MODEL, "--kind", "selection")
+            routers = json.loads(got.stdout)["routers"]
+            if routers and all(r["applied_revision"] == revision for r in routers):
+                break
+            time.sleep(0.2)
+        assert routers and all(r["applied_revision"] == revision and not r["last_nack"] for r in routers), routers
     finally:
         code = up.stop()
     assert code == 0, "".join(up.output)
@@ -161,6 +177,10 @@ def test_up_serves_stops_everything_and_keeps_data(tmp_path: Path) -> None:
         assert body["revision"] == revision
         assert body["document"] == {"overlap_score_credit": 0.5}
         assert read_credentials(creds_path)["RUDDER_TOKEN"] == creds["RUDDER_TOKEN"]
+        assert load_signing_key(seed).key_id == key_id  # the same key, reused
+        listed = rudder(tmp_path, "--json", "keys", "list")
+        assert listed.returncode == 0, listed.stderr
+        assert [(k["key_id"], k["signing"]) for k in json.loads(listed.stdout)] == [(key_id, True)]
         audit = rudder(tmp_path, "--json", "audit", "log", "--model", MODEL)
         assert audit.returncode == 0, audit.stderr
         assert {row["actor"] for row in json.loads(audit.stdout)} == {"rudder-up-admin"}

@@ -11,12 +11,12 @@ from pathlib import Path
 import pytest
 
 from bus.streams import BusLayout
-from controlplane.eventlog import PolicyLog
 from controlplane.protocol.policy import PolicyKind
 from controlplane.protocol.subjects import STREAM_POLICY
 from migrations import upgrade_async
 from tests import buskit
 from tests.integration.cp_support import client, controlplane, make_tokens
+from tests.policy_keys import session_keys
 from tests.reliability.cluster import NatsCluster
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
@@ -65,7 +65,7 @@ async def test_leader_killed_under_writes_loses_nothing(tmp_path: Path, database
                         unavailable += 1
                         await asyncio.sleep(0.1)
                 assert killed and len(accepted) > kill_at, (len(accepted), unavailable)
-                stored = [s.revision async for s in PolicyLog(nc).history(model, PolicyKind.SELECTION)]
+                stored = [s.revision async for s in session_keys().policy_log(nc).history(model, PolicyKind.SELECTION)]
                 assert set(accepted) <= set(stored), "an acknowledged write was lost"
                 await running.controlplane.reconciler.resolve_pending(grace=__import__("datetime").timedelta(0))
                 report = await running.controlplane.reconciler.check()

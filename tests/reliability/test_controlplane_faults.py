@@ -11,12 +11,12 @@ import pytest
 from bus.identities import Identity, IdentityKind
 from cli.embedded import EmbeddedNats, EmbeddedPostgres
 from controlplane.audit.store import AuditStore
-from controlplane.eventlog import PolicyLog
 from controlplane.failpoints import Failpoints
 from controlplane.protocol.policy import PolicyKind
 from migrations import upgrade_async
 from tests import buskit
 from tests.integration.cp_support import client, controlplane, make_tokens
+from tests.policy_keys import session_keys
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -28,7 +28,7 @@ def model_name() -> str:
 async def revisions(nats_url: str, model: str) -> list[int]:
     nc = await buskit.connect_as(nats_url, Identity(IdentityKind.CONTROLPLANE))
     try:
-        return [s.revision async for s in PolicyLog(nc).history(model, PolicyKind.SELECTION)]
+        return [s.revision async for s in session_keys().policy_log(nc).history(model, PolicyKind.SELECTION)]
     finally:
         await nc.close()
 

@@ -50,6 +50,7 @@ from controlplane.protocol.subjects import kv_subject, kvdump_subject, membershi
 from router.app import create_app, uvicorn_options
 from router.settings import RouterSettings, new_router_id
 from tests import buskit
+from tests.policy_keys import session_keys
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -313,6 +314,7 @@ def router_settings(nats_url: str, model: str, **kw: Any) -> RouterSettings:
     kw.setdefault("worker_ttl_s", 5.0)
     kw.setdefault("worker_stale_s", 1.0)
     kw.setdefault("heartbeat_s", 0.5)
+    kw.setdefault("policy_verify_keys", session_keys().verify_path)
     kw.setdefault("router_id", new_router_id())
     kw.setdefault("nats_creds", buskit.router_creds(kw["router_id"]))
     return RouterSettings(nats_url=nats_url, models=[model], **kw)
@@ -339,7 +341,7 @@ def spawn_router(nats_url: str, model: str, *, port: int, router_id: str, comman
         "RUDDER_NATS_URL": nats_url, "RUDDER_MODELS": json.dumps([model]), "RUDDER_PORT": str(port),
         "RUDDER_ROUTER_ID": router_id, "RUDDER_HEARTBEAT_S": "0.5", "RUDDER_LOG_LEVEL": "WARNING",
         "RUDDER_NATS_CREDS": str(buskit.router_creds(router_id)),
-        "PYTHONPATH": str(ROOT),
+        "PYTHONPATH": str(ROOT), **session_keys().env(),
     })
     full.update(env)
     return subprocess.Popen(

@@ -24,8 +24,9 @@ from router.bookings import Bookings
 from router.busy import Thresholds, rank_busy
 from router.discovery import Change, Discovery, Health
 from router.index import KvApplied, PrefixIndex
-from router.policy_state import Outcome, PolicyState
+from router.policy_state import ApplyResult, Outcome, PolicyState
 from router.selection import Overlap
+from tests.policy_keys import session_keys
 
 T0 = datetime(2025, 1, 1, tzinfo=UTC)
 
@@ -129,13 +130,36 @@ def test_discovery_join_stale_expire_and_leave() -> None:
 def test_discovery_ignores_replayed_dead_workers_and_other_models() -> None:
     d = Discovery(ttl_s=10, stale_s=3, models=frozenset({"m"}))
     old = _mem(MembershipOp.HEARTBEAT, 1, T0)
-    assert d.apply(old, now=0.0, wall_now=T0 + timedelta(seconds=30)) is Change.IGNORED
+    # Stored by the bus 30 s ago (a replay of a dead worker's last record).
+    assert d.apply(old, now=0.0, wall_now=T0 + timedelta(seconds=30), received_at=T0) is Change.IGNORED
     other = MembershipEvent(op=MembershipOp.JOIN, worker=_rec(2, model="x"), at=T0)
     assert d.apply(other, now=0.0, wall_now=T0) is Change.IGNORED
-    # A 2 s old heartbeat is seen as 2 s old.
-    d.apply(_mem(MembershipOp.HEARTBEAT, 3, T0), now=50.0, wall_now=T0 + timedelta(seconds=2))
+    # A heartbeat stored 2 s ago is seen as 2 s old.
+    d.apply(_mem(MembershipOp.HEARTBEAT, 3, T0), now=50.0, wall_now=T0 + timedelta(seconds=2),
+            received_at=T0)
     s = d.get(3)
     assert s is not None and s.last_seen == 48.0
+
+
+def test_discovery_liveness_uses_the_receivers_clock_not_the_payloads_at() -> None:
+    d = Discovery(ttl_s=10, stale_s=3, models=frozenset({"m"}))
+    future = T0 + timedelta(days=365)
+    # A forged heartbeat stamped a year ahead is as old as when it was received ...
+    assert d.apply(_mem(MembershipOp.JOIN, 1, future), now=0.0, wall_now=T0) is Change.JOINED
+    s = d.get(1)
+    assert s is not None and s.last_seen == 0.0
+    assert d.health(s, 3.0) is Health.STALE
+    assert d.expire(10.0) == [1]  # ... so it cannot keep the worker alive
+    # ... and it does not hide the worker's later, honestly stamped heartbeats.
+    d.apply(_mem(MembershipOp.JOIN, 2, future), now=0.0, wall_now=T0)
+    assert d.apply(_mem(MembershipOp.HEARTBEAT, 2, T0 + timedelta(seconds=5)), now=5.0,
+                   wall_now=T0 + timedelta(seconds=5)) is Change.UPDATED
+    s2 = d.get(2)
+    assert s2 is not None and s2.last_seen == 5.0
+    # A bus timestamp ahead of the receiver (clock skew) counts as "just now", not as younger.
+    d.apply(_mem(MembershipOp.HEARTBEAT, 2, T0), now=6.0, wall_now=T0,
+            received_at=T0 + timedelta(hours=1))
+    assert s2.last_seen == 6.0
 
 
 def test_discovery_unreachable_until_next_heartbeat() -> None:
@@ -194,17 +218,23 @@ def _event(doc: dict[str, float], *, expected: int, kind: str = "selection", mod
 
 def _state(inputs: frozenset[CacheInput] = ALL_CACHE_INPUTS) -> PolicyState:
     startup = {k: startup_values(k, cache_inputs=inputs) for k in PolicyKind}
-    return PolicyState(router_id="r-1", models=["m"], startup=startup, cache_inputs=inputs)
+    return PolicyState(router_id="r-1", models=["m"], startup=startup, cache_inputs=inputs,
+                       keyring=session_keys().keyring)
+
+
+def _apply(st: PolicyState, model: str, kind: PolicyKind, revision: int, payload: bytes) -> ApplyResult:
+    """Apply an event signed by the session's control-plane key, as on the stream."""
+    return st.apply(model, kind, revision, payload, session_keys().headers_for(model, kind, payload))
 
 
 def test_policy_apply_in_order_idempotent_with_gap_report() -> None:
     st = _state()
-    r = st.apply("m", PolicyKind.SELECTION, 5, _event({"router_temperature": 0.5}, expected=3))
+    r = _apply(st, "m", PolicyKind.SELECTION, 5, _event({"router_temperature": 0.5}, expected=3))
     assert r.outcome is Outcome.ACK and not r.gap  # the first one after start is never a gap
     assert st.get("m", PolicyKind.SELECTION).effective["router_temperature"] == 0.5
-    assert st.apply("m", PolicyKind.SELECTION, 5, b"{}").outcome is Outcome.SKIP
-    assert st.apply("m", PolicyKind.SELECTION, 4, b"{}").outcome is Outcome.SKIP
-    r = st.apply("m", PolicyKind.SELECTION, 9, _event({}, expected=7))
+    assert _apply(st, "m", PolicyKind.SELECTION, 5, b"{}").outcome is Outcome.SKIP
+    assert _apply(st, "m", PolicyKind.SELECTION, 4, b"{}").outcome is Outcome.SKIP
+    r = _apply(st, "m", PolicyKind.SELECTION, 9, _event({}, expected=7))
     assert r.outcome is Outcome.ACK and r.gap
     assert st.get("m", PolicyKind.SELECTION).effective["router_temperature"] == 0.0
 
@@ -212,18 +242,18 @@ def test_policy_apply_in_order_idempotent_with_gap_report() -> None:
 def test_policy_nack_keeps_last_good_values() -> None:
     st = _state(frozenset())  # a cache-free router
     assert st.get("m", PolicyKind.SELECTION).startup["host_cache_hit_weight"] == 0.0
-    st.apply("m", PolicyKind.SELECTION, 1, _event({"router_temperature": 0.2}, expected=0))
-    r = st.apply("m", PolicyKind.SELECTION, 2, _event({"host_cache_hit_weight": 0.5}, expected=1))
+    _apply(st, "m", PolicyKind.SELECTION, 1, _event({"router_temperature": 0.2}, expected=0))
+    r = _apply(st, "m", PolicyKind.SELECTION, 2, _event({"host_cache_hit_weight": 0.5}, expected=1))
     assert r.outcome is Outcome.NACK
     assert "host_cache_hit_weight" in r.detail and "host" in r.detail
     doc = st.get("m", PolicyKind.SELECTION)
     assert doc.revision == 1 and doc.effective["router_temperature"] == 0.2
     assert doc.effective["host_cache_hit_weight"] == 0.0
     assert doc.last_nack_revision == 2
-    bad = st.apply("m", PolicyKind.SELECTION, 3, b"not json")
+    bad = _apply(st, "m", PolicyKind.SELECTION, 3, b"not json")
     assert bad.outcome is Outcome.NACK and "malformed" in bad.detail
-    wrong = st.apply("m", PolicyKind.SELECTION, 4, _event({}, expected=3, model="other"))
+    wrong = _apply(st, "m", PolicyKind.SELECTION, 4, _event({}, expected=3, model="other"))
     assert wrong.outcome is Outcome.NACK
-    invalid = st.apply("m", PolicyKind.SELECTION, 5, _event({"router_temperature": -1}, expected=4))
+    invalid = _apply(st, "m", PolicyKind.SELECTION, 5, _event({"router_temperature": -1}, expected=4))
     assert invalid.outcome is Outcome.NACK and "router_temperature" in invalid.detail
     assert st.applied()["m|selection"].revision == 1

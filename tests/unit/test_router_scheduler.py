@@ -34,6 +34,7 @@ from router.scheduler import (
 )
 from router.settings import RoutingMode
 from router.targets import parse_pin, parse_targets
+from tests.policy_keys import session_keys
 
 pytestmark = pytest.mark.timeout(20)
 
@@ -52,7 +53,7 @@ def _sched(clock: Clock, mode: RoutingMode = RoutingMode.KV) -> Scheduler:
     return Scheduler(
         router_id="r-test", models=["m"], role=RouterRole.AGGREGATED, mode=mode, kv_events=True,
         cache_inputs=ALL_CACHE_INPUTS, startup=startup, worker_ttl_s=10, worker_stale_s=3,
-        clock=clock, wall=lambda: now, rng=random.Random(1),
+        clock=clock, wall=lambda: now, rng=random.Random(1), keyring=session_keys().keyring,
     )
 
 
@@ -64,6 +65,10 @@ def _join(wid: int, *, dp: int = 1, load: list[RankLoad] | None = None) -> Membe
 
 def _req(i: int, **kw: object) -> RoutingRequest:
     return RoutingRequest(request_id=f"q{i}", model="m", prompt_tokens=16, hashes={}, **kw)  # type: ignore[arg-type]
+
+
+def _signed(payload: bytes) -> dict[str, str]:
+    return session_keys().headers_for("m", PolicyKind.SELECTION, payload)
 
 
 def _policy(doc: dict[str, float], expected: int) -> bytes:
@@ -79,7 +84,8 @@ async def test_policy_lands_between_queued_selections() -> None:
     for wid in (1, 2, 3):
         s.send(ApplyMembership(_join(wid)))
     before = [s.submit(SelectWorker(_req(i))) for i in range(200)]
-    applied = s.submit(ApplyPolicy("m", PolicyKind.SELECTION, 7, _policy({"router_temperature": 0.3}, 0)))
+    payload = _policy({"router_temperature": 0.3}, 0)
+    applied = s.submit(ApplyPolicy("m", PolicyKind.SELECTION, 7, payload, _signed(payload)))
     after = [s.submit(SelectWorker(_req(1000 + i))) for i in range(200)]
     s.start()
     try:
@@ -149,7 +155,8 @@ async def test_all_busy_is_overloaded_and_stale_is_unavailable() -> None:
     }).encode()
     s.start()
     try:
-        await s.call(ApplyPolicy("m", PolicyKind.BUSY_THRESHOLD, 1, payload))
+        await s.call(ApplyPolicy("m", PolicyKind.BUSY_THRESHOLD, 1, payload,
+                                session_keys().headers_for("m", PolicyKind.BUSY_THRESHOLD, payload)))
         with pytest.raises(Overloaded):
             await s.select(_req(1))
         clock.t += 5

@@ -41,6 +41,7 @@ from router.selection import (
     probabilities,
 )
 from router.settings import RoutingMode
+from tests.policy_keys import session_keys
 
 
 def _cand(i: int, *, decode: int, device: int = 0, prefill: int = 0, requests: int = 0) -> Candidate:
@@ -386,7 +387,7 @@ def _fleet_scheduler(temperature: float, seed: int, n: int) -> tuple[Scheduler, 
     s = Scheduler(
         router_id="r-eq", models=["m"], role=RouterRole.AGGREGATED, mode=RoutingMode.KV, kv_events=True,
         cache_inputs=ALL_CACHE_INPUTS, startup=startup, worker_ttl_s=1e9, worker_stale_s=1e9,
-        clock=lambda: 1000.0, wall=lambda: now, rng=random.Random(seed),
+        clock=lambda: 1000.0, wall=lambda: now, rng=random.Random(seed), keyring=session_keys().keyring,
     )
     chains = [[rng.getrandbits(64) for _ in range(12)] for _ in range(5)]
     for wid in range(1, n + 1):
