@@ -251,7 +251,9 @@ async def test_client_that_stops_reading_a_stream_is_closed_and_its_booking_free
         assert b"data: [DONE]" not in received  # cut off, not finished
     finally:
         sock.close()
-    assert freed_after < WRITE_TIMEOUT_S + 15
+    # The client's buffers fill within about a second (measured: freed 2.0 s after booking with a
+    # 1 s write timeout); then the write timeout runs.
+    assert freed_after < WRITE_TIMEOUT_S + 5, f"booking freed {freed_after:.1f} s after it was made"
     assert await _chat(router)
 
 
