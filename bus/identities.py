@@ -33,6 +33,7 @@ from controlplane.protocol.subjects import (
     KVDUMP_PREFIX,
     POLICY_PREFIX,
     STREAM_ACKS,
+    STREAM_AUDIT_CHECKPOINTS,
     STREAM_MEMBERSHIP,
     STREAM_POLICY,
     kv_subject,
@@ -104,7 +105,7 @@ def permissions(identity: Identity) -> Permissions:
     if kind is IdentityKind.CONTROLPLANE:
         pub = [f"{POLICY_PREFIX}.>", f"{AUDIT_PREFIX}.>", "$JS.API.INFO", "$JS.API.STREAM.NAMES"]
         for stream in (STREAM_POLICY, STREAM_MEMBERSHIP, STREAM_ACKS, KV_STREAM_ROUTERS,
-                       "RUDDER_AUDIT_CHECKPOINTS"):
+                       STREAM_AUDIT_CHECKPOINTS):
             pub += _js_read(stream, consumers=True)
         pub += [f"$JS.API.CONSUMER.DURABLE.CREATE.{STREAM_ACKS}.*"]
         return Permissions(publish=tuple(pub), subscribe=(inbox, f"{ACKS_PREFIX}.>"))

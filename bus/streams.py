@@ -22,7 +22,13 @@ from nats.js.errors import APIError, BadRequestError, NotFoundError
 
 from controlplane.protocol import streams as specs
 from controlplane.protocol.errors import ConfigurationError
-from controlplane.protocol.subjects import BUCKET_ROUTERS, STREAM_MEMBERSHIP, STREAM_POLICY
+from controlplane.protocol.subjects import (
+    BUCKET_ROUTERS,
+    STREAM_ACKS,
+    STREAM_AUDIT_CHECKPOINTS,
+    STREAM_MEMBERSHIP,
+    STREAM_POLICY,
+)
 
 log = logging.getLogger(__name__)
 
@@ -175,6 +181,6 @@ async def wait_ready(js: JetStreamContext, layout: BusLayout, streams: list[str]
             await asyncio.sleep(0.2)
 
 
-ROUTER_STREAMS = [STREAM_POLICY, STREAM_MEMBERSHIP, KV_ROUTERS]
+ROUTER_STREAMS = [STREAM_POLICY, STREAM_MEMBERSHIP, KV_ROUTERS, STREAM_ACKS]
 WORKER_STREAMS = [STREAM_MEMBERSHIP]
-CONTROLPLANE_STREAMS = [STREAM_POLICY, STREAM_MEMBERSHIP, KV_ROUTERS]
+CONTROLPLANE_STREAMS = [STREAM_POLICY, STREAM_MEMBERSHIP, KV_ROUTERS, STREAM_ACKS, STREAM_AUDIT_CHECKPOINTS]

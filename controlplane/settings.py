@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import ipaddress
+import os
+import socket
 from pathlib import Path
 
 from pydantic import Field, SecretStr, field_validator
@@ -11,6 +13,7 @@ from pydantic_settings import SettingsConfigDict
 from bus.settings import BusSettings
 from controlplane.protocol.errors import KeyFileInvalid
 from controlplane.protocol.signing import load_keyring, load_signing_key
+from controlplane.protocol.subjects import ACKS_CONSUMER_DEFAULT
 
 
 class ControlPlaneSettings(BusSettings):
@@ -68,6 +71,23 @@ class ControlPlaneSettings(BusSettings):
             except KeyFileInvalid as exc:
                 raise ValueError(exc.message) from exc
         return value
+
+    #: This replica's name in the checkpoints it signs.
+    instance_name: str = Field(default_factory=lambda: f"{socket.gethostname()}-{os.getpid()}",
+                               min_length=1, max_length=128)
+    #: The durable consumer on RUDDER_ACKS, one per fleet, shared by its control-plane replicas.
+    acks_consumer: str = Field(default=ACKS_CONSUMER_DEFAULT, pattern=r"^[A-Za-z0-9_-]{1,64}$")
+    #: Signed checkpoints of the audit and ACK chains (RUDDER_AUDIT_CHECKPOINTS stream).
+    audit_checkpoints: bool = True
+    audit_checkpoint_interval_s: float = Field(default=10.0, gt=0)
+    audit_checkpoint_every_rows: int = Field(default=256, ge=1, le=1000)
+    #: Ed25519 seed file ("<key id> <base64 seed>"); required while checkpoints are on.
+    audit_signing_key: Path | None = None
+    #: Trusted public keys ("<key id> <base64 key>" a line); default: the signing key's own.
+    audit_verify_keys: Path | None = None
+    #: Run even when the database role is a superuser or the audit tables' owner (development
+    #: only: such a role can disable the insert-only triggers).
+    allow_privileged_database_role: bool = False
 
     @field_validator("trusted_proxies")
     @classmethod

@@ -19,6 +19,7 @@ from alembic.config import Config
 from sqlalchemy.exc import SQLAlchemyError
 
 from controlplane.protocol.errors import AuditUnavailable
+from migrations.grants import GrantError
 
 HERE = Path(__file__).resolve().parent
 
@@ -30,12 +31,14 @@ _IN_PROCESS = threading.Lock()
 __all__ = ["alembic_config", "current_head", "upgrade", "upgrade_async"]
 
 
-def alembic_config(url: str) -> Config:
-    """An Alembic config for ``url`` (``postgresql+asyncpg://…``) and this package's scripts."""
+def alembic_config(url: str, *, app_role: str | None = None) -> Config:
+    """An Alembic config for ``url`` (``postgresql+asyncpg://…``, the schema owner) and this
+    package's scripts; ``app_role`` is the control plane's role to grant to (``grants``)."""
     config = Config()
     config.set_main_option("script_location", str(HERE))
     # Passed through attributes, not set_main_option: configparser would choke on '%' in URLs.
     config.attributes["url"] = url
+    config.attributes["app_role"] = app_role
     return config
 
 
@@ -48,10 +51,14 @@ def current_head() -> str:
     return head
 
 
-def _upgrade_here(url: str, revision: str) -> None:
+def _upgrade_here(url: str, revision: str, app_role: str | None) -> None:
     try:
         with _IN_PROCESS:
-            command.upgrade(alembic_config(url), revision)
+            config = alembic_config(url, app_role=app_role)
+            config.attributes["apply_grants"] = revision == "head"
+            command.upgrade(config, revision)
+    except GrantError as exc:
+        raise AuditUnavailable(f"database migration failed: {exc}") from exc
     except (OSError, TimeoutError, SQLAlchemyError) as exc:
         raise AuditUnavailable(f"database migration failed: {exc}") from exc
     except Exception as exc:
@@ -64,17 +71,19 @@ def _upgrade_here(url: str, revision: str) -> None:
         raise
 
 
-def upgrade(url: str, revision: str = "head") -> None:
-    """Apply migrations up to ``revision``; idempotent (a second call changes nothing).
+def upgrade(url: str, revision: str = "head", *, app_role: str | None = None) -> None:
+    """Apply migrations up to ``revision`` as the schema owner (``url``) and grant the control
+    plane's ``app_role`` (default ``RUDDER_DATABASE_APP_ROLE``, then ``rudder_app``) what it may
+    do; idempotent (a second call changes nothing).
 
     Runs in a worker thread so that the Alembic environment's own ``asyncio.run`` never meets
     a running event loop: safe to call from sync code, from a thread, or from a coroutine
     (where ``upgrade_async`` avoids blocking the loop).
     """
     with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="rudder-migrate") as pool:
-        pool.submit(_upgrade_here, url, revision).result()
+        pool.submit(_upgrade_here, url, revision, app_role).result()
 
 
-async def upgrade_async(url: str, revision: str = "head") -> None:
+async def upgrade_async(url: str, revision: str = "head", *, app_role: str | None = None) -> None:
     """``upgrade`` without blocking the running event loop."""
-    await asyncio.to_thread(upgrade, url, revision)
+    await asyncio.to_thread(upgrade, url, revision, app_role=app_role)

@@ -22,6 +22,7 @@ from sqlalchemy.engine import Connection
 from sqlalchemy.ext.asyncio import create_async_engine
 
 from controlplane.audit.tables import metadata
+from migrations import grants
 
 MIGRATION_LOCK_KEY = 0x52554444_4D494752  # "RUDDMIGR"
 
@@ -47,6 +48,10 @@ def _run_on(connection: Connection) -> None:
     with context.begin_transaction():
         connection.execute(text("SELECT pg_advisory_xact_lock(:k)"), {"k": MIGRATION_LOCK_KEY})
         context.run_migrations()
+        if config.attributes.get("apply_grants"):
+            # Idempotent: a renamed app role, or a table added by a later migration, gets its
+            # grants from the one list in migrations/grants.py on every upgrade.
+            grants.apply(connection, config.attributes.get("app_role") or grants.app_role_name())
 
 
 async def _run_async(url: str) -> None:

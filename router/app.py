@@ -120,6 +120,7 @@ class RouterRuntime:
             models=list(s.models), on_result=self._count, on_resync=self.metrics.policy_resyncs.inc,
         )
         await self.policy.start()
+        self.tasks.spawn(self.policy.acks.run(), name="ack-publisher")
         await self.status.put()
         self.tasks.spawn(every(s.tick_s, lambda: tick(self.scheduler), "tick"), name="tick")
         self.tasks.spawn(every(s.heartbeat_s, self.status.put, "status"), name="status")
@@ -162,6 +163,8 @@ class RouterRuntime:
         for part in (self.policy, self.membership, self.kv):
             if part is not None:
                 await part.stop()
+        if self.policy is not None:
+            await self.policy.acks.flush()  # the last ACKs reach the stream before we go
         await self.tasks.close()
         await self.scheduler.stop()
         if self.status is not None:

@@ -9,7 +9,9 @@ keeps serving with its last good state while NATS is away.
   revision is the message's stream sequence. Each event goes through
   :class:`~router.scheduler.ApplyPolicy` with its headers, so its signature is checked (replayed
   or live, re-read or not) in the policy state; the answer is published as an :class:`ApplyAck`
-  on ``rudder.acks.<router_id>`` and a status write is requested (coalesced, off the path).
+  on ``rudder.acks.<router_id>`` (the ``RUDDER_ACKS`` stream, from a queue that retries, so
+  neither a lost ACK nor a slow stream holds up the policy path) and a status write is
+  requested (coalesced, off the path).
   A reported gap re-reads the document's head with a direct get and applies it if newer.
 - :class:`MembershipConsumer`: the same, one consumer on ``rudder.workers.<key>.*``; the first
   discovery is complete when the replay has been applied (``num_pending`` reaches 0, or nothing was there).
@@ -29,6 +31,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
+import uuid
 from collections.abc import Awaitable, Callable, Coroutine
 from datetime import datetime
 from typing import Any
@@ -59,6 +62,7 @@ from controlplane.protocol.events import (
 from controlplane.protocol.guard import Drops, UrlAllowList
 from controlplane.protocol.policy import CacheInput, Number, PolicyKind
 from controlplane.protocol.subjects import (
+    HDR_MSG_ID,
     STREAM_MEMBERSHIP,
     STREAM_POLICY,
     acks_subject,
@@ -229,6 +233,7 @@ class PolicyConsumer:
         self._stream_created: datetime | None = None
         self._resync_lock = asyncio.Lock()
         self.resyncs = 0
+        self.acks = AckPublisher(js, router_id)
 
     async def start(self) -> None:
         info = await self._stream_info()
@@ -343,10 +348,48 @@ class PolicyConsumer:
             detail=result.detail, event_id=result.event_id, effective=result.effective,
             at=utcnow(),
         )
-        try:
-            await self.nc.publish(acks_subject(self.router_id), ack.to_bytes())
-        except _NATS_ERRORS as exc:
-            log.warning("ACK for revision %d not published: %s", result.revision, type(exc).__name__)
+        self.acks.put(ack)
+
+
+class AckPublisher:
+    """ACK/NACKs to the ``RUDDER_ACKS`` stream, in order, from a queue: the policy consumer never
+    waits for JetStream (a stream electing a leader takes seconds), and an ACK whose publish
+    failed is retried until stored, so none is lost while a router runs. Each ACK has its own
+    ``Nats-Msg-Id``, so a retry whose first attempt was stored after all is not stored twice."""
+
+    def __init__(self, js: JetStreamContext, router_id: str, *, limit: int = 10_000) -> None:
+        self.js = js
+        self.router_id = router_id
+        self._queue: asyncio.Queue[tuple[str, ApplyAck]] = asyncio.Queue(maxsize=limit)
+        self.dropped = 0
+
+    def put(self, ack: ApplyAck) -> None:
+        if self._queue.full():  # a bus away for a very long time: keep the newest
+            self._queue.get_nowait()
+            self.dropped += 1
+            log.error("ACK queue full: dropped the oldest ACK (%d so far)", self.dropped)
+        self._queue.put_nowait((f"ack-{self.router_id}-{uuid.uuid4().hex}", ack))
+
+    async def run(self) -> None:
+        while True:
+            msg_id, ack = await self._queue.get()
+            delay = 0.1
+            while True:
+                try:
+                    await self.js.publish(acks_subject(self.router_id), ack.to_bytes(),
+                                          headers={HDR_MSG_ID: msg_id})
+                    break
+                except (*_NATS_ERRORS, nats.js.errors.Error) as exc:
+                    log.warning("ACK for revision %d not stored yet (%s); retrying", ack.revision,
+                                type(exc).__name__)
+                    await asyncio.sleep(delay)
+                    delay = min(delay * 2, 2.0)
+
+    async def flush(self, timeout_s: float = 2.0) -> None:
+        """Give queued ACKs a moment to be stored (graceful stop)."""
+        deadline = asyncio.get_running_loop().time() + timeout_s
+        while not self._queue.empty() and asyncio.get_running_loop().time() < deadline:  # noqa: ASYNC110
+            await asyncio.sleep(0.02)
 
 
 class KvDumper:

@@ -4,6 +4,11 @@ Every NATS server trusts the session's bus authority (:mod:`tests.buskit`); test
 credentials of the identity they stand for. ``RUDDER_TEST_DATABASE_URL`` names an external
 PostgreSQL instead; fault tests that stop and restart a server start their own
 (``own_nats`` / ``own_postgres``).
+
+Databases come as production has them: owned by ``TEST_OWNER`` (migrations), used through
+``TEST_APP`` (the control plane's role, SELECT/INSERT on the audit tables). ``database_url`` is
+the app role's URL; ``database_owner_url`` the owner's, for migrations and for tests that play a
+hostile owner.
 """
 
 from __future__ import annotations
@@ -16,10 +21,20 @@ from pathlib import Path
 import pytest
 from nats.aio.client import Client as NATS
 
-from cli.embedded import EmbeddedNats, EmbeddedPostgres
+from cli.embedded import (
+    DatabaseAccess,
+    DatabaseRole,
+    EmbeddedNats,
+    EmbeddedPostgres,
+    new_password,
+    scram_verifier,
+)
 from tests import buskit
 
 EXTERNAL_PG = os.environ.get("RUDDER_TEST_DATABASE_URL")
+
+TEST_OWNER = DatabaseRole("rudder_owner", new_password())
+TEST_APP = DatabaseRole("rudder_app", new_password())
 
 
 @pytest.fixture(scope="session")
@@ -65,11 +80,12 @@ def postgres_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Embedd
         server.stop(mode="immediate")
 
 
-def _fresh_database(server: EmbeddedPostgres | None) -> str:
+def fresh_database(server: EmbeddedPostgres | None) -> DatabaseAccess:
+    """A new, empty database owned by ``TEST_OWNER`` (migrations not applied)."""
     name = f"t_{uuid.uuid4().hex[:12]}"
     if server is not None:
-        return server.create_database(name)
-    # External server: create a database through it.
+        return server.provision(name, owner=TEST_OWNER, app=TEST_APP)
+    # External server: the same through its superuser URL.
     import asyncio
 
     import asyncpg
@@ -80,19 +96,41 @@ def _fresh_database(server: EmbeddedPostgres | None) -> str:
     async def create() -> None:
         conn = await asyncpg.connect(base)
         try:
-            await conn.execute(f'CREATE DATABASE "{name}"')
+            for role in (TEST_OWNER, TEST_APP):
+                if not await conn.fetchval("SELECT 1 FROM pg_roles WHERE rolname = $1", role.name):
+                    await conn.execute(f'CREATE ROLE "{role.name}" LOGIN')
+                await conn.execute(f"ALTER ROLE \"{role.name}\" PASSWORD '{scram_verifier(role.password)}'")
+            await conn.execute(f'CREATE DATABASE "{name}" OWNER "{TEST_OWNER.name}"')
         finally:
             await conn.close()
 
     asyncio.run(create())
     head, _, _ = EXTERNAL_PG.rpartition("/")
-    return f"{head}/{name}"
+    hostpart = head.rpartition("@")[2]
+
+    def url(role: DatabaseRole) -> str:
+        return f"postgresql+asyncpg://{role.name}:{role.password}@{hostpart}/{name}"
+
+    return DatabaseAccess(name=name, owner=TEST_OWNER, app=TEST_APP,
+                          owner_url=url(TEST_OWNER), app_url=url(TEST_APP))
 
 
 @pytest.fixture(scope="module")
-def database_url(postgres_server: EmbeddedPostgres | None) -> str:
+def database(postgres_server: EmbeddedPostgres | None) -> DatabaseAccess:
     """A fresh, empty database per test module (migrations not applied)."""
-    return _fresh_database(postgres_server)
+    return fresh_database(postgres_server)
+
+
+@pytest.fixture(scope="module")
+def database_url(database: DatabaseAccess) -> str:
+    """The module's database as the control plane's app role (what every test uses by default)."""
+    return database.app_url
+
+
+@pytest.fixture(scope="module")
+def database_owner_url(database: DatabaseAccess) -> str:
+    """The same database as its owner: for migrations, and for tests that play the owner."""
+    return database.owner_url
 
 
 @pytest.fixture

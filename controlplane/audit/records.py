@@ -188,6 +188,18 @@ def canonical_json(obj: Any) -> bytes:
     ).encode("utf-8")
 
 
+#: The columns of a ``router_acks`` row covered by its ``row_hash`` (all but the two hashes).
+ACK_HASHED_FIELDS = (
+    "id", "stream_seq", "router_id", "model", "kind", "revision", "status", "detail", "event_id",
+    "effective", "at",
+)
+
+
+def ack_hashed_fields(values: Mapping[str, Any]) -> dict[str, Any]:
+    """The hashed fields of an ACK row from any mapping holding its columns (Python values)."""
+    return {name: values[name] for name in ACK_HASHED_FIELDS}
+
+
 def compute_row_hash(prev_hash: str, row_fields: Mapping[str, Any]) -> str:
     """sha256 hex of ``prev_hash`` (ASCII hex) followed by the canonical JSON of ``row_fields``.
 

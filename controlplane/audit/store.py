@@ -27,9 +27,16 @@ Errors
 
 Limits
     The chain proves that no stored row was altered, removed or inserted in the middle; it cannot
-    by itself notice that the newest rows were removed (anchor ``verify``'s last hash elsewhere
-    for that). The trigger that refuses UPDATE/DELETE binds the table owner too, but a superuser
-    can disable it: run the control plane as a role with INSERT and SELECT only.
+    by itself notice that the newest rows were removed, or a rewrite by someone who recomputed
+    the hashes after it: the signed checkpoints on ``RUDDER_AUDIT_CHECKPOINTS``
+    (``controlplane/checkpoints.py``) anchor it for that. The trigger that refuses UPDATE/DELETE
+    binds the table owner too, but the owner can disable it: the control plane runs as a role
+    with SELECT and INSERT only (``migrations/grants.py``).
+
+ACK chain
+    ``router_acks`` is chained the same way under its own lock (``ACK_CHAIN_LOCK_KEY``); rows
+    consumed from ``RUDDER_ACKS`` carry their stream sequence, unique, so one ACK is one row
+    however many control planes consume it or how often it is redelivered.
 """
 
 from __future__ import annotations
@@ -38,9 +45,10 @@ import asyncio
 import base64
 import binascii
 import contextlib
+import enum
 import logging
 import uuid
-from collections.abc import AsyncIterator, Iterable, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, fields
 from datetime import UTC, datetime
 from typing import Any
@@ -56,6 +64,7 @@ from controlplane.audit.records import (
     AuditRow,
     AuditStage,
     Decision,
+    ack_hashed_fields,
     compute_row_hash,
     format_time,
 )
@@ -67,6 +76,8 @@ log = logging.getLogger(__name__)
 
 #: Advisory lock that serialises chain appends across processes ("RUDDAUDT").
 CHAIN_LOCK_KEY = 0x52554444_41554454
+#: The same for the ACK chain ("RUDDACKS").
+ACK_CHAIN_LOCK_KEY = 0x52554444_41434B53
 
 #: Errors that mean "the database did not do it": translated into ``AuditUnavailable``.
 DB_ERRORS: tuple[type[BaseException], ...] = (
@@ -95,6 +106,25 @@ class VerifyResult:
             "ok": self.ok, "checked": self.checked, "first_broken_id": self.first_broken_id,
             "reason": self.reason,
         }
+
+
+@dataclass(frozen=True, slots=True)
+class AckRecord:
+    """An ACK/NACK to store, with the ``RUDDER_ACKS`` sequence it arrived at (None: not from
+    the stream, e.g. written by a test or an import)."""
+
+    ack: ApplyAck
+    stream_seq: int | None = None
+
+
+class Chain(enum.StrEnum):
+    """Which hash chain: the audit log or the router ACKs."""
+
+    AUDIT = "audit"
+    ACKS = "acks"
+
+
+_CHAIN_TABLES = {Chain.AUDIT: audit_log, Chain.ACKS: router_acks}
 
 
 @dataclass(eq=False)
@@ -200,6 +230,12 @@ class AuditStore:
         self._writer: asyncio.Task[None] | None = None
         self._writer_conn: AsyncConnection | None = None
         self._closed = False
+        #: Called with the number of rows after each commit (the checkpointer counts them).
+        self.on_rows: Callable[[int], None] | None = None
+
+    def _committed(self, rows: int) -> None:
+        if self.on_rows is not None and rows:
+            self.on_rows(rows)
 
     @classmethod
     def from_url(
@@ -253,7 +289,9 @@ class AuditStore:
         if self._closed:
             raise AuditUnavailable("audit store is closed")
         if not self._group_commit:
-            return await self._insert_chained(batch)
+            rows = await self._insert_chained(batch)
+            self._committed(len(rows))
+            return rows
         queue = self._ensure_writer()
         pending = _Pending(batch, asyncio.get_running_loop().create_future())
         queue.put_nowait(pending)
@@ -364,6 +402,7 @@ class AuditStore:
                 if not p.future.done():
                     p.future.set_exception(_unavailable(f"audit append failed: {exc!r}", exc))
             return
+        self._committed(len(rows))
         offset = 0
         for p in live:
             n = len(p.entries)
@@ -434,13 +473,15 @@ class AuditStore:
             result = (await conn.execute(stmt)).all()
         return [row_from_db(r) for r in result]
 
-    async def verify(self, *, batch: int = 1000) -> VerifyResult:
+    async def verify(self, *, batch: int = 1000, chain: Chain = Chain.AUDIT) -> VerifyResult:
         """Walk the chain from the first row: recompute each row hash and check the linkage.
 
         Reports the first row whose ``prev_hash`` is not its predecessor's ``row_hash`` (a row
         removed or inserted before it) or whose ``row_hash`` does not match its contents (the
-        row was altered). Each batch read is bounded by ``timeout_s``.
+        row was altered). Each batch read is bounded by ``timeout_s``. ``chain`` is
+        ``Chain.AUDIT`` (``audit_log``) or ``Chain.ACKS`` (``router_acks``).
         """
+        table = _CHAIN_TABLES[chain]
         batch = max(1, batch)
         checked, last_id, expected_prev = 0, 0, GENESIS_HASH
         prev_id: int | None = None
@@ -448,8 +489,8 @@ class AuditStore:
             async with self._read("verify") as conn:
                 result = (
                     await conn.execute(
-                        select(audit_log).where(audit_log.c.id > last_id)
-                        .order_by(audit_log.c.id).limit(batch)
+                        select(table).where(table.c.id > last_id)
+                        .order_by(table.c.id).limit(batch)
                     )
                 ).all()
             if not result:
@@ -458,8 +499,9 @@ class AuditStore:
                 row_id = int(raw._mapping["id"])
                 checked += 1
                 try:
-                    row = row_from_db(raw)
-                except (ValueError, TypeError) as exc:
+                    row: AuditRow | _AckChainRow = (
+                        row_from_db(raw) if chain == Chain.AUDIT else _AckChainRow.from_db(raw))
+                except (ValueError, TypeError, KeyError) as exc:
                     return VerifyResult(
                         ok=False, checked=checked, first_broken_id=row_id,
                         reason=f"row {row_id} is malformed: {exc}",
@@ -528,17 +570,77 @@ class AuditStore:
         )
         return await self._fetch_rows("accepted_decisions", stmt)
 
+    async def row_hashes(self, chain: Chain, *, after_id: int = 0, through_id: int | None = None,
+                         limit: int = MAX_LIMIT) -> list[tuple[int, str]]:
+        """``(id, row_hash)`` of a chain's rows with ``after_id < id <= through_id``, ascending."""
+        table = _CHAIN_TABLES[chain]
+        stmt = select(table.c.id, table.c.row_hash).where(table.c.id > after_id)
+        if through_id is not None:
+            stmt = stmt.where(table.c.id <= through_id)
+        stmt = stmt.order_by(table.c.id).limit(max(1, limit))
+        async with self._read("row_hashes") as conn:
+            result = (await conn.execute(stmt)).all()
+        return [(int(r[0]), str(r[1])) for r in result]
+
     # -- router ACK/NACKs ----------------------------------------------------------------------
 
-    async def record_ack(self, ack: ApplyAck) -> None:
-        values = {
-            "router_id": ack.router_id, "model": ack.model, "kind": str(ack.kind),
-            "revision": ack.revision, "status": AckStatus(ack.status).value,
-            "detail": ack.detail, "event_id": ack.event_id, "effective": dict(ack.effective),
-            "at": ack.at if ack.at.tzinfo is not None else ack.at.replace(tzinfo=UTC),
-        }
-        async with self._db("record_ack"), self._engine.begin() as conn:
-            await conn.execute(insert(router_acks), values)
+    async def record_ack(self, ack: ApplyAck, *, stream_seq: int | None = None) -> None:
+        await self.record_acks([AckRecord(ack, stream_seq)])
+
+    async def record_acks(self, records: Sequence[AckRecord]) -> int:
+        """Store ACK/NACKs as consecutive rows of the ACK chain, in one transaction.
+
+        A record whose ``stream_seq`` is stored already (a redelivery, or another control plane
+        consuming the same stream) is skipped: the check runs under the chain's advisory lock,
+        so two writers cannot both miss it, and a unique index backs it. Returns how many rows
+        were written.
+        """
+        if not records:
+            return 0
+        async with self._db("record_acks"), self._engine.connect() as conn, conn.begin():
+            await conn.execute(text("SELECT pg_advisory_xact_lock(:k)"), {"k": ACK_CHAIN_LOCK_KEY})
+            seqs = {r.stream_seq for r in records if r.stream_seq is not None}
+            stored: set[int] = set()
+            if seqs:
+                stored = {int(s) for s in (await conn.execute(
+                    select(router_acks.c.stream_seq).where(router_acks.c.stream_seq.in_(seqs))
+                )).scalars()}
+            last = (await conn.execute(
+                select(router_acks.c.id, router_acks.c.row_hash)
+                .order_by(router_acks.c.id.desc()).limit(1))).first()
+            prev_id, prev_hash = (int(last[0]), str(last[1])) if last is not None else (0, GENESIS_HASH)
+            rows: list[dict[str, Any]] = []
+            for record in records:
+                if record.stream_seq is not None:
+                    if record.stream_seq in stored:
+                        continue
+                    stored.add(record.stream_seq)
+                values = _ack_values(record.ack, id=prev_id + 1, stream_seq=record.stream_seq)
+                values["prev_hash"] = prev_hash
+                values["row_hash"] = compute_row_hash(prev_hash, ack_hashed_fields(values))
+                rows.append(values)
+                prev_id, prev_hash = prev_id + 1, values["row_hash"]
+            if rows:
+                await conn.execute(insert(router_acks), rows)
+        self._committed(len(rows))
+        return len(rows)
+
+    async def privileged_role(self) -> str | None:
+        """Why the role we connect as is more than the app role (superuser, or may act as the
+        owner of ``audit_log``), or None. The control plane refuses to start as such a role."""
+        async with self._read("role check") as conn:
+            row = (await conn.execute(text(
+                "SELECT current_user, r.rolsuper, pg_has_role(current_user, c.relowner, 'USAGE') "
+                "FROM pg_roles r, pg_class c WHERE r.rolname = current_user "
+                "AND c.oid = to_regclass('public.audit_log')"))).first()
+        if row is None:
+            return None
+        user, superuser, owner = str(row[0]), bool(row[1]), bool(row[2])
+        if superuser:
+            return f"database role {user!r} is a superuser"
+        if owner:
+            return f"database role {user!r} owns audit_log (it could disable its trigger)"
+        return None
 
     async def acks(
         self,
@@ -615,6 +717,35 @@ class AuditStore:
             self._writer_conn = None
         if self._owns_engine:
             await self._engine.dispose()
+
+
+def _ack_values(ack: ApplyAck, *, id: int, stream_seq: int | None) -> dict[str, Any]:
+    return {
+        "id": id, "stream_seq": stream_seq,
+        "router_id": ack.router_id, "model": ack.model, "kind": str(ack.kind),
+        "revision": ack.revision, "status": AckStatus(ack.status).value,
+        "detail": ack.detail, "event_id": ack.event_id, "effective": dict(ack.effective),
+        "at": (ack.at if ack.at.tzinfo is not None else ack.at.replace(tzinfo=UTC)).astimezone(UTC),
+    }
+
+
+@dataclass(frozen=True, slots=True)
+class _AckChainRow:
+    """A stored ACK row as the chain walk needs it."""
+
+    id: int
+    prev_hash: str
+    row_hash: str
+    fields: dict[str, Any]
+
+    @classmethod
+    def from_db(cls, raw: Row[Any]) -> _AckChainRow:
+        m = raw._mapping
+        return cls(id=int(m["id"]), prev_hash=str(m["prev_hash"]), row_hash=str(m["row_hash"]),
+                   fields=ack_hashed_fields(dict(m)))
+
+    def expected_hash(self) -> str:
+        return compute_row_hash(self.prev_hash, self.fields)
 
 
 @contextlib.asynccontextmanager

@@ -3,7 +3,8 @@
 These models describe the schema for queries and for Alembic's autogenerate comparison; the schema
 itself is created by the migrations in ``migrations/versions`` (never by ``create_all`` in
 production). ``audit_log`` and ``router_acks`` are insert-only: a trigger installed by the migration
-refuses UPDATE, DELETE and TRUNCATE on both.
+refuses UPDATE, DELETE and TRUNCATE on both, and both are hash-chained (``prev_hash``,
+``row_hash``). The control plane's role may only SELECT and INSERT them (``migrations.grants``).
 """
 
 from __future__ import annotations
@@ -84,8 +85,11 @@ class RouterAckRow(Base):
         CheckConstraint("status IN ('ACK', 'NACK')", name="router_acks_status_check"),
         Index("ix_router_acks_router_model_kind_at", "router_id", "model", "kind", "at"),
         Index("ix_router_acks_at", "at"),
+        Index("ux_router_acks_stream_seq", "stream_seq", unique=True),
+        Index("ux_router_acks_prev_hash", "prev_hash", unique=True),
     )
 
+    # Assigned by the store (last id + 1 under the ACK chain lock): the id is part of the hash.
     id: Mapped[int] = mapped_column(BigInteger, Identity(), primary_key=True)
     router_id: Mapped[str] = mapped_column(Text)
     model: Mapped[str] = mapped_column(Text)
@@ -98,6 +102,11 @@ class RouterAckRow(Base):
         JSONB, server_default=text("'{}'::jsonb")
     )
     at: Mapped[datetime] = mapped_column(DateTime(timezone=True))
+    # RUDDER_ACKS stream sequence of the message this row records (NULL for rows from before
+    # migration 0002): unique, so an ACK delivered twice is stored once.
+    stream_seq: Mapped[int | None] = mapped_column(BigInteger)
+    prev_hash: Mapped[str] = mapped_column(Text)
+    row_hash: Mapped[str] = mapped_column(Text)
 
 
 class ApiTokenRow(Base):

@@ -9,14 +9,20 @@ from __future__ import annotations
 from typing import Any
 
 from controlplane.protocol.subjects import (
+    ACKS_SUBJECTS,
+    AUDIT_CHECKPOINTS_SUBJECT,
     BUCKET_ROUTERS,
     MEMBERSHIP_SUBJECTS,
     POLICY_SUBJECTS,
+    STREAM_ACKS,
+    STREAM_AUDIT_CHECKPOINTS,
     STREAM_MEMBERSHIP,
     STREAM_POLICY,
 )
 
 DUPLICATE_WINDOW_S = 120.0
+#: ACK/NACKs are kept at least this long (DESIGN §2): a control plane away for days loses none.
+ACKS_MIN_AGE_S = 7 * 24 * 3600.0
 
 
 def policy_stream(*, history_depth: int = 64, replicas: int = 1) -> dict[str, Any]:
@@ -47,10 +53,38 @@ def membership_stream(*, worker_ttl_s: float = 10.0, replicas: int = 1) -> dict[
     }
 
 
+def acks_stream(*, max_age_s: float = ACKS_MIN_AGE_S, replicas: int = 1) -> dict[str, Any]:
+    """Router ACK/NACKs, consumed by the control plane's durable consumer (limits by age)."""
+    return {
+        "name": STREAM_ACKS,
+        "subjects": [ACKS_SUBJECTS],
+        "storage": "file",
+        "retention": "limits",
+        "max_age": max(max_age_s, ACKS_MIN_AGE_S),
+        "duplicate_window": DUPLICATE_WINDOW_S,
+        "num_replicas": replicas,
+    }
+
+
+def audit_checkpoints_stream(*, replicas: int = 1) -> dict[str, Any]:
+    """Signed checkpoints of the audit and ACK chains: kept forever, never deleted or purged."""
+    return {
+        "name": STREAM_AUDIT_CHECKPOINTS,
+        "subjects": [AUDIT_CHECKPOINTS_SUBJECT],
+        "storage": "file",
+        "retention": "limits",
+        "allow_direct": True,
+        "deny_delete": True,
+        "deny_purge": True,
+        "duplicate_window": DUPLICATE_WINDOW_S,
+        "num_replicas": replicas,
+    }
+
+
 def routers_bucket(*, heartbeat_s: float = 1.0, replicas: int = 1) -> dict[str, Any]:
     return {"bucket": BUCKET_ROUTERS, "ttl": 3.0 * heartbeat_s, "history": 1, "replicas": replicas}
 
 
 def extra_streams(*, replicas: int = 1) -> list[dict[str, Any]]:
-    """Streams beyond the policy and membership ones (ACKs, audit checkpoints), as they land."""
-    return []
+    """Streams beyond the policy and membership ones: router ACKs and audit checkpoints."""
+    return [acks_stream(replicas=replicas), audit_checkpoints_stream(replicas=replicas)]

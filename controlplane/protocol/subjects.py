@@ -17,6 +17,7 @@ STREAM_POLICY = "RUDDER_POLICY"
 STREAM_MEMBERSHIP = "RUDDER_MEMBERSHIP"
 BUCKET_ROUTERS = "RUDDER_ROUTERS"
 STREAM_ACKS = "RUDDER_ACKS"
+STREAM_AUDIT_CHECKPOINTS = "RUDDER_AUDIT_CHECKPOINTS"
 
 POLICY_PREFIX = "rudder.policy"
 MEMBERSHIP_PREFIX = "rudder.workers"
@@ -27,7 +28,11 @@ AUDIT_PREFIX = "rudder.audit"
 
 POLICY_SUBJECTS = f"{POLICY_PREFIX}.>"
 MEMBERSHIP_SUBJECTS = f"{MEMBERSHIP_PREFIX}.>"
-ACKS_SUBJECTS = f"{ACKS_PREFIX}.*"
+ACKS_SUBJECTS = f"{ACKS_PREFIX}.>"
+#: One subject: every checkpoint of the audit and ACK chains, in order (CAS on its sequence).
+AUDIT_CHECKPOINTS_SUBJECT = "rudder.audit.checkpoints"
+#: Durable pull consumer on ``RUDDER_ACKS`` shared by every control-plane replica of a fleet.
+ACKS_CONSUMER_DEFAULT = "rudder-controlplane"
 
 HDR_EXPECTED_LAST_SUBJECT_SEQ = "Nats-Expected-Last-Subject-Sequence"
 HDR_MSG_ID = "Nats-Msg-Id"

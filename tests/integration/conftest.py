@@ -9,9 +9,9 @@ from tests.integration.cp_support import Tokens, make_tokens
 
 
 @pytest.fixture(scope="module")
-async def db(database_url: str) -> str:
-    """The module's fresh database, migrated to head."""
-    await upgrade_async(database_url)
+async def db(database_url: str, database_owner_url: str) -> str:
+    """The module's fresh database, migrated to head by its owner; the app role's URL."""
+    await upgrade_async(database_owner_url)
     return database_url
 
 

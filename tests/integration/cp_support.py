@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import contextlib
+import tempfile
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -12,17 +14,22 @@ from pydantic import SecretStr
 
 from controlplane.audit.store import AuditStore
 from controlplane.auth import Role, TokenStore
+from controlplane.checkpoints import generate_key_file
 from controlplane.failpoints import Failpoints
 from controlplane.server import Running, serving
 from controlplane.settings import ControlPlaneSettings
 from tests import buskit
 from tests.policy_keys import session_keys
 
+#: The checkpoint signing key of every test control plane (one per test session).
+AUDIT_KEY = Path(tempfile.mkdtemp(prefix="rudder-audit-key-")) / "audit-signing.key"
+AUDIT_SIGNER = generate_key_file(AUDIT_KEY)
+
 
 def settings_for(nats_url: str, database_url: str, **overrides: Any) -> ControlPlaneSettings:
     values: dict[str, Any] = {
         "nats_url": nats_url, "database_url": SecretStr(database_url), "admin_port": 0,
-        "reconcile_interval_s": 3600.0, "router_heartbeat_s": 1.0,
+        "reconcile_interval_s": 3600.0, "router_heartbeat_s": 1.0, "audit_signing_key": AUDIT_KEY,
         "nats_creds": buskit.controlplane_creds(),
         "policy_signing_key": session_keys().seed_path, "policy_verify_keys": session_keys().verify_path,
     }

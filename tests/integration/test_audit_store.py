@@ -8,7 +8,7 @@ import os
 import sys
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
@@ -20,13 +20,14 @@ from alembic.migration import MigrationContext
 from sqlalchemy import text
 
 import migrations
-from cli.embedded import EmbeddedPostgres
+from cli.embedded import DatabaseAccess, EmbeddedPostgres
 from controlplane.audit.records import GENESIS_HASH, AuditEntry, AuditRow, AuditStage, Decision
 from controlplane.audit.store import AuditStore
 from controlplane.audit.tables import metadata
 from controlplane.protocol.errors import AuditUnavailable, InvalidRequest
 from controlplane.protocol.events import AckStatus, ApplyAck
 from controlplane.protocol.policy import PolicyKind
+from tests.conftest import fresh_database
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -37,22 +38,15 @@ def raw_url(url: str) -> str:
     return url.replace("postgresql+asyncpg://", "postgresql://", 1)
 
 
-async def fresh_database(url: str) -> str:
+@pytest.fixture
+def another_database(postgres_server: EmbeddedPostgres | None) -> Callable[[], DatabaseAccess]:
     """Another empty database on the same server (for tests that break the chain on purpose)."""
-    name = f"t_{uuid.uuid4().hex[:12]}"
-    conn = await asyncpg.connect(raw_url(url))
-    try:
-        await conn.execute(f'CREATE DATABASE "{name}"')
-    finally:
-        await conn.close()
-    head, _, tail = url.rpartition("/")
-    _, sep, query = tail.partition("?")
-    return f"{head}/{name}{sep}{query}"
+    return lambda: fresh_database(postgres_server)
 
 
 @pytest.fixture(scope="module")
-async def db(database_url: str) -> str:
-    await migrations.upgrade_async(database_url)
+async def db(database_url: str, database_owner_url: str) -> str:
+    await migrations.upgrade_async(database_owner_url)
     return database_url
 
 
@@ -82,11 +76,11 @@ def model_name() -> str:
 # ---- migrations ---------------------------------------------------------------------------
 
 
-async def test_migrations_apply_and_are_idempotent(db: str) -> None:
+async def test_migrations_apply_and_are_idempotent(db: str, database_owner_url: str) -> None:
     # Again from a coroutine (async and blocking flavours): nothing changes, nothing fails.
-    await migrations.upgrade_async(db)
-    migrations.upgrade(db)
-    conn = await asyncpg.connect(raw_url(db))
+    await migrations.upgrade_async(database_owner_url)
+    migrations.upgrade(database_owner_url)
+    conn = await asyncpg.connect(raw_url(database_owner_url))
     try:
         assert await conn.fetchval("SELECT version_num FROM alembic_version") == \
             migrations.current_head()
@@ -101,11 +95,13 @@ async def test_migrations_apply_and_are_idempotent(db: str) -> None:
         await conn.close()
 
 
-async def test_replicas_migrating_at_once_do_not_race(db: str) -> None:
+async def test_replicas_migrating_at_once_do_not_race(
+        another_database: Callable[[], DatabaseAccess]) -> None:
     # Control-plane replicas that start together all run `db upgrade`: the advisory lock in the
     # Alembic environment makes them take turns, so none fails on CREATE TABLE.
     for separate_processes in (False, True):
-        url = await fresh_database(db)
+        access = another_database()
+        url = access.owner_url
         if separate_processes:
             procs = [
                 await asyncio.create_subprocess_exec(
@@ -119,7 +115,7 @@ async def test_replicas_migrating_at_once_do_not_race(db: str) -> None:
                 assert proc.returncode == 0, err.decode()
         else:
             await asyncio.gather(*(migrations.upgrade_async(url) for _ in range(4)))
-        s = AuditStore.from_url(url)
+        s = AuditStore.from_url(access.app_url)
         try:
             assert (await s.append(received())).id == 1
         finally:
@@ -161,10 +157,10 @@ async def test_append_links_the_chain(store: AuditStore) -> None:
     assert result.ok and result.first_broken_id is None and result.checked >= 2
 
 
-async def test_first_row_starts_from_genesis(db: str) -> None:
-    url = await fresh_database(db)
-    await migrations.upgrade_async(url)
-    s = AuditStore.from_url(url)
+async def test_first_row_starts_from_genesis(another_database: Callable[[], DatabaseAccess]) -> None:
+    access = another_database()
+    await migrations.upgrade_async(access.owner_url)
+    s = AuditStore.from_url(access.app_url)
     try:
         assert (await s.verify()).to_dict() == {
             "ok": True, "checked": 0, "first_broken_id": None, "reason": None}
@@ -254,11 +250,12 @@ async def test_appends_from_several_processes_form_one_chain(db: str) -> None:
         await s.close()
 
 
-async def test_update_delete_and_truncate_are_refused(store: AuditStore, db: str) -> None:
+async def test_update_delete_and_truncate_are_refused(store: AuditStore, database_owner_url: str) -> None:
+    # The trigger binds the table's owner too (only disabling it, which the owner may, lifts it).
     row = await store.append(received())
     await store.record_ack(ApplyAck(router_id="r", model="m", kind=PolicyKind.SELECTION,
                                     revision=1, status=AckStatus.ACK, at=datetime.now(UTC)))
-    conn = await asyncpg.connect(raw_url(db))
+    conn = await asyncpg.connect(raw_url(database_owner_url))
     try:
         for sql in (
             f"UPDATE audit_log SET actor = 'mallory' WHERE id = {row.id}",
@@ -280,19 +277,19 @@ async def test_update_delete_and_truncate_are_refused(store: AuditStore, db: str
     assert await store.get(row.id) == row
 
 
-async def _tampered_store(db: str) -> tuple[AuditStore, list[int], asyncpg.Connection]:
-    url = await fresh_database(db)
-    await migrations.upgrade_async(url)
-    s = AuditStore.from_url(url)
+async def _tampered_store(access: DatabaseAccess) -> tuple[AuditStore, list[int], asyncpg.Connection]:
+    """Five rows written by the app role, and a connection as the owner (who can lift triggers)."""
+    await migrations.upgrade_async(access.owner_url)
+    s = AuditStore.from_url(access.app_url)
     rows = [await s.append(received(actor=f"u{i}", changes={"v": i / 10})) for i in range(5)]
     assert (await s.verify()).ok
-    return s, [r.id for r in rows], await asyncpg.connect(raw_url(url))
+    return s, [r.id for r in rows], await asyncpg.connect(raw_url(access.owner_url))
 
 
-async def test_verify_names_a_row_altered_behind_the_trigger(db: str) -> None:
-    s, ids, conn = await _tampered_store(db)
+async def test_verify_names_a_row_altered_behind_the_trigger(another_database: Callable[[], DatabaseAccess]) -> None:
+    s, ids, conn = await _tampered_store(another_database())
     try:
-        # A superuser can switch the trigger off; the hash chain still tells.
+        # The owner can switch the trigger off; the hash chain still tells.
         await conn.execute("ALTER TABLE audit_log DISABLE TRIGGER ALL")
         await conn.execute(f"UPDATE audit_log SET actor = 'mallory' WHERE id = {ids[2]}")
         await conn.execute("ALTER TABLE audit_log ENABLE TRIGGER ALL")
@@ -305,8 +302,8 @@ async def test_verify_names_a_row_altered_behind_the_trigger(db: str) -> None:
         await s.close()
 
 
-async def test_verify_names_the_row_after_a_deleted_one(db: str) -> None:
-    s, ids, conn = await _tampered_store(db)
+async def test_verify_names_the_row_after_a_deleted_one(another_database: Callable[[], DatabaseAccess]) -> None:
+    s, ids, conn = await _tampered_store(another_database())
     try:
         await conn.execute("ALTER TABLE audit_log DISABLE TRIGGER ALL")
         await conn.execute(f"DELETE FROM audit_log WHERE id = {ids[1]}")
@@ -319,8 +316,8 @@ async def test_verify_names_the_row_after_a_deleted_one(db: str) -> None:
         await s.close()
 
 
-async def test_verify_names_a_row_with_a_rewritten_json_value(db: str) -> None:
-    s, ids, conn = await _tampered_store(db)
+async def test_verify_names_a_row_with_a_rewritten_json_value(another_database: Callable[[], DatabaseAccess]) -> None:
+    s, ids, conn = await _tampered_store(another_database())
     try:
         await conn.execute("ALTER TABLE audit_log DISABLE TRIGGER ALL")
         await conn.execute(

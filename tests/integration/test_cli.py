@@ -23,6 +23,7 @@ from cli.errors import ExitCode
 from cli.main import app
 from controlplane.settings import ControlPlaneSettings
 from tests import buskit
+from tests.integration.cp_support import AUDIT_KEY
 from tests.policy_keys import session_keys
 
 pytestmark = pytest.mark.timeout(120)
@@ -90,9 +91,9 @@ class Env:
 
 
 @pytest.fixture(scope="module")
-def env(nats_url: str, database_url: str) -> Iterator[Env]:
+def env(nats_url: str, database_url: str, database_owner_url: str) -> Iterator[Env]:
     runner = CliRunner()
-    upgraded = runner.invoke(app, ["db", "upgrade", "--database-url", database_url])
+    upgraded = runner.invoke(app, ["db", "upgrade", "--database-url", database_owner_url])
     assert upgraded.exit_code == 0, upgraded.output
     tokens: dict[str, str] = {}
     for role in ("admin", "operator", "viewer", "auditor"):
@@ -106,6 +107,7 @@ def env(nats_url: str, database_url: str) -> Iterator[Env]:
         nats_url=nats_url, database_url=SecretStr(database_url), admin_port=0,
         reconcile_interval_s=3600.0, nats_creds=buskit.controlplane_creds(),
         policy_signing_key=session_keys().seed_path, policy_verify_keys=session_keys().verify_path,
+        audit_signing_key=AUDIT_KEY,
     )
     cp = ThreadedControlPlane(settings)
     cp.start()

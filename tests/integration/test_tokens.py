@@ -18,8 +18,8 @@ pytestmark = pytest.mark.timeout(60)
 
 
 @pytest.fixture(scope="module")
-async def db(database_url: str) -> str:
-    await migrations.upgrade_async(database_url)
+async def db(database_url: str, database_owner_url: str) -> str:
+    await migrations.upgrade_async(database_owner_url)
     return database_url
 
 

@@ -114,6 +114,22 @@ def _postmaster_pid(cwd: Path) -> int:
     return int((cwd / ".rudder" / "pgdata" / "postmaster.pid").read_text().split()[0])
 
 
+def _assert_database_roles(cwd: Path, creds: dict[str, str], printed: str) -> None:
+    """The CLI's credentials are the app role's, never the owner's; no trust authentication."""
+    from urllib.parse import urlsplit
+
+    url = urlsplit(creds["RUDDER_DATABASE_URL"])
+    assert url.username == "rudder_app"
+    roles = read_credentials(cwd / ".rudder" / "db-roles")
+    assert (cwd / ".rudder" / "db-roles").stat().st_mode & 0o777 == 0o600
+    assert roles["OWNER_PASSWORD"] not in (cwd / ".rudder" / "credentials").read_text()
+    for secret in (roles["OWNER_PASSWORD"], roles["APP_PASSWORD"]):
+        assert secret not in printed
+    hba = (cwd / ".rudder" / "pgdata" / "pg_hba.conf").read_text().splitlines()
+    methods = {ln.split()[-1] for ln in hba if ln.strip() and not ln.lstrip().startswith("#")}
+    assert methods == {"scram-sha-256"}, methods
+
+
 def test_up_serves_stops_everything_and_keeps_data(tmp_path: Path) -> None:
     ports = {"admin": free_port(), "router": free_port(), "nats": free_port(),
              "postgres": free_port()}
@@ -135,6 +151,7 @@ def test_up_serves_stops_everything_and_keeps_data(tmp_path: Path) -> None:
     assert seed.stat().st_mode & 0o777 == 0o600
     key_id = load_signing_key(seed).key_id
     assert seed.read_text().splitlines()[-1] not in text  # the seed is never printed
+    _assert_database_roles(tmp_path, creds, text)
 
     started = _children_of(up.proc.pid) | {_postmaster_pid(tmp_path)}
     try:

@@ -22,11 +22,12 @@ from tests.reliability.cluster import NatsCluster
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
 
 
-async def test_leader_killed_under_writes_loses_nothing(tmp_path: Path, database_url: str) -> None:
+async def test_leader_killed_under_writes_loses_nothing(tmp_path: Path, database_url: str,
+                                                        database_owner_url: str) -> None:
     cluster = NatsCluster(tmp_path / "cluster")
     await asyncio.to_thread(cluster.start)
     try:
-        await upgrade_async(database_url)
+        await upgrade_async(database_owner_url)
         tokens = await make_tokens(database_url)
         model = f"ha/{uuid.uuid4().hex[:6]}"
         # The bus admin creates the R3 streams (retrying until the cluster has formed).

@@ -15,6 +15,7 @@ from controlplane.failpoints import Failpoints
 from controlplane.protocol.policy import PolicyKind
 from migrations import upgrade_async
 from tests import buskit
+from tests.conftest import TEST_APP, TEST_OWNER
 from tests.integration.cp_support import client, controlplane, make_tokens
 from tests.policy_keys import session_keys
 
@@ -34,8 +35,9 @@ async def revisions(nats_url: str, model: str) -> list[int]:
 
 
 async def test_postgres_down_means_503_and_nothing_published(nats_url: str, own_postgres: EmbeddedPostgres) -> None:
-    db = own_postgres.create_database("rudder")
-    await upgrade_async(db)
+    access = own_postgres.provision("rudder", owner=TEST_OWNER, app=TEST_APP)
+    db = access.app_url
+    await upgrade_async(access.owner_url)
     tokens = await make_tokens(db)
     model = model_name()
     async with controlplane(nats_url, db) as cp, client(cp, tokens.operator) as http:
@@ -68,8 +70,8 @@ async def test_postgres_down_means_503_and_nothing_published(nats_url: str, own_
 
 
 async def test_nats_down_means_503_and_no_accepted_decision_without_event(
-        own_nats: EmbeddedNats, database_url: str) -> None:
-    await upgrade_async(database_url)
+        own_nats: EmbeddedNats, database_url: str, database_owner_url: str) -> None:
+    await upgrade_async(database_owner_url)
     tokens = await make_tokens(database_url)
     model = model_name()
     async with controlplane(own_nats.url, database_url) as cp, client(cp, tokens.operator) as http:
@@ -108,8 +110,9 @@ async def test_crash_between_publish_and_decision_is_reconciled(own_nats: Embedd
     from datetime import timedelta
 
     nats_url = own_nats.url
-    database_url = own_postgres.create_database("rudder")
-    await upgrade_async(database_url)
+    access = own_postgres.provision("rudder", owner=TEST_OWNER, app=TEST_APP)
+    database_url = access.app_url
+    await upgrade_async(access.owner_url)
     tokens = await make_tokens(database_url)
     model = model_name()
     failpoints = Failpoints()

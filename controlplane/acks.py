@@ -1,0 +1,126 @@
+"""Router ACK/NACKs from the ``RUDDER_ACKS`` stream into the audit database (DESIGN §2, §9).
+
+One durable pull consumer per fleet (``acks_consumer``, default ``rudder-controlplane``) is shared
+by every control-plane replica: JetStream hands each message to one fetcher at a time, and one
+that is not acknowledged within ``ack_wait`` is handed out again. A message is acknowledged only
+after its row is committed, so a control plane that dies between the two costs a redelivery, not
+a lost ACK; the redelivered (or concurrently fetched) message is recognised by its stream sequence
+(``router_acks.stream_seq``, checked under the ACK chain's lock) and stored once.
+
+Routers publish whether or not a control plane runs; the stream keeps ACKs for at least 7 days,
+so a control plane that starts later records every one of them, oldest first.
+
+A payload that is not an ``ApplyAck``, or whose ``router_id`` is not its subject's, is terminated
+(never redelivered) and logged; it cannot stall the consumer.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from typing import Any
+
+import nats.errors
+from nats.aio.msg import Msg
+from nats.js import JetStreamContext
+from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
+
+from controlplane.audit.store import AckRecord, AuditStore
+from controlplane.protocol.errors import InvalidRequest, RudderError
+from controlplane.protocol.events import check_ack_subject, decode_apply_ack
+from controlplane.protocol.subjects import ACKS_SUBJECTS, STREAM_ACKS
+
+log = logging.getLogger(__name__)
+
+
+class AckConsumer:
+    """Fetch ACKs in batches, write each batch in one transaction, then acknowledge it."""
+
+    def __init__(self, js: JetStreamContext, store: AuditStore, *, durable: str,
+                 batch: int = 128, ack_wait_s: float = 30.0, fetch_timeout_s: float = 1.0) -> None:
+        self.js = js
+        self.store = store
+        self.durable = durable
+        self.batch = batch
+        self.ack_wait_s = ack_wait_s
+        self.fetch_timeout_s = fetch_timeout_s
+        self._task: asyncio.Task[None] | None = None
+        self._sub: Any = None
+        self.recorded = 0  # rows this replica wrote (tests, metrics)
+
+    def start(self) -> None:
+        self._task = asyncio.create_task(self.run(), name="ack-consumer")
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await self._task
+            self._task = None
+        await self._unsubscribe()
+
+    async def _unsubscribe(self) -> None:
+        """Leave the durable consumer (it stays on the server for the other replicas)."""
+        sub, self._sub = self._sub, None
+        if sub is not None:
+            with contextlib.suppress(Exception):
+                await sub.unsubscribe()
+
+    async def _subscribe(self) -> Any:
+        config = ConsumerConfig(
+            durable_name=self.durable, ack_policy=AckPolicy.EXPLICIT,
+            deliver_policy=DeliverPolicy.ALL, ack_wait=self.ack_wait_s,
+            filter_subject=ACKS_SUBJECTS, max_ack_pending=10_000,
+        )
+        return await self.js.pull_subscribe(ACKS_SUBJECTS, durable=self.durable, stream=STREAM_ACKS,
+                                            config=config)
+
+    async def run(self) -> None:
+        """Until cancelled; a lost bus or database is waited out, never fatal."""
+        while True:
+            try:
+                await self._unsubscribe()
+                sub = self._sub = await self._subscribe()
+                while True:
+                    try:
+                        msgs = await sub.fetch(self.batch, timeout=self.fetch_timeout_s)
+                    except (nats.errors.TimeoutError, TimeoutError):  # nothing to fetch yet
+                        continue
+                    await self.handle(msgs)
+            except asyncio.CancelledError:
+                raise
+            except (nats.errors.Error, OSError, RudderError) as exc:
+                log.warning("ACK consumer %s: %r; retrying", self.durable, exc)
+                await asyncio.sleep(1.0)
+            except Exception:
+                log.exception("ACK consumer %s failed; retrying", self.durable)
+                await asyncio.sleep(1.0)
+
+    async def handle(self, msgs: list[Msg]) -> None:
+        """Record a fetched batch, then acknowledge it (terminate what can never be recorded)."""
+        good: list[tuple[Msg, AckRecord]] = []
+        for msg in msgs:
+            try:
+                ack = decode_apply_ack(msg.data)
+                check_ack_subject(msg.subject, ack)  # a router speaks only for itself
+            except InvalidRequest as exc:
+                log.warning("refused ACK on %s (stream seq %s): %s", msg.subject,
+                            msg.metadata.sequence.stream, exc.message)
+                await msg.term()
+                continue
+            good.append((msg, AckRecord(ack, int(msg.metadata.sequence.stream))))
+        if not good:
+            return
+        try:
+            written = await self.store.record_acks([r for _, r in good])
+        except RudderError as exc:
+            # Not acknowledged: redelivered after a short delay (or ack_wait if the nak is lost).
+            log.warning("%d ACKs not recorded (%s); they will be redelivered", len(good), exc.message)
+            for msg, _ in good:
+                with contextlib.suppress(nats.errors.Error):
+                    await msg.nak(delay=1.0)
+            return
+        self.recorded += written
+        for msg, _ in good:
+            await msg.ack()

@@ -1,0 +1,73 @@
+"""The control plane's database role and exactly what it may do (DESIGN §9, issue 8).
+
+Migrations run as the owner of the schema; the control plane runs as a separate *app role* that
+may only read and append to the audit and ACK tables, and create, read and revoke API tokens:
+
+    audit_log, router_acks   SELECT, INSERT
+    api_tokens               SELECT, INSERT, UPDATE (revoked_at)
+
+It owns nothing, so it cannot ALTER a table, disable a trigger, TRUNCATE, UPDATE or DELETE an
+audit row. ``apply(connection, role)`` creates the role (NOLOGIN, when the owner may create roles)
+unless it exists, and (re)grants; it is idempotent and run by migration 0002 and after every
+``upgrade``, so a renamed role or a table added later gets its grants from the same place.
+Raises ``GrantError`` for a role name that is the owner itself or that cannot be created.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+
+from sqlalchemy import text
+from sqlalchemy.engine import Connection
+
+DEFAULT_APP_ROLE = "rudder_app"
+APP_ROLE_ENV = "RUDDER_DATABASE_APP_ROLE"
+
+#: Table -> privileges of the app role. Column privileges are written ``UPDATE (col)``.
+APP_GRANTS: dict[str, tuple[str, ...]] = {
+    "audit_log": ("SELECT", "INSERT"),
+    "router_acks": ("SELECT", "INSERT"),
+    "api_tokens": ("SELECT", "INSERT", "UPDATE (revoked_at)"),
+}
+
+_ROLE_NAME = re.compile(r"^[a-z_][a-z0-9_]{0,62}$")
+
+
+class GrantError(RuntimeError):
+    """The app role cannot be set up as asked (wrong name, same as the owner, cannot create)."""
+
+
+def app_role_name(explicit: str | None = None) -> str:
+    """The app role: the argument, then ``RUDDER_DATABASE_APP_ROLE``, then ``rudder_app``."""
+    name = explicit or os.environ.get(APP_ROLE_ENV) or DEFAULT_APP_ROLE
+    if not _ROLE_NAME.fullmatch(name):
+        raise GrantError(f"app role {name!r} must be a lower-case SQL identifier ({APP_ROLE_ENV})")
+    return name
+
+
+def apply(connection: Connection, role: str) -> None:
+    """Create ``role`` if missing (NOLOGIN) and grant it exactly ``APP_GRANTS`` (idempotent)."""
+    role = app_role_name(role)
+    owner = connection.execute(text("SELECT current_user")).scalar_one()
+    if role == owner:
+        raise GrantError(
+            f"the app role {role!r} is the role running the migration: the control plane must "
+            "not connect as the schema owner (set RUDDER_DATABASE_OWNER_URL to the owner)")
+    exists = connection.execute(
+        text("SELECT 1 FROM pg_roles WHERE rolname = :r"), {"r": role}).first() is not None
+    if not exists:
+        may_create = connection.execute(
+            text("SELECT rolcreaterole OR rolsuper FROM pg_roles WHERE rolname = current_user")
+        ).scalar_one()
+        if not may_create:
+            raise GrantError(
+                f"app role {role!r} does not exist and {owner!r} may not create roles: create it "
+                f"(CREATE ROLE {role} LOGIN PASSWORD ...) or grant CREATEROLE to the owner")
+        connection.execute(text(f'CREATE ROLE "{role}" NOLOGIN'))
+    # Nothing more than listed: start from nothing on every table we grant on.
+    for table, privileges in APP_GRANTS.items():
+        connection.execute(text(f'REVOKE ALL ON TABLE {table} FROM "{role}"'))
+        connection.execute(text(f'REVOKE ALL ON TABLE {table} FROM PUBLIC'))
+        connection.execute(text(f'GRANT {", ".join(privileges)} ON TABLE {table} TO "{role}"'))
+    connection.execute(text(f'GRANT USAGE ON SCHEMA public TO "{role}"'))
