@@ -4,7 +4,8 @@ accessors commands use to reach the global options (``--server``, ``--token``, `
 from __future__ import annotations
 
 from contextvars import ContextVar
-from typing import Any
+from dataclasses import replace
+from typing import Annotated, Any
 
 import typer
 from typer.core import TyperGroup
@@ -15,12 +16,48 @@ from cli.errors import CliError
 from cli.output import report_error
 from cli.params import PairError, Value, parse_names, parse_pairs
 
+JSON_HELP = "Print only JSON on stdout (for scripts)."
+
+
+def _json_after_subcommand(value: bool) -> None:
+    # Parsed after the root callback has stored the settings, so it only ever turns JSON on.
+    if value:
+        use_settings(replace(settings(), json=True))
+
+
+def _json_option() -> Any:
+    """``--json`` as an option of a command: the same flag as the root's, built by typer itself
+    (from a one-parameter command) so that help and parsing are typer's own."""
+    probe = typer.Typer(add_completion=False)
+
+    @probe.command()
+    def probe_command(
+        json_output: Annotated[bool, typer.Option(
+            "--json", help=JSON_HELP, callback=_json_after_subcommand, expose_value=False)] = False,
+    ) -> None:
+        """Never run."""
+
+    return typer.main.get_command(probe).params[0]
+
+
+def _add_json_option(group: TyperGroup, option: Any) -> None:
+    for command in group.commands.values():
+        if isinstance(command, TyperGroup):
+            _add_json_option(command, option)
+        elif not any("--json" in p.opts for p in command.params):
+            command.params.append(option)
+
 
 class RudderGroup(TyperGroup):
-    """Report a ``CliError`` raised by any command on stderr and exit with its code.
-
-    Catching it once here, at the root group, keeps commands free of try/except boilerplate.
+    """The root group. Reports a ``CliError`` raised by any command on stderr and exits with its
+    code (caught once here, commands stay free of try/except boilerplate), and gives every
+    command a ``--json`` of its own, so ``rudder workers list --json`` means ``rudder --json
+    workers list`` (as with kubectl, gh and docker).
     """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        _add_json_option(self, _json_option())
 
     def invoke(self, ctx: Any) -> Any:
         try:

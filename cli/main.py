@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+from importlib.metadata import PackageNotFoundError, version
 from typing import Annotated
 
 import typer
 
 from cli import admin, audit, bus, fleet, keys, policy, serve, threshold, up
-from cli.app import RudderGroup, use_settings
+from cli.app import JSON_HELP, RudderGroup, use_settings
 from cli.config import DEFAULT_SERVER, resolve
 from cli.errors import EXIT_CODES_HELP
 
@@ -19,10 +20,23 @@ app = typer.Typer(
     ".rudder/credentials in the current directory (written by `rudder up`).\n\n"
     + EXIT_CODES_HELP,
     no_args_is_help=True,
-    add_completion=False,
+    add_completion=True,  # --install-completion / --show-completion (bash, zsh, fish, powershell)
     rich_markup_mode=None,
     pretty_exceptions_show_locals=False,
 )
+
+
+def rudder_version() -> str:
+    try:
+        return version("rudder")
+    except PackageNotFoundError:  # running from a source tree that was never installed
+        return "unknown"
+
+
+def _print_version(value: bool) -> None:
+    if value:
+        typer.echo(f"rudder {rudder_version()}")
+        raise typer.Exit()
 
 
 @app.callback()
@@ -38,7 +52,11 @@ def main_callback(
                      help="Bearer token."),
     ] = None,
     json_output: Annotated[
-        bool, typer.Option("--json", help="Print only JSON on stdout (for scripts).")
+        bool, typer.Option("--json", help=JSON_HELP + " Also accepted after the command.")
+    ] = False,
+    _version: Annotated[
+        bool, typer.Option("--version", callback=_print_version, is_eager=True, expose_value=False,
+                           help="Print the version and exit.")
     ] = False,
 ) -> None:
     use_settings(resolve(server, token, json_output=json_output))

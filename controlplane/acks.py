@@ -27,8 +27,9 @@ from nats.js import JetStreamContext
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 
 from controlplane.audit.store import AckRecord, AuditStore
-from controlplane.protocol.errors import InvalidRequest, RudderError
+from controlplane.protocol.errors import InvalidRequest, RudderError, SubjectMismatch
 from controlplane.protocol.events import check_ack_subject, decode_apply_ack
+from controlplane.protocol.guard import Drops
 from controlplane.protocol.subjects import ACKS_SUBJECTS, STREAM_ACKS
 
 log = logging.getLogger(__name__)
@@ -38,8 +39,10 @@ class AckConsumer:
     """Fetch ACKs in batches, write each batch in one transaction, then acknowledge it."""
 
     def __init__(self, js: JetStreamContext, store: AuditStore, *, durable: str,
-                 batch: int = 128, ack_wait_s: float = 30.0, fetch_timeout_s: float = 1.0) -> None:
+                 batch: int = 128, ack_wait_s: float = 30.0, fetch_timeout_s: float = 1.0,
+                 drops: Drops | None = None) -> None:
         self.js = js
+        self.drops = drops
         self.store = store
         self.durable = durable
         self.batch = batch
@@ -105,9 +108,13 @@ class AckConsumer:
                 ack = decode_apply_ack(msg.data)
                 check_ack_subject(msg.subject, ack)  # a router speaks only for itself
             except InvalidRequest as exc:
-                log.warning("refused ACK on %s (stream seq %s): %s", msg.subject,
-                            msg.metadata.sequence.stream, exc.message)
-                await msg.term()
+                if self.drops is not None:  # logged once per source, counted every time
+                    reason = "subject_mismatch" if isinstance(exc, SubjectMismatch) else "malformed"
+                    self.drops.drop("ack", reason, msg.subject, exc.message)
+                else:
+                    log.warning("refused ACK on %s (stream seq %s): %s", msg.subject,
+                                msg.metadata.sequence.stream, exc.message)
+                await msg.term()  # never recorded: it does not speak for its own subject
                 continue
             good.append((msg, AckRecord(ack, int(msg.metadata.sequence.stream))))
         if not good:

@@ -72,10 +72,10 @@ class ControlPlane:
                 every_rows=s.audit_checkpoint_every_rows, writer=s.instance_name)
             self.audit.on_rows = self.checkpointer.notify
             self.checkpointer.start()
-        self.acks = AckConsumer(self.nc.jetstream(), self.audit, durable=s.acks_consumer)
-        self.acks.start()
         self.fleet = FleetView(self.nc, worker_ttl_s=s.worker_ttl_s, router_heartbeat_s=s.router_heartbeat_s)
         await self.fleet.start()
+        self.acks = AckConsumer(self.nc.jetstream(), self.audit, durable=s.acks_consumer, drops=self.fleet.drops)
+        self.acks.start()
         self.writes = WritePath(self.log, self.audit, self.fleet,
                                 busy_threshold_retries=s.busy_threshold_retries, failpoints=self.failpoints)
         self.queries = Queries(self.log, self.fleet)

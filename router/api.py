@@ -101,6 +101,8 @@ class Runtime(Protocol):
     metrics: RouterMetrics
     tokenizers: TokenizerRegistry
 
+    def readiness(self) -> list[str]: ...
+
 
 def _reason(exc: RudderError) -> str:
     return exc.code
@@ -514,13 +516,17 @@ def build_api(rt: Runtime, app: FastAPI) -> None:
 
     @app.get("/health")
     async def health() -> Response:
+        """Ready to take traffic (a load balancer's or Kubernetes' readiness check): 503 until
+        connected to NATS, the policy heads are loaded, discovery is complete and every model
+        has a worker, and from the moment a graceful stop begins (draining)."""
         view = rt.scheduler.view
+        waiting = rt.readiness()
         body = {
-            "status": "ok" if view.ready else "starting", "router_id": rt.settings.router_id,
-            "workers": view.workers,
+            "status": "ok" if not waiting else ("draining" if "draining" in waiting else "starting"),
+            "router_id": rt.settings.router_id, "waiting_for": waiting, "workers": view.workers,
             "applied": {k: v.revision for k, v in view.applied.items()},
         }
-        return JSONResponse(body, status_code=200 if view.ready else 503)
+        return JSONResponse(body, status_code=503 if waiting else 200)
 
     @app.get("/live")
     async def live() -> dict[str, str]:

@@ -13,7 +13,8 @@ import asyncio
 import contextlib
 import logging
 import random
-from collections.abc import AsyncIterator
+import signal
+from collections.abc import AsyncIterator, Iterator
 from datetime import datetime
 from typing import Any
 
@@ -83,6 +84,7 @@ class RouterRuntime:
         self.tokenizers = TokenizerRegistry()
         self.tasks = TaskSet()
         self.started_at: datetime = utcnow()
+        self.draining = False  # a graceful stop began: /health is 503, in-flight work finishes
         self.nc: NATS | None = None
         self.http = UpstreamClient(connect_timeout_s=settings.connect_timeout_s,
                                    read_timeout_s=settings.request_timeout_s)
@@ -136,6 +138,24 @@ class RouterRuntime:
             s.router_id, ", ".join(s.models), s.url(), s.mode.value, s.role.value,
             ", ".join(sorted(self.cache_inputs)) or "none", ", ".join(self.verify_keys.keyring.key_ids),
         )
+
+    def readiness(self) -> list[str]:
+        """What this router still waits for before it should get traffic; [] when ready."""
+        waiting: list[str] = []
+        if self.draining:
+            waiting.append("draining")
+        if self.nc is None or not self.nc.is_connected:
+            waiting.append("nats")
+        if self.policy is None or not self.policy.loaded.is_set():
+            waiting.append("policy")
+        view = self.scheduler.view
+        if not view.ready:
+            waiting.append("discovery")
+        else:
+            missing = [m for m in self.settings.models if not view.workers.get(m)]
+            if missing:
+                waiting.append("workers: " + ", ".join(missing[:5]) + (" ..." if len(missing) > 5 else ""))
+        return waiting
 
     async def _prewarm_tokenizers(self) -> None:
         """Load a newly advertised tokenizer (a model folder) before requests need it."""
@@ -216,7 +236,50 @@ async def serve(settings: RouterSettings) -> None:
         access_log=False, lifespan="on", timeout_graceful_shutdown=settings.shutdown_grace_s,
         **uvicorn_options(app),
     )
-    await uvicorn.Server(config).serve()
+    await DrainingServer(config, app.state.runtime, drain_delay_s=settings.drain_delay_s).serve()
+
+
+class DrainingServer(uvicorn.Server):
+    """uvicorn's server with the router's graceful stop (SIGTERM or SIGINT):
+
+    1. ``/health`` turns 503 at once (``draining``), so load balancers and Kubernetes' readiness
+       check stop sending new requests;
+    2. after ``drain_delay_s`` the listener closes and requests and streams in flight finish,
+       within ``timeout_graceful_shutdown`` (``RUDDER_SHUTDOWN_GRACE_S``);
+    3. the lifespan stops (leave, last ACKs, status deleted) and the process exits with 0.
+
+    uvicorn alone re-raises the signal once it has shut down, so a graceful stop ended with
+    -15; a second signal forces the exit.
+    """
+
+    def __init__(self, config: uvicorn.Config, runtime: RouterRuntime, *, drain_delay_s: float) -> None:
+        super().__init__(config)
+        self.runtime = runtime
+        self.drain_delay_s = drain_delay_s
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        loop = asyncio.get_running_loop()
+        signals = (signal.SIGINT, signal.SIGTERM)
+        for sig in signals:
+            loop.add_signal_handler(sig, self.drain, sig)
+        try:
+            yield
+        finally:
+            for sig in signals:
+                loop.remove_signal_handler(sig)
+
+    def drain(self, sig: int) -> None:
+        if self.runtime.draining:
+            self.force_exit = True
+            return
+        self.runtime.draining = True
+        log.info("router %s: %s, draining (health 503; in-flight work finishes within %ss)",
+                 self.runtime.settings.router_id, signal.Signals(sig).name, self.config.timeout_graceful_shutdown)
+        asyncio.get_running_loop().call_later(self.drain_delay_s, self._exit)
+
+    def _exit(self) -> None:
+        self.should_exit = True
 
 
 def uvicorn_options(app: FastAPI) -> dict[str, Any]:

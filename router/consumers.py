@@ -29,6 +29,7 @@ was deleted and created again) is noticed by :meth:`PolicyConsumer.check_stream`
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import logging
 import uuid
@@ -234,6 +235,8 @@ class PolicyConsumer:
         self._resync_lock = asyncio.Lock()
         self.resyncs = 0
         self.acks = AckPublisher(js, router_id)
+        # Set once the replay of every document's head is through (readiness, DESIGN §5).
+        self.loaded = asyncio.Event()
 
     async def start(self) -> None:
         info = await self._stream_info()
@@ -293,8 +296,15 @@ class PolicyConsumer:
     async def _subscribe(self) -> None:
         """One ordered consumer for every served model (a multi-subject filter): a router's
         consumers do not grow with its models (JetStream limits consumers per stream)."""
-        self._subs.append(await ordered_consumer(
-            self.js, STREAM_POLICY, [policy_filter(m) for m in self.models], self._on_msg))
+        sub = await ordered_consumer(
+            self.js, STREAM_POLICY, [policy_filter(m) for m in self.models], self._on_msg)
+        self._subs.append(sub)
+        try:
+            info = await sub.consumer_info()
+            if info.num_pending == 0 and (info.delivered is None or not info.delivered.consumer_seq):
+                self.loaded.set()  # no document yet: the startup values are the policy
+        except (*_NATS_ERRORS, nats.js.errors.Error):
+            pass
 
     async def stop(self) -> None:
         await unsubscribe_all(self._subs)
@@ -308,6 +318,9 @@ class PolicyConsumer:
             log.warning("ignoring message on %s: %s", msg.subject, exc)
             return
         await self._apply(model, kind, revision, msg.data, msg.headers)
+        with contextlib.suppress(ValueError, AttributeError):
+            if msg.metadata.num_pending == 0:
+                self.loaded.set()  # the head of every document is applied (or NACKed)
 
     async def _apply(
         self, model: str, kind: PolicyKind, revision: int, payload: bytes, headers: dict[str, str] | None,

@@ -68,6 +68,8 @@ class RouterSettings(BusSettings):
     request_timeout_s: float = Field(default=600.0, gt=0)
     # On SIGTERM, in-flight streams get this long to finish before their connections are closed.
     shutdown_grace_s: int = Field(default=30, gt=0)
+    # On SIGTERM /health turns 503 this long before the listener closes (load balancers notice).
+    drain_delay_s: float = Field(default=0.5, ge=0)
     connect_timeout_s: float = Field(default=2.0, gt=0)
     kvdump_timeout_s: float = Field(default=2.0, gt=0)
     max_retries: int = Field(default=3, ge=0)

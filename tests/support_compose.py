@@ -37,8 +37,35 @@ ROOT = Path(__file__).resolve().parents[1]
 _URL = re.compile(r"(?P<pre>//(?:[^@/\s,]*@)?)(?P<host>[A-Za-z0-9_-]+):(?P<port>\d+)")
 
 
+_VAR = re.compile(r"\$\{(?P<name>[A-Za-z_][A-Za-z0-9_]*)(?::?[?-](?P<arg>[^}]*))?\}")
+
+
+def read_env_file(path: Path) -> dict[str, str]:
+    """compose's ``.env``: ``NAME=value`` lines."""
+    out: dict[str, str] = {}
+    if path.exists():
+        for line in path.read_text().splitlines():
+            if line.strip() and not line.lstrip().startswith("#") and "=" in line:
+                name, _, value = line.partition("=")
+                out[name.strip()] = value.strip()
+    return out
+
+
+def interpolate(text: str, env: dict[str, str]) -> str:
+    """``${NAME}``, ``${NAME:?message}`` (required) and ``${NAME:-default}``, as compose does."""
+    def sub(m: re.Match[str]) -> str:
+        name, whole = m["name"], m.group(0)
+        if name in env and env[name] != "":
+            return env[name]
+        if ":?" in whole or "?" in whole.split(name, 1)[1][:2]:
+            raise AssertionError(f"compose: {name} is required: {m['arg']}")
+        return m["arg"] or ""
+    return _VAR.sub(sub, text)
+
+
 def load_compose(path: Path) -> dict[str, Any]:
-    data: dict[str, Any] = yaml.safe_load(path.read_text())
+    env = {**read_env_file(path.parent / ".env")}
+    data: dict[str, Any] = yaml.safe_load(interpolate(path.read_text(), env))
     return data
 
 
@@ -137,6 +164,9 @@ class ComposeFleet:
                 out += [arg, "127.0.0.1" if cmd[i + 1] in self.names else cmd[i + 1]]
                 i += 2
                 continue
+            if " " in arg:  # a shell command string (entrypoint sh -c)
+                arg = re.sub(r"--tls-host\s+([A-Za-z0-9_-]+)",
+                             lambda m: "--tls-host " + ("127.0.0.1" if m[1] in self.names else m[1]), arg)
             out.append(self._rewrite(svc, arg))
             i += 1
         return out
@@ -190,12 +220,7 @@ class ComposeFleet:
         env = {**os.environ, **self.environment(svc), "PYTHONPATH": str(ROOT), "PYTHONUNBUFFERED": "1",
                "PATH": f"{Path(sys.executable).parent}:{os.environ.get('PATH', '')}"}
         if image.startswith("postgres"):
-            svc.postgres = EmbeddedPostgres(self.work / "pg" / name, port=self.port(name, 5432))
-            svc.postgres.start()
-            e = spec.get("environment", {})
-            user, password, db = e["POSTGRES_USER"], e["POSTGRES_PASSWORD"], e.get("POSTGRES_DB", e["POSTGRES_USER"])
-            svc.postgres.execute(f"CREATE ROLE \"{user}\" LOGIN SUPERUSER PASSWORD '{password}'")
-            svc.postgres.execute(f'CREATE DATABASE "{db}" OWNER "{user}"')
+            self._start_postgres(svc)
             return svc
         if image.startswith("nats"):
             args = [nats_server_binary(), *self._nats_args(svc)]
@@ -210,6 +235,31 @@ class ComposeFleet:
             svc.proc = subprocess.Popen(args, env=env, cwd=svc.root, stdout=log, stderr=subprocess.STDOUT,
                                         stdin=subprocess.DEVNULL, start_new_session=True)
         return svc
+
+    def _start_postgres(self, svc: Service) -> None:
+        """The postgres image's first start: its superuser and password, then every script in
+        /docker-entrypoint-initdb.d with the service's environment (psql reaching the server)."""
+        from cli.embedded import _postgres_bin_path
+
+        e = {k: str(v) for k, v in (svc.spec.get("environment") or {}).items()}
+        pg = EmbeddedPostgres(self.work / "pg" / svc.name, port=self.port(svc.name, 5432))
+        pg.start()
+        svc.postgres = pg
+        user, password = e.get("POSTGRES_USER", "postgres"), e["POSTGRES_PASSWORD"]
+        if user != "postgres":
+            pg.execute(f"CREATE ROLE \"{user}\" LOGIN SUPERUSER")
+        pg.execute(f"ALTER ROLE \"{user}\" PASSWORD '{password}'")
+        db = e.get("POSTGRES_DB", user)
+        if db != "postgres":
+            pg.execute(f'CREATE DATABASE "{db}" OWNER "{user}"')
+        init = svc.root / "docker-entrypoint-initdb.d"
+        for script in sorted(init.glob("*")) if init.exists() else []:
+            env = {**os.environ, **e, "PGHOST": "127.0.0.1", "PGPORT": str(pg.port), "PGPASSWORD": password,
+                   "PATH": f"{_postgres_bin_path()}:{os.environ.get('PATH', '')}"}
+            cmd = ["sh", str(script)] if script.suffix == ".sh" else [
+                "psql", "-v", "ON_ERROR_STOP=1", "-U", user, "-d", db, "-f", str(script)]
+            done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=60)
+            assert done.returncode == 0, f"{svc.name}: {script.name} failed: {done.stderr}"
 
     def _rudder_shim(self) -> Path:
         shim = self.work / "bin"
@@ -295,8 +345,14 @@ class ComposeFleet:
 
 
 def copy_project(dest: Path) -> Path:
-    """The files compose.yaml refers to, in a fresh folder (so ./.secrets is the test's own)."""
+    """The files compose.yaml refers to, in a fresh folder (so ./.secrets is the test's own), and
+    the ``.env`` of passwords its header tells an operator to make."""
+    import secrets
+
     dest.mkdir(parents=True, exist_ok=True)
     shutil.copy(ROOT / "compose.yaml", dest / "compose.yaml")
     shutil.copytree(ROOT / "deploy", dest / "deploy")
+    (dest / ".env").write_text("".join(
+        f"{k}={secrets.token_urlsafe(24)}\n"
+        for k in ("RUDDER_PG_SUPERUSER_PASSWORD", "RUDDER_DB_OWNER_PASSWORD", "RUDDER_DB_APP_PASSWORD")))
     return dest

@@ -267,3 +267,13 @@ def test_fleet_listings_are_empty_json_without_routers_or_workers(env: Env) -> N
     human = env.run("routers", "list", json_out=False)
     assert human.exit_code == 0 and "no live routers" in human.stdout
     assert env.ok("policy", "get", model_name(), "--kind", "selection")["revision"] == 0
+
+
+def test_json_is_accepted_after_the_command(env: Env) -> None:
+    model = model_name()
+    for args in (["workers", "list"], ["policy", "get", model, "--kind", "selection"]):
+        before = env.run(*args)
+        after = env.run(*args, "--json", json_out=False)
+        assert before.exit_code == after.exit_code == 0, (after.stdout, after.stderr)
+        assert json.loads(after.stdout) == json.loads(before.stdout)
+    assert json.loads(env.run("workers", "list", "--json", json_out=False).stdout) == []
