@@ -286,8 +286,9 @@ async def test_a_large_prompt_is_tokenized_and_hashed_off_the_event_loop(fleet: 
     assert took > 0.1, f"the prompt took only {took:.3f} s: too small to show anything"
     # Inline, one stall lasts about the whole request (measured: 0.32 s of 0.34 s); in a thread,
     # the loop gets the GIL back every few ms and stalls only for the longest single C call (the
-    # byte tokenizer's list(bytes) of 3 MB; measured: 0.02-0.03 s of 0.2-0.3 s).
-    assert max(gaps) < took / 4, f"event loop stalled {max(gaps):.3f} s of a {took:.3f} s request"
+    # byte tokenizer's list(bytes) of 3 MB; measured: 0.02-0.03 s of 0.2-0.3 s). Half the
+    # request leaves room for a machine so loaded that the loop's thread waits for a core.
+    assert max(gaps) < took / 2, f"event loop stalled {max(gaps):.3f} s of a {took:.3f} s request"
 
 
 # ---------------------------------------------------------------------------------------------
