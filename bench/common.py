@@ -72,12 +72,15 @@ def write_result(name: str, payload: dict[str, Any]) -> Path:
     return path
 
 
-def spawn(args: list[str], env: dict[str, str], *, log: Path | None = None) -> subprocess.Popen[bytes]:
-    """Start a child in its own session (stopped with :func:`stop_all`)."""
-    full = dict(os.environ, PYTHONPATH=str(ROOT), **env)
+def spawn(args: list[str], env: dict[str, str], *, log: Path | None = None,
+          src: Path | None = None) -> subprocess.Popen[bytes]:
+    """Start a child in its own session (stopped with :func:`stop_all`); ``src``: run the code of
+    another checkout (a baseline), else this one."""
+    root = src or ROOT
+    full = dict(os.environ, PYTHONPATH=str(root), **env)
     out = open(log, "ab") if log is not None else subprocess.DEVNULL
     try:
-        return subprocess.Popen(args, env=full, cwd=str(ROOT), stdout=out, stderr=subprocess.STDOUT,
+        return subprocess.Popen(args, env=full, cwd=str(root), stdout=out, stderr=subprocess.STDOUT,
                                 start_new_session=True)
     finally:
         if log is not None:
@@ -230,12 +233,12 @@ class Router:
 
     def __init__(self, bus: LocalBus, model: str, *, mode: str = "kv",
                  selection: dict[str, float] | None = None, kv_events: bool = True,
-                 log: Path | None = None, launcher: str = "cli") -> None:
+                 log: Path | None = None, launcher: str = "cli", src: Path | None = None) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.model = model
         env = router_env(bus, model, self.port, mode=mode, selection=selection, kv_events=kv_events)
-        self.proc = spawn(serve_command("router", launcher), env, log=log)
+        self.proc = spawn(serve_command("router", launcher), env, log=log, src=src)
 
     async def ready(self, workers: int) -> None:
         await wait_until(self.url + "/health")

@@ -16,6 +16,11 @@ the servers as possible. CPU per process is reported for every throughput phase.
 
     python bench/proxy_overhead.py           # table on stdout, bench/results/proxy_overhead.json
     python bench/proxy_overhead.py --profile /tmp/prof   # + py-spy flame graphs of router and worker
+    python bench/proxy_overhead.py --baseline /work/main # + a router of another checkout, same run
+
+With ``--baseline``, a second router runs the code of that checkout on the same bus and worker;
+its throughput phases alternate with the others', and the ratio router / baseline is reported
+with the run-to-run spread of each target across rounds (the noise it must be read against).
 """
 
 from __future__ import annotations
@@ -192,6 +197,31 @@ async def throughput(url: str, concurrency: int, seconds: float, max_requests: i
             "rps": done / wall, "ttft_p50_ms": pct(ttfts, 0.5) * 1e3, "ttft_p99_ms": pct(ttfts, 0.99) * 1e3}
 
 
+def compare(phases: list[dict[str, Any]], concurrencies: list[int]) -> dict[str, Any]:
+    """Router against baseline at each concurrency (best phase of each), with each target's
+    spread across rounds ((max - min) / mean of its phases): the run-to-run noise."""
+    def rps(name: str, c: int) -> list[float]:
+        return [p["rps"] for p in phases if p["target"] == name and p["concurrency"] == c]
+
+    def spread(values: list[float]) -> float:
+        return (max(values) - min(values)) / statistics.fmean(values) if len(values) > 1 else 0.0
+
+    def cpu_ms(name: str, c: int) -> list[float]:
+        """The target's own CPU per request: steadier than req/s on a machine others load."""
+        return [p["cpu"]["process_cores"][name] * p["wall_s"] / p["requests"] * 1e3
+                for p in phases if p["target"] == name and p["concurrency"] == c and p["requests"]]
+
+    rows = [{"concurrency": c, "router_rps": max(rps("router", c)), "baseline_rps": max(rps("baseline", c)),
+             "ratio": max(rps("router", c)) / max(rps("baseline", c)),
+             "router_spread": spread(rps("router", c)), "baseline_spread": spread(rps("baseline", c)),
+             "router_cpu_ms_per_request": statistics.median(cpu_ms("router", c)),
+             "baseline_cpu_ms_per_request": statistics.median(cpu_ms("baseline", c))}
+            for c in concurrencies]
+    best_router = max(p["rps"] for p in phases if p["target"] == "router")
+    best_baseline = max(p["rps"] for p in phases if p["target"] == "baseline")
+    return {"by_concurrency": rows, "max_ratio": best_router / best_baseline}
+
+
 def start_profiler(pid: int, path: Path, seconds: float) -> subprocess.Popen[bytes] | None:
     spy = shutil.which("py-spy") or str(Path(sys.executable).parent / "py-spy")
     if not Path(spy).exists():
@@ -209,11 +239,18 @@ async def main(args: argparse.Namespace) -> None:
         server.start()
         fleet = Fleet(server, MODEL, 1, mock={"speedup_ratio": args.speedup}, launcher=args.launcher)
         router: Router | None = None
+        baseline: Router | None = None
         try:
             await fleet.start()
             router = Router(server, MODEL, mode=args.mode, launcher=args.launcher)
             await router.ready(1)
             direct_url, router_url = fleet.urls[0], router.url
+            targets = [("direct", direct_url), ("router", router_url)]
+            if args.baseline:
+                baseline = Router(server, MODEL, mode=args.mode, launcher=args.launcher,
+                                  src=Path(args.baseline))
+                await baseline.ready(1)
+                targets.append(("baseline", baseline.url))
 
             lat = await latency(direct_url, router_url, args.requests)
             print(f"latency, {args.requests} sequential requests each way (alternating):")
@@ -224,10 +261,12 @@ async def main(args: argparse.Namespace) -> None:
 
             pids = {"router": [router.proc.pid], "worker": [fleet.procs[0].pid], "client": [os.getpid()],
                     "nats": [server.server.proc.pid] if server.server.proc else []}
+            if baseline is not None:
+                pids["baseline"] = [baseline.proc.pid]
             phases: list[dict[str, Any]] = []
             for rnd in range(args.rounds):
                 for c in concurrencies:
-                    for name, url in (("direct", direct_url), ("router", router_url)):
+                    for name, url in targets:
                         prof = None
                         if args.profile and name == "router" and rnd == args.rounds - 1 and c == max(concurrencies):
                             prof_dir = Path(args.profile)
@@ -243,24 +282,38 @@ async def main(args: argparse.Namespace) -> None:
                         for p in prof or []:
                             if p is not None:
                                 p.wait(args.seconds + 30)
+            names = [name for name, _ in targets]
             best = {name: max((p for p in phases if p["target"] == name), key=lambda p: p["rps"])
-                    for name in ("direct", "router")}
+                    for name in names}
             print(f"\nthroughput, closed loop, {args.seconds:.0f} s phases, best of {args.rounds} rounds:")
             print(f"{'target':<8}{'conc':>6}{'req/s':>9}{'TTFT p50':>10}{'TTFT p99':>10}"
                   f"{'CPU router':>11}{'worker':>8}{'client':>8}{'machine':>9}")
             for c in concurrencies:
-                for name in ("direct", "router"):
+                for name in names:
                     rows = [p for p in phases if p["target"] == name and p["concurrency"] == c]
                     p = max(rows, key=lambda p: p["rps"])
                     pc = p["cpu"]["process_cores"]
+                    own = pc.get(name, pc["router"]) if name != "direct" else pc["router"]
                     print(f"{name:<8}{c:>6}{p['rps']:>9.0f}{p['ttft_p50_ms']:>8.2f}ms{p['ttft_p99_ms']:>8.2f}ms"
-                          f"{pc['router']:>11.2f}{pc['worker']:>8.2f}{pc['client']:>8.2f}"
+                          f"{own:>11.2f}{pc['worker']:>8.2f}{pc['client']:>8.2f}"
                           f"{p['cpu']['machine_busy_pct']:>8.0f}%")
+            comparison = compare(phases, concurrencies) if baseline is not None else None
+            if comparison is not None:
+                print("\nrouter / baseline (best phase each), and each target's spread across rounds:")
+                for row in comparison["by_concurrency"]:
+                    print(f"  concurrency {row['concurrency']:>3}: {row['ratio'] * 100:6.1f}%  "
+                          f"(router spread {row['router_spread'] * 100:.1f}%, "
+                          f"baseline spread {row['baseline_spread'] * 100:.1f}%); CPU per request "
+                          f"{row['router_cpu_ms_per_request']:.3f} vs {row['baseline_cpu_ms_per_request']:.3f} ms")
+                print(f"  max req/s: router {best['router']['rps']:.0f}, baseline {best['baseline']['rps']:.0f} "
+                      f"({comparison['max_ratio'] * 100:.1f}%)")
             ratio = best["router"]["rps"] / best["direct"]["rps"]
             print(f"\nmax req/s: direct {best['direct']['rps']:.0f}, router {best['router']['rps']:.0f} "
                   f"({ratio * 100:.0f}% of direct); added TTFT p50 {lat['added_ttft_p50_ms']:.2f} ms, "
                   f"p99 {lat['added_ttft_p99_ms']:.2f} ms")
         finally:
+            if baseline is not None:
+                baseline.stop()
             if router is not None:
                 router.stop()
             fleet.stop()
@@ -275,6 +328,8 @@ async def main(args: argparse.Namespace) -> None:
         "max_rps": {"direct": best["direct"]["rps"], "router": best["router"]["rps"],
                     "router_share_of_direct": ratio},
     }
+    if comparison is not None:
+        out["baseline"] = {"src": args.baseline, **comparison}
     path = write_result(args.output, out)
     print(f"wrote {path}")
 
@@ -291,12 +346,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--launcher", default="cli", choices=("cli", "module"),
                    help="cli = rudder serve (uvloop, as deployed); module = python -m (asyncio loop)")
     p.add_argument("--profile", default="", help="py-spy speedscope profiles of router and worker here")
+    p.add_argument("--baseline", default="", help="also run a router from this checkout (e.g. /work/main)")
     p.add_argument("--output", default="proxy_overhead")
     return p.parse_args(argv)
 
 
 if __name__ == "__main__":
     arguments = parse_args()
+    if arguments.baseline:
+        arguments.baseline = str(Path(arguments.baseline).resolve())
     if arguments.profile:
         Path(arguments.profile).mkdir(parents=True, exist_ok=True)
     asyncio.run(main(arguments))

@@ -5,6 +5,8 @@ every RudderError becomes ``{"error": {...}}`` with its class's status, here and
 
 from __future__ import annotations
 
+import contextlib
+import ipaddress
 import json
 import logging
 import time
@@ -30,6 +32,7 @@ from controlplane.protocol.errors import (
     InvalidRequest,
     NotFound,
     PayloadTooLarge,
+    RateLimited,
     RudderError,
     ServiceUnavailable,
     Unauthenticated,
@@ -47,7 +50,7 @@ log = logging.getLogger(__name__)
 
 def error_response(exc: RudderError, request_id: str | None = None) -> JSONResponse:
     headers = {}
-    if isinstance(exc, ServiceUnavailable):
+    if isinstance(exc, (ServiceUnavailable, RateLimited)):
         headers["Retry-After"] = str(exc.retry_after)
     if isinstance(exc, Unauthenticated):
         headers["WWW-Authenticate"] = "Bearer"
@@ -173,15 +176,59 @@ def build_app(cp: ControlPlane, *, lifespan: Any = None) -> FastAPI:
         log.exception("unhandled error on %s %s", request.method, request.url.path)
         return error_response(RudderError("internal error (a bug); see the control-plane log"))
 
-    async def principal_of(request: Request) -> Principal:
+    failures = cp.auth_failures
+    header_cap = cp.settings.audit_header_max_chars
+    proxies = [ipaddress.ip_network(p, strict=False) for p in cp.settings.trusted_proxies]
+
+    def source_of(request: Request) -> str:
+        """The caller's address: the peer's, or the last X-Forwarded-For hop if the peer is a
+        trusted proxy (``trusted_proxies``; none by default, so the header is not believed)."""
+        peer = request.client.host if request.client else "unknown"
+        if proxies:
+            try:
+                trusted = any(ipaddress.ip_address(peer) in net for net in proxies)
+            except ValueError:
+                trusted = False
+            forwarded = request.headers.get("x-forwarded-for", "").split(",")[-1].strip()
+            if trusted and forwarded:
+                with contextlib.suppress(ValueError):
+                    return str(ipaddress.ip_address(forwarded))
+        return peer
+
+    async def authenticate(request: Request, *, audited: bool) -> Principal | Unauthenticated:
+        """The caller's principal, or, when the caller audits failures (``audited``) and this is
+        its source's first failure in the window, the error for the write path to audit.
+
+        A source past its failure limit is refused before its token is even looked up. Raises
+        RateLimited (429) for it and Unauthenticated for every other failure (counted, and
+        written later as one row per window: AuthFailureLimiter)."""
+        source = source_of(request)
+        retry = failures.retry_after(source)
+        if retry is not None:
+            failures.refused(source)
+            raise RateLimited(f"too many failed authentications from {source}; retry in {retry} s",
+                              retry_after=retry)
         header = request.headers.get("authorization", "")
         scheme, _, token = header.partition(" ")
+        error: Unauthenticated | None = None
+        principal: Principal | None = None
         if scheme.lower() != "bearer" or not token.strip():
-            raise Unauthenticated("missing bearer token")
-        principal = await cp.tokens.authenticate(token.strip())
-        if principal is None:
-            raise Unauthenticated("unknown or revoked token")
-        return principal
+            error = Unauthenticated("missing bearer token")
+        else:
+            principal = await cp.tokens.authenticate(token.strip())
+            if principal is None:
+                error = Unauthenticated("unknown or revoked token")
+        if principal is not None:
+            return principal
+        assert error is not None
+        if failures.failed(source, audited_if_first=audited):
+            return error
+        raise error
+
+    async def principal_of(request: Request) -> Principal:
+        result = await authenticate(request, audited=False)
+        assert isinstance(result, Principal)  # an error is only returned to an auditing caller
+        return result
 
     async def require(request: Request, action: Action) -> Principal:
         principal = await principal_of(request)
@@ -190,17 +237,18 @@ def build_app(cp: ControlPlane, *, lifespan: Any = None) -> FastAPI:
         return principal
 
     async def write_context(request: Request) -> RequestContext:
-        principal: Principal | None = None
-        auth_error: RudderError | None = None
-        try:
-            principal = await principal_of(request)
-        except Unauthenticated as exc:
-            auth_error = exc
-        client = request.client
+        """Who is writing. A failed authentication is audited by the write path only when it is
+        its source's first in the window; later ones are answered at once (401, or 429 past the
+        limit) and written later as one row with their count (AuthFailureLimiter)."""
+        result = await authenticate(request, audited=True)
+        principal = result if isinstance(result, Principal) else None
+        auth_error = result if isinstance(result, Unauthenticated) else None
+        user_agent = request.headers.get("user-agent")
         return RequestContext(
             request_id=request.state.request_id, principal=principal, auth_error=auth_error,
             auth_method="bearer" if request.headers.get("authorization") else None,
-            source_ip=client.host if client else None, user_agent=request.headers.get("user-agent"),
+            source_ip=source_of(request),
+            user_agent=user_agent[:header_cap] if user_agent is not None else None,
         )
 
     async def read_json(request: Request, ctx: RequestContext, op: PolicyOp, kind: PolicyKind | None) -> Any:
@@ -361,6 +409,8 @@ def build_app(cp: ControlPlane, *, lifespan: Any = None) -> FastAPI:
 
     @app.get("/readyz")
     async def readyz() -> JSONResponse:
+        # Each check is "ok" or a fixed word ("unavailable", "disconnected"): an unauthenticated
+        # endpoint does not echo database error text (it is in the log).
         checks = await cp.readiness()
         ok = all(v == "ok" for v in checks.values())
         return JSONResponse({"ready": ok, "checks": checks}, status_code=200 if ok else 503)

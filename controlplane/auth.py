@@ -17,20 +17,24 @@ import contextlib
 import enum
 import hashlib
 import hmac
+import math
 import secrets
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
+from datetime import UTC, datetime
 from typing import Any
 
 from sqlalchemy import func, insert, select, update
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from controlplane.audit.records import format_time
+from controlplane.audit.records import AuditEntry, AuditStage, Decision, format_time
 from controlplane.audit.store import bounded, make_engine
 from controlplane.audit.tables import api_tokens
 from controlplane.protocol.errors import InvalidRequest
 
 TOKEN_PREFIX = "rdr_"
+AUTH_FAILURES = "auth_failures"  # reason_code of a window's summary row
 
 
 class Role(enum.StrEnum):
@@ -221,6 +225,136 @@ class TokenStore:
         ]
 
 
+@dataclass
+class FailureWindow:
+    """Failed authentications of one source address within one window."""
+
+    source: str
+    opened: float  # monotonic clock
+    first_at: datetime
+    last_at: datetime
+    failures: int = 0  # 401s
+    refused: int = 0  # 429s once the limit was reached
+    unrecorded: int = 0  # failures and refusals not audited one by one
+
+    def summary(self, window_s: float) -> dict[str, Any]:
+        """What the window's one audit row states (its ``changes``)."""
+        return {
+            "count": self.unrecorded, "failures": self.failures, "refused": self.refused,
+            "first_at": format_time(self.first_at), "last_at": format_time(self.last_at),
+            "window_s": window_s,
+        }
+
+
+class AuthFailureLimiter:
+    """Failed authentications counted per source address in fixed windows (pure; clocks passed in).
+
+    A window opens at a source's first failure and lasts ``window_s``. Within it the first
+    failure is audited one by one (the caller does that), every other one and every refusal is
+    only counted, and the source is refused (429, :meth:`retry_after`) once it reached ``limit``
+    failures, until the window ends. An ended window with uncounted attempts is handed out once by
+    :meth:`ended`, to be written as ONE audit row with its count, so a source that guesses tokens
+    adds at most two rows per window to the hash chain, not one per guess. At most
+    ``max_sources`` sources are tracked; past that, new ones share the key ``"*"``.
+    """
+
+    OVERFLOW = "*"
+
+    def __init__(self, *, limit: int, window_s: float, max_sources: int = 10_000,
+                 clock: Callable[[], float] = time.monotonic,
+                 wall: Callable[[], datetime] = lambda: datetime.now(UTC)) -> None:
+        self.limit = limit
+        self.window_s = window_s
+        self.max_sources = max_sources
+        self._clock = clock
+        self._wall = wall
+        self._open: dict[str, FailureWindow] = {}
+        self._ended: list[FailureWindow] = []
+
+    def _key(self, source: str) -> str:
+        if source in self._open or len(self._open) < self.max_sources:
+            return source
+        self._expire(self._clock())
+        return source if len(self._open) < self.max_sources else self.OVERFLOW
+
+    def _window(self, source: str, *, create: bool) -> FailureWindow | None:
+        key = self._key(source)
+        now = self._clock()
+        w = self._open.get(key)
+        if w is not None and now - w.opened >= self.window_s:
+            self._close(key)
+            w = None
+        if w is None and create:
+            at = self._wall()
+            w = self._open[key] = FailureWindow(source=key, opened=now, first_at=at, last_at=at)
+        return w
+
+    def _close(self, key: str) -> None:
+        w = self._open.pop(key)
+        if w.unrecorded:
+            self._ended.append(w)
+
+    def _expire(self, now: float) -> None:
+        for key in [k for k, w in self._open.items() if now - w.opened >= self.window_s]:
+            self._close(key)
+
+    def retry_after(self, source: str) -> int | None:
+        """Seconds until ``source`` may try again, or ``None`` when it is not refused."""
+        w = self._window(source, create=False)
+        if w is None or w.failures < self.limit:
+            return None
+        return max(1, math.ceil(self.window_s - (self._clock() - w.opened)))
+
+    def failed(self, source: str, *, audited_if_first: bool) -> bool:
+        """Count a failed authentication; ``True`` if the caller must audit this one by itself
+        (the window's first, when the caller audits failures at all)."""
+        w = self._window(source, create=True)
+        assert w is not None
+        w.failures += 1
+        w.last_at = self._wall()
+        if w.failures == 1 and audited_if_first:
+            return True
+        w.unrecorded += 1
+        return False
+
+    def refused(self, source: str) -> None:
+        """Count an attempt refused with 429 (never audited by itself)."""
+        w = self._window(source, create=True)
+        assert w is not None
+        w.refused += 1
+        w.unrecorded += 1
+        w.last_at = self._wall()
+
+    def ended(self, *, everything: bool = False) -> builtins.list[FailureWindow]:
+        """Windows that ended with attempts not audited one by one (each handed out once);
+        ``everything``: close the open ones too (at shutdown)."""
+        if everything:
+            for source in builtins.list(self._open):
+                self._close(source)
+        else:
+            self._expire(self._clock())
+        out, self._ended = self._ended, []
+        return out
+
+    def requeue(self, windows: builtins.list[FailureWindow]) -> None:
+        """Hand ``windows`` out again (their audit row could not be written)."""
+        self._ended[:0] = windows
+
+
+def failure_entry(window: FailureWindow, *, window_s: float) -> AuditEntry:
+    """The one audit row of a window's failed authentications after its first (a rejected
+    decision with ``reason_code`` ``auth_failures`` and the count in ``changes``)."""
+    return AuditEntry(
+        event_id=None, stage=AuditStage.DECISION, decision=Decision.REJECTED,
+        reason_code=AUTH_FAILURES,
+        reason=(f"{window.unrecorded} failed authentication(s) from {window.source} between "
+                f"{format_time(window.first_at)} and {format_time(window.last_at)} not recorded one by "
+                f"one ({window.refused} refused with 429 after {window.failures} failures)"),
+        auth_method="bearer", source_ip=window.source, changes=window.summary(window_s),
+        at=window.last_at,
+    )
+
+
 def create_token_sync(url: str, name: str, role: Role | str) -> str:
     """Create a token from synchronous code (``rudder token create``, ``rudder up``).
 
@@ -243,10 +377,13 @@ def create_token_sync(url: str, name: str, role: Role | str) -> str:
 __all__ = [
     "ROLE_ACTIONS",
     "Action",
+    "AuthFailureLimiter",
+    "FailureWindow",
     "Principal",
     "Role",
     "TokenStore",
     "create_token_sync",
+    "failure_entry",
     "generate_token",
     "hash_token",
 ]

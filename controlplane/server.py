@@ -19,7 +19,7 @@ from bus.streams import CONTROLPLANE_STREAMS, check, wait_ready
 from controlplane.acks import AckConsumer
 from controlplane.api import build_app
 from controlplane.audit.store import AuditStore
-from controlplane.auth import TokenStore
+from controlplane.auth import AuthFailureLimiter, TokenStore, failure_entry
 from controlplane.checkpoints import (
     Checkpointer,
     CheckpointLog,
@@ -48,6 +48,9 @@ class ControlPlane:
         armed = [f for f in os.environ.get("RUDDER_FAILPOINTS", "").split(",") if f]
         self.failpoints = failpoints or Failpoints(armed)
         self._tasks: list[asyncio.Task[None]] = []
+        self.auth_failures = AuthFailureLimiter(
+            limit=settings.auth_failure_limit, window_s=settings.auth_failure_window_s,
+            max_sources=settings.auth_failure_max_sources)
 
     async def start(self) -> None:
         s = self.settings
@@ -80,6 +83,7 @@ class ControlPlane:
         self.reconciler = Reconciler(self.log, self.audit, grace_s=s.reconcile_grace_s)
         self._tasks.append(asyncio.create_task(
             self.reconciler.run_periodically(s.reconcile_interval_s), name="reconciler"))
+        self._tasks.append(asyncio.create_task(self._record_auth_failures(), name="auth-failures"))
         self._tasks.append(asyncio.create_task(self._watch_keys(), name="policy-keys"))
         log.info("control plane ready: nats=%s admin=%s:%d signing key %s, valid keys %s", s.nats_url,
                  s.admin_host, s.admin_port, self.signing_key.key.key_id, ", ".join(self.log.keyring.key_ids))
@@ -115,6 +119,31 @@ class ControlPlane:
         await wait_ready(self.nc.jetstream(), s.bus_layout(worker_ttl_s=s.worker_ttl_s,
                                                           router_heartbeat_s=s.router_heartbeat_s),
                          CONTROLPLANE_STREAMS, timeout_s=s.startup_timeout_s)
+
+    async def flush_auth_failures(self, *, everything: bool = False) -> int:
+        """Write one audit row per ended window of failed authentications; returns how many.
+        Raises AuditUnavailable (the windows are kept for the next attempt)."""
+        windows = self.auth_failures.ended(everything=everything)
+        if not windows:
+            return 0
+        window_s = self.settings.auth_failure_window_s
+        try:
+            await self.audit.append_many([failure_entry(w, window_s=window_s) for w in windows])
+        except RudderError:
+            self.auth_failures.requeue(windows)
+            raise
+        for w in windows:
+            log.warning("audited %d failed authentication(s) from %s in one row", w.unrecorded, w.source)
+        return len(windows)
+
+    async def _record_auth_failures(self) -> None:
+        interval = min(self.settings.auth_failure_window_s / 4, 5.0)
+        while True:
+            await asyncio.sleep(interval)
+            try:
+                await self.flush_auth_failures()
+            except RudderError as exc:
+                log.warning("failed authentications not audited yet (%s); retrying", exc.message)
 
     async def _check_database_role(self) -> None:
         """Fail closed: a control plane that could disable the audit triggers does not start."""
@@ -158,6 +187,9 @@ class ControlPlane:
 
     async def stop(self) -> None:
         await cancel_all(self._tasks)
+        if getattr(self, "audit", None) is not None:
+            with contextlib.suppress(RudderError):
+                await self.flush_auth_failures(everything=True)
         if getattr(self, "checkpointer", None) is not None:
             assert self.checkpointer is not None
             await self.checkpointer.stop()
@@ -190,7 +222,9 @@ class ControlPlane:
             await self.audit.ping()
             checks["postgres"] = "ok"
         except RudderError as exc:
-            checks["postgres"] = exc.message
+            # The reason goes to the log, not to the unauthenticated caller.
+            log.warning("readiness: database unavailable: %s", exc.message)
+            checks["postgres"] = "unavailable"
         return checks
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ipaddress
 import os
 import socket
 from pathlib import Path
@@ -30,6 +31,17 @@ class ControlPlaneSettings(BusSettings):
     busy_threshold_retries: int = Field(default=20, ge=1)
     startup_timeout_s: float = Field(default=30.0, gt=0)
     log_level: str = "INFO"
+    # Admin ingress limits (docs/controlplane.md, "Failed authentication"). Failed
+    # authentications per source address and window: past the limit that source is answered 429
+    # with Retry-After until the window ends; a window's failures after its first are written as
+    # one audit row with their count.
+    auth_failure_limit: int = Field(default=10, ge=1)
+    auth_failure_window_s: float = Field(default=60.0, gt=0)
+    auth_failure_max_sources: int = Field(default=10_000, ge=1)
+    # Peers (IPs or CIDRs) whose X-Forwarded-For names the source address; none by default.
+    trusted_proxies: list[str] = Field(default_factory=list)
+    # Audited header values (User-Agent) are cut to this many characters.
+    audit_header_max_chars: int = Field(default=256, ge=16)
     # Policy event signatures (DESIGN §9). The signing key is required: without it the control
     # plane does not start. The verify-keys file (the routers' file) lets it read back events
     # signed by another valid key, e.g. the previous one during a rotation. Both files are
@@ -76,3 +88,13 @@ class ControlPlaneSettings(BusSettings):
     #: Run even when the database role is a superuser or the audit tables' owner (development
     #: only: such a role can disable the insert-only triggers).
     allow_privileged_database_role: bool = False
+
+    @field_validator("trusted_proxies")
+    @classmethod
+    def _proxies(cls, value: list[str]) -> list[str]:
+        for item in value:
+            try:
+                ipaddress.ip_network(item, strict=False)
+            except ValueError as exc:
+                raise ValueError(f"trusted_proxies: {item!r} is not an IP address or CIDR") from exc
+        return value

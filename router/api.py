@@ -36,11 +36,11 @@ from controlplane.protocol.errors import (
     InvalidRequest,
     NotFound,
     Overloaded,
-    PayloadTooLarge,
     RudderError,
     ServiceUnavailable,
 )
 from controlplane.protocol.hashing import chain_hashes
+from router.ingress import read_body
 from router.metrics import RouterMetrics
 from router.proxy import Proxy, WorkerUnreachable, forward_headers
 from router.scheduler import (
@@ -64,14 +64,15 @@ from router.targets import (
     HDR_WORKER,
     parse_targets,
 )
-from router.tokenize import TokenizerRegistry
+from router.tokenize import Tokenizer, TokenizerRegistry
 from router.upstream import UpstreamError, UpstreamResponse
 
 log = logging.getLogger(__name__)
 
 _TYPES = {
-    400: "invalid_request_error", 404: "invalid_request_error", 413: "invalid_request_error",
-    499: "client_gone", 503: "service_unavailable", 529: "overloaded_error",
+    400: "invalid_request_error", 404: "invalid_request_error", 408: "invalid_request_error",
+    413: "invalid_request_error", 431: "invalid_request_error", 499: "client_gone",
+    503: "service_unavailable", 529: "overloaded_error",
 }
 
 
@@ -233,18 +234,34 @@ def _kv_transfer_params(content: bytes) -> Any:
     return answer.get("kv_transfer_params") if isinstance(answer, dict) else None
 
 
-async def _completion(request: Request, rt: Runtime, path: str, chat: bool) -> Response:
-    t0 = time.perf_counter()
-    settings = rt.settings
-    raw = await request.body()
-    if len(raw) > settings.max_body_bytes:
-        raise PayloadTooLarge(f"body is larger than {settings.max_body_bytes} bytes")
+def _parse(raw: bytearray) -> dict[str, Any]:
+    """The body as a JSON object. Raises InvalidRequest."""
     try:
         body = json.loads(raw)
     except (ValueError, UnicodeDecodeError) as exc:
         raise InvalidRequest(f"body is not valid JSON: {exc}") from exc
     if not isinstance(body, dict):
         raise InvalidRequest("body must be a JSON object")
+    return body
+
+
+def _tokenize(tok: Tokenizer, body: dict[str, Any], chat: bool,
+              block_sizes: tuple[int, ...]) -> tuple[list[int], int, dict[int, list[int]]]:
+    """(token ids, prompt tokens, chain hashes per block size): pure, so it can run in a thread."""
+    tokens, n_prompt = tok.chat(body.get("messages")) if chat else tok.prompt(body.get("prompt"))
+    hashes = {bs: chain_hashes(tokens, bs) for bs in block_sizes} if tokens else {}
+    return tokens, n_prompt, hashes
+
+
+async def _completion(request: Request, rt: Runtime, path: str, chat: bool) -> Response:
+    t0 = time.perf_counter()
+    settings = rt.settings
+    raw = await read_body(request.receive, request.headers.get("content-length"),
+                          max_bytes=settings.max_body_bytes)
+    # A large body is parsed, tokenized and hashed in a thread so that the event loop keeps
+    # serving every other client meanwhile; a small one inline, where the hop costs more.
+    offload = len(raw) >= settings.offload_min_bytes
+    body = await asyncio.to_thread(_parse, raw) if offload else _parse(raw)
     model = body.get("model")
     if not isinstance(model, str) or not model:
         raise InvalidRequest("model must be a non-empty string", field="model")
@@ -255,11 +272,11 @@ async def _completion(request: Request, rt: Runtime, path: str, chat: bool) -> R
     targets = parse_targets(body.get("nvext"), request.headers)
     view = rt.scheduler.view
     tok = await rt.tokenizers.get(view.tokenizers.get(model, frozenset()))
-    if chat:
-        tokens, n_prompt = tok.chat(body.get("messages"))
+    block_sizes = tuple(view.block_sizes.get(model, ()))
+    if offload:
+        _, n_prompt, hashes = await asyncio.to_thread(_tokenize, tok, body, chat, block_sizes)
     else:
-        tokens, n_prompt = tok.prompt(body.get("prompt"))
-    hashes = {bs: chain_hashes(tokens, bs) for bs in view.block_sizes.get(model, ())} if tokens else {}
+        _, n_prompt, hashes = _tokenize(tok, body, chat, block_sizes)
     request_id = request.headers.get("x-request-id") or uuid.uuid4().hex
     headers = forward_headers(request.headers)
     headers["x-request-id"] = request_id

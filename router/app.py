@@ -16,20 +16,22 @@ import random
 import signal
 from collections.abc import AsyncIterator, Iterator
 from datetime import datetime
+from typing import Any
 
 import uvicorn
 from fastapi import FastAPI
+from fastapi.responses import Response
 from nats.aio.client import Client as NATS
 
 from bus.connect import connect
 from bus.streams import ROUTER_STREAMS, wait_ready
-from controlplane.protocol.errors import KeyFileInvalid
+from controlplane.protocol.errors import KeyFileInvalid, RudderError
 from controlplane.protocol.events import utcnow
 from controlplane.protocol.guard import Drops
 from controlplane.protocol.policy import Number, PolicyKind, startup_values
 from controlplane.protocol.signing import KeyringFile
 from controlplane.protocol.subjects import BUCKET_ROUTERS
-from router.api import build_api
+from router.api import build_api, error_response
 from router.consumers import (
     KvDumper,
     KvEventSubscriber,
@@ -40,6 +42,7 @@ from router.consumers import (
     every,
     tick,
 )
+from router.ingress import IngressLimits, protocol_class
 from router.metrics import RouterMetrics
 from router.policy_state import ApplyResult, Outcome
 from router.proxy import Proxy
@@ -71,6 +74,7 @@ class RouterRuntime:
             startup=self.startup, worker_ttl_s=settings.worker_ttl_s,
             worker_stale_s=settings.worker_stale_s, approx_ttl_s=settings.approx_ttl_s,
             keyring=self.verify_keys.keyring, rng=rng,
+            max_queued_selections=settings.max_queued_selections,
         )
         self.metrics = RouterMetrics()
         self.drops = Drops(
@@ -230,6 +234,7 @@ async def serve(settings: RouterSettings) -> None:
     config = uvicorn.Config(
         app, host=settings.host, port=settings.port, log_level=settings.log_level.lower(),
         access_log=False, lifespan="on", timeout_graceful_shutdown=settings.shutdown_grace_s,
+        **uvicorn_options(app),
     )
     await DrainingServer(config, app.state.runtime, drain_delay_s=settings.drain_delay_s).serve()
 
@@ -275,6 +280,26 @@ class DrainingServer(uvicorn.Server):
 
     def _exit(self) -> None:
         self.should_exit = True
+
+
+def uvicorn_options(app: FastAPI) -> dict[str, Any]:
+    """What the router's HTTP server needs beyond host and port: the guarded protocol that
+    enforces the connection-level ingress limits (router/ingress.py) with ``app``'s settings,
+    error mapping and metrics. Tests that serve the app themselves pass these too."""
+    rt: RouterRuntime = app.state.runtime
+    s = rt.settings
+    refused = rt.metrics.rejections
+
+    def render(exc: RudderError) -> Response:
+        return error_response(exc, overload_status=s.overload_status)
+
+    limits = IngressLimits(
+        max_connections=s.max_connections, max_header_bytes=s.max_header_bytes,
+        header_timeout_s=s.header_timeout_s, body_timeout_s=s.body_timeout_s,
+        write_timeout_s=s.write_timeout_s, render=render,
+        on_refused=lambda reason: refused.labels(reason).inc(),
+    )
+    return {"http": protocol_class(limits)}
 
 
 def run(settings: RouterSettings | None = None) -> None:

@@ -32,6 +32,7 @@ from typing import Any, Generic, TypeVar
 from controlplane.protocol.errors import (
     InvalidRequest,
     Overloaded,
+    QueueFull,
     RudderError,
     ServiceUnavailable,
 )
@@ -260,9 +261,12 @@ class Scheduler:
         startup: dict[PolicyKind, dict[str, Number | None]],
         worker_ttl_s: float, worker_stale_s: float, approx_ttl_s: float = 120.0,
         clock: Callable[[], float] = time.monotonic, wall: Callable[[], datetime] = utcnow,
-        keyring: Keyring, rng: random.Random | None = None,
+        keyring: Keyring, rng: random.Random | None = None, max_queued_selections: int | None = None,
     ) -> None:
         self.router_id = router_id
+        # Selections waiting in the queue at most (None: unbounded); past it submit refuses.
+        self.max_queued_selections = max_queued_selections
+        self._queued_selections = 0
         self.models = list(models)
         self.role = role
         self.pool = pool_of(role)
@@ -329,6 +333,8 @@ class Scheduler:
                 cmd = self._queue.get_nowait()
             except asyncio.QueueEmpty:
                 return
+            if isinstance(cmd, SelectWorker):
+                self._queued_selections -= 1
             if isinstance(cmd, _Command) and cmd.future is not None and not cmd.future.done():
                 cmd.future.set_exception(ServiceUnavailable("router is stopping", retry_after=1))
 
@@ -347,6 +353,8 @@ class Scheduler:
 
     def _handle(self, cmd: _Command[Any]) -> None:
         fut = cmd.future
+        if isinstance(cmd, SelectWorker):
+            self._queued_selections -= 1
         if fut is not None and fut.done():
             if isinstance(cmd, SelectWorker):
                 self.stats["skipped"] += 1
@@ -369,9 +377,15 @@ class Scheduler:
     # -- sending -----------------------------------------------------------------------------
 
     def submit(self, cmd: _Command[T]) -> asyncio.Future[T]:
-        """Queue a command; the returned future answers it. Raises ServiceUnavailable if stopping."""
+        """Queue a command; the returned future answers it. Raises ServiceUnavailable if stopping,
+        QueueFull for a selection when ``max_queued_selections`` are already waiting."""
         if self._stopping:
             raise ServiceUnavailable("router is stopping", retry_after=1)
+        if isinstance(cmd, SelectWorker):
+            bound = self.max_queued_selections
+            if bound is not None and self._queued_selections >= bound:
+                raise QueueFull(f"router queue is full ({bound} selections waiting)", queued=bound)
+            self._queued_selections += 1
         fut: asyncio.Future[T] = asyncio.get_running_loop().create_future()
         cmd.future = fut
         cmd.seq = next(self._seq)

@@ -73,7 +73,6 @@ class RouterSettings(BusSettings):
     connect_timeout_s: float = Field(default=2.0, gt=0)
     kvdump_timeout_s: float = Field(default=2.0, gt=0)
     max_retries: int = Field(default=3, ge=0)
-    max_body_bytes: int = Field(default=16 * 1024 * 1024, gt=0)
     log_level: str = "INFO"
     # Public keys that may sign policy events (DESIGN §9), "<key id> <base64>" per line. Required:
     # a router without it does not start. Re-read on every tick when the file changes (rotation).
@@ -107,6 +106,27 @@ class RouterSettings(BusSettings):
     @property
     def url_allow_list(self) -> UrlAllowList:
         return UrlAllowList.parse(self.worker_url_allow)
+
+    # Ingress limits (docs/router.md, "Ingress limits"): what one client can hold of a router.
+    # A request body is read up to this size and refused with 413 past it (never buffered whole).
+    max_body_bytes: int = Field(default=4 * 1024 * 1024, gt=0)
+    # Request line and headers, in bytes (431 past it) and in time from the first byte (or the
+    # connection's opening) to the end of the headers (408, then the connection is closed).
+    max_header_bytes: int = Field(default=64 * 1024, ge=1024)
+    header_timeout_s: float = Field(default=10.0, gt=0)
+    # The whole body must arrive within this long after the headers (408).
+    body_timeout_s: float = Field(default=30.0, gt=0)
+    # A client whose connection accepts no bytes for this long while the router has output for
+    # it (it stopped reading) is disconnected: its stream is closed and its booking freed.
+    write_timeout_s: float = Field(default=30.0, gt=0)
+    # Open client connections; past it a new connection is answered 503 and closed.
+    max_connections: int = Field(default=1024, ge=1)
+    # Selections waiting in the scheduler queue; past it a request is answered with the
+    # overload status (code queue_full) at once.
+    max_queued_selections: int = Field(default=1024, ge=1)
+    # Bodies at least this large are tokenized and hashed in a thread, off the event loop;
+    # smaller ones inline, where a thread hop would cost more than the work (docs/router.md).
+    offload_min_bytes: int = Field(default=16 * 1024, ge=0)
 
     @field_validator("overload_status")
     @classmethod

@@ -7,6 +7,8 @@
     │   │   └── CapabilityMismatch   (422) a weight needs a cache input a live router lacks
     │   ├── PayloadTooLarge          (413)
     │   ├── UnsupportedMediaType     (415)
+    │   ├── RequestTimeout           (408) the request (head or body) did not arrive in time
+    │   ├── HeadersTooLarge          (431)
     │   ├── SignatureInvalid         a policy event is unsigned, signed by an unknown key, or its
     │   │                            signature does not verify; ``reason_code`` says which
     │   └── KeyFileInvalid           a signing or verify-keys file is missing, too open or malformed;
@@ -19,6 +21,8 @@
     │   ├── AuditUnavailable         (503) the audit store could not record: nothing happens
     │   └── LogUnavailable           (503) NATS/JetStream did not answer
     ├── Overloaded                   (529 by default, configurable) every eligible worker is busy
+    │   └── QueueFull                (529) the router's selection queue is at its bound
+    ├── RateLimited                  (429) carries retry_after (failed authentications of one source)
     ├── ClientGone                   (499)
     └── ConfigurationError           (start-up) a missing or bad setting; ``field`` names it
 
@@ -83,6 +87,16 @@ class PayloadTooLarge(InvalidRequest):
 class UnsupportedMediaType(InvalidRequest):
     status_code = 415
     code = "unsupported_media_type"
+
+
+class RequestTimeout(InvalidRequest):
+    status_code = 408
+    code = "request_timeout"
+
+
+class HeadersTooLarge(InvalidRequest):
+    status_code = 431
+    code = "headers_too_large"
 
 
 class SignatureInvalid(InvalidRequest):
@@ -154,6 +168,21 @@ class LogUnavailable(ServiceUnavailable):
 class Overloaded(RudderError):
     status_code = 529
     code = "overloaded"
+
+
+class QueueFull(Overloaded):
+    """Refused before queueing: the scheduler already holds its bound of waiting selections."""
+
+    code = "queue_full"
+
+
+class RateLimited(RudderError):
+    status_code = 429
+    code = "rate_limited"
+
+    def __init__(self, message: str, *, retry_after: int = 1, **facts: Any) -> None:
+        super().__init__(message, retry_after=retry_after, **facts)
+        self.retry_after = retry_after
 
 
 class ClientGone(RudderError):

@@ -42,4 +42,16 @@ def block_hashes(tokens: Sequence[int], block_size: int) -> list[tuple[int, int]
 
 
 def chain_hashes(tokens: Sequence[int], block_size: int) -> list[int]:
-    return [c for c, _ in block_hashes(tokens, block_size)]
+    """The chain hashes of :func:`block_hashes`, built without a tuple per block: a long prompt
+    (hashed in a thread by the router) then allocates no garbage-collected object per block, so
+    it cannot trigger a full collection that would stall the event loop."""
+    out: list[int] = []
+    parent: int | None = None
+    pack = _U64.pack
+    for start in range(0, len(tokens) - block_size + 1, block_size):
+        b = block_hash(tokens[start : start + block_size])
+        if parent is not None:
+            b = xxhash.xxh3_64_intdigest(pack(parent) + pack(b), seed=SEED)
+        out.append(b)
+        parent = b
+    return out

@@ -218,9 +218,16 @@ async def test_auth_missing_token_401_viewer_403_both_audited(nats_url: str, db:
             assert r.status_code == 200
             items = r.json()["items"]
     codes = sorted(i["reason_code"] for i in items)
-    assert codes == ["forbidden", "unauthenticated", "unauthenticated"]
+    # The source's first failed authentication is a row of its own; the later two (the forged
+    # token's write and the anonymous read) are the one row of the window, written at the latest
+    # when the control plane stops, with their count (docs/controlplane.md).
+    assert codes == ["forbidden", "unauthenticated"]
     viewer_row = next(i for i in items if i["reason_code"] == "forbidden")
     assert viewer_row["actor"] == "test-viewer" and viewer_row["roles"] == ["viewer"]
+    rows, _ = await audit.query(decision="rejected", limit=50)
+    summary = next(r for r in rows if r.reason_code == "auth_failures")
+    assert summary.source_ip == "127.0.0.1" and summary.changes is not None
+    assert summary.changes["count"] == 2 and summary.changes["failures"] == 3
     assert await events_of(policy_log, model) == []
 
 

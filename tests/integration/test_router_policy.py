@@ -47,7 +47,9 @@ async def test_patch_applied_while_200_selections_are_queued(nats_url: str, clie
     workers = [await TestWorker(nats_url, model).start() for _ in range(3)]
     # Heartbeats queue behind thousands of selections here: a long stale window keeps this test
     # about policy ordering, not worker liveness.
-    router = await InProcessRouter(router_settings(nats_url, model, worker_stale_s=30.0, worker_ttl_s=60.0)).start()
+    # More selections than the default queue bound (RUDDER_MAX_QUEUED_SELECTIONS) are queued at once.
+    router = await InProcessRouter(router_settings(nats_url, model, worker_stale_s=30.0, worker_ttl_s=60.0,
+                                                   max_queued_selections=100_000)).start()
     sched = router.runtime.scheduler
     js = client.jetstream()
     try:

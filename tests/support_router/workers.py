@@ -47,7 +47,7 @@ from controlplane.protocol.events import (
 )
 from controlplane.protocol.hashing import block_hashes
 from controlplane.protocol.subjects import kv_subject, kvdump_subject, membership_subject
-from router.app import create_app
+from router.app import create_app, uvicorn_options
 from router.settings import RouterSettings, new_router_id
 from tests import buskit
 from tests.policy_keys import session_keys
@@ -72,12 +72,12 @@ def bind_socket(port: int = 0) -> socket.socket:
     return sock
 
 
-async def serve_in_task(app: Any, port: int, *, lifespan: str = "on",
-                        sock: socket.socket | None = None) -> tuple[uvicorn.Server, asyncio.Task[None]]:
+async def serve_in_task(app: Any, port: int, *, lifespan: str = "on", sock: socket.socket | None = None,
+                        **options: Any) -> tuple[uvicorn.Server, asyncio.Task[None]]:
     sock = sock or bind_socket(port)
     # Bounded shutdown: a connection left mid-response must not hold a test's teardown forever.
     config = uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", lifespan=lifespan,
-                            timeout_graceful_shutdown=3)
+                            timeout_graceful_shutdown=3, **options)
     server = uvicorn.Server(config)
     server.install_signal_handlers = lambda: None  # type: ignore[method-assign]
     task = asyncio.create_task(server.serve(sockets=[sock]))
@@ -299,7 +299,8 @@ class InProcessRouter:
         return self.app.state.runtime
 
     async def start(self) -> InProcessRouter:
-        self._server, self._task = await serve_in_task(self.app, self.settings.port, sock=self._sock)
+        self._server, self._task = await serve_in_task(self.app, self.settings.port, sock=self._sock,
+                                                       **uvicorn_options(self.app))
         return self
 
     async def stop(self) -> None:
@@ -332,8 +333,9 @@ async def wait_for(predicate: Any, *, within: float = 10.0, interval: float = 0.
         await asyncio.sleep(interval)
 
 
-def spawn_router(nats_url: str, model: str, *, port: int, router_id: str, **env: str) -> subprocess.Popen[bytes]:
-    """A router replica as its own process (``python -m router``)."""
+def spawn_router(nats_url: str, model: str, *, port: int, router_id: str, command: list[str] | None = None,
+                 **env: str) -> subprocess.Popen[bytes]:
+    """A router replica as its own process (``python -m router``, or ``command``)."""
     full = dict(os.environ)
     full.update({
         "RUDDER_NATS_URL": nats_url, "RUDDER_MODELS": json.dumps([model]), "RUDDER_PORT": str(port),
@@ -343,7 +345,7 @@ def spawn_router(nats_url: str, model: str, *, port: int, router_id: str, **env:
     })
     full.update(env)
     return subprocess.Popen(
-        [sys.executable, "-m", "router"], env=full, cwd=str(ROOT),
+        command or [sys.executable, "-m", "router"], env=full, cwd=str(ROOT),
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
     )
 

@@ -247,3 +247,29 @@ async def test_disaggregated_selection_runs_prefill_then_decode_pool() -> None:
             await s.select(_req(4, targets=parse_targets({"prefill_worker_id": 2}, {})))
     finally:
         await s.stop()
+
+
+async def test_full_selection_queue_refuses_with_queue_full_and_frees_its_places() -> None:
+    from controlplane.protocol.errors import QueueFull
+
+    s = _sched(Clock())
+    s.max_queued_selections = 3
+    s.send(ApplyMembership(_join(1)))
+    queued = [s.submit(SelectWorker(_req(i))) for i in range(3)]
+    with pytest.raises(QueueFull) as refused:
+        s.submit(SelectWorker(_req(99)))
+    assert isinstance(refused.value, Overloaded) and refused.value.code == "queue_full"
+    # Commands nobody waits for (completions, KV events) are never refused: bookings must free.
+    for i in range(10):
+        s.send(RequestDone(f"none-{i}"))
+    s.start()
+    try:
+        assert [r.request_id for r in await asyncio.gather(*queued)] == ["q0", "q1", "q2"]
+        # Answered selections, and cancelled ones, give their places back.
+        skipped = s.submit(SelectWorker(_req(100)))
+        skipped.cancel()
+        await s.inspect(lambda x: None)  # the actor has passed (and skipped) the cancelled one
+        again = [s.submit(SelectWorker(_req(200 + i))) for i in range(3)]
+        assert len(await asyncio.gather(*again)) == 3
+    finally:
+        await s.stop()

@@ -1,0 +1,240 @@
+"""Ingress limits: what one client can hold of a router (docs/router.md, "Ingress limits").
+
+Two layers, each where the thing it bounds is visible:
+
+* The connection: :class:`GuardedHttpProtocol`, uvicorn's httptools protocol with guards, because
+  an ASGI app only sees a request once its headers are complete, and a client that never
+  completes them (slowloris) or stops reading its answer never reaches the app.
+
+  - open connections: past ``max_connections`` a new one is answered 503 and closed;
+  - the request head: at most ``max_header_bytes`` (431) and ``header_timeout_s`` from the
+    connection's opening or the request's first byte (408); then the connection is closed;
+  - the request body: all of it within ``body_timeout_s`` after the head (408, closed; the app,
+    waiting for the body, sees a disconnect). Both timers are armed only when a chunk of input
+    leaves a request incomplete, so a request that arrives whole (the usual case) costs none;
+  - writing: while the router has output queued for a client that accepts none (asyncio paused
+    writing at its high-water mark), a timer runs; past ``write_timeout_s`` the connection is
+    aborted. The app sees a disconnect, so a streamed answer's relay stops, its worker
+    connection is closed and its booking freed (router/api.py);
+  - after an early answer (a 413 while the body still arrives) the rest of the body is read
+    and dropped for at most ``DISCARD_S``, so that the client, which is still writing, can read
+    the answer (nginx's lingering close); then the connection is closed.
+
+* The body's size: :func:`read_body` takes it from ASGI chunk by chunk, refusing at once a
+  ``Content-Length`` above the limit and, without one, stopping at the limit (413).
+
+Refusals are rendered by the router's one error mapping (``IngressLimits.render``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+from starlette.responses import Response
+from starlette.types import Receive
+from uvicorn.config import Config
+from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol
+from uvicorn.server import ServerState
+
+from controlplane.protocol.errors import (
+    ClientGone,
+    HeadersTooLarge,
+    PayloadTooLarge,
+    RequestTimeout,
+    RudderError,
+    ServiceUnavailable,
+)
+
+log = logging.getLogger(__name__)
+
+# How long the rest of a body is read and dropped after an early answer, before the connection
+# is closed (a client that is still writing gets time to read the answer).
+DISCARD_S = 5.0
+
+
+@dataclass(frozen=True, kw_only=True)
+class IngressLimits:
+    max_connections: int
+    max_header_bytes: int
+    header_timeout_s: float
+    body_timeout_s: float
+    write_timeout_s: float
+    render: Callable[[RudderError], Response]  # the router's error mapping (OpenAI shape)
+    on_refused: Callable[[str], None] = lambda reason: None  # counts refusals by reason
+
+
+def protocol_class(limits: IngressLimits) -> type[GuardedHttpProtocol]:
+    """A protocol class for ``uvicorn.Config(http=...)`` bound to ``limits``."""
+    return type("GuardedHttpProtocol", (GuardedHttpProtocol,), {"limits": limits})
+
+
+class GuardedHttpProtocol(HttpToolsProtocol):
+    limits: ClassVar[IngressLimits]
+
+    def __init__(self, config: Config, server_state: ServerState, app_state: dict[str, Any],
+                 _loop: asyncio.AbstractEventLoop | None = None) -> None:
+        super().__init__(config, server_state, app_state, _loop)
+        self._refused = False
+        self._in_head = False
+        self._in_body = False  # head complete, body not yet
+        self._head_bytes = 0
+        self._head_timer: asyncio.TimerHandle | None = None
+        self._body_timer: asyncio.TimerHandle | None = None
+        self._write_timer: asyncio.TimerHandle | None = None
+        self._discard_until: float | None = None
+
+    # -- connection ----------------------------------------------------------------------------
+
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        if len(self.connections) >= self.limits.max_connections:
+            self._refused = True
+            self.transport = transport
+            self._refuse(ServiceUnavailable(
+                f"this router holds its limit of {self.limits.max_connections} connections",
+                retry_after=1), "max_connections")
+            return
+        super().connection_made(transport)
+        self._in_head = True  # a connection's first bytes are a request head
+        self._head_timer = self.loop.call_later(self.limits.header_timeout_s, self._head_expired)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        for timer in (self._head_timer, self._body_timer, self._write_timer):
+            if timer is not None:
+                timer.cancel()
+        self._head_timer = self._body_timer = self._write_timer = None
+        if self._refused:
+            return
+        super().connection_lost(exc)
+
+    def _refuse(self, exc: RudderError, reason: str) -> None:
+        """Answer ``exc`` on the raw connection and close it (no request is being served)."""
+        self.limits.on_refused(reason)
+        response = self.limits.render(exc)
+        out = [STATUS_LINE[response.status_code]]
+        for name, value in response.raw_headers:
+            out += [name, b": ", value, b"\r\n"]
+        out += [b"connection: close\r\n\r\n", bytes(response.body)]
+        if not self.transport.is_closing():
+            self.transport.write(b"".join(out))
+            self.transport.close()
+
+    # -- the request head ----------------------------------------------------------------------
+
+    def _head_expired(self) -> None:
+        self._head_timer = None
+        if self._in_head:
+            log.info("client %s: request head not complete within %.1f s; closed", self.client,
+                     self.limits.header_timeout_s)
+            self._refuse(RequestTimeout(
+                f"request headers did not arrive within {self.limits.header_timeout_s} s"), "header_timeout")
+
+    def _body_expired(self) -> None:
+        self._body_timer = None
+        cycle = self.cycle
+        if self._in_body and cycle is not None and not cycle.response_started:
+            log.info("client %s: request body not complete within %.1f s; closed", self.client,
+                     self.limits.body_timeout_s)
+            self._refuse(RequestTimeout(
+                f"the request body did not arrive within {self.limits.body_timeout_s} s", field="body"),
+                "body_timeout")
+
+    def data_received(self, data: bytes) -> None:
+        if self._refused:
+            return
+        super().data_received(data)
+        if self.transport.is_closing():
+            return
+        if self._in_head:
+            # Still inside a head after this chunk: all of it was head.
+            self._head_bytes += len(data)
+            if self._head_bytes > self.limits.max_header_bytes:
+                self._in_head = False
+                self._refuse(HeadersTooLarge(
+                    f"request line and headers exceed {self.limits.max_header_bytes} bytes"), "header_size")
+            elif self._head_timer is None:
+                self._head_timer = self.loop.call_later(self.limits.header_timeout_s, self._head_expired)
+        elif self._in_body and self._body_timer is None:
+            self._body_timer = self.loop.call_later(self.limits.body_timeout_s, self._body_expired)
+
+    def on_message_begin(self) -> None:
+        super().on_message_begin()
+        self._in_head = True
+        self._head_bytes = 0
+        self._discard_until = None
+
+    def on_headers_complete(self) -> None:
+        self._in_head = False
+        self._in_body = True
+        if self._head_timer is not None:
+            self._head_timer.cancel()
+            self._head_timer = None
+        super().on_headers_complete()
+
+    def on_message_complete(self) -> None:
+        self._in_body = False
+        if self._body_timer is not None:
+            self._body_timer.cancel()
+            self._body_timer = None
+        super().on_message_complete()
+
+    # -- the body after an early answer --------------------------------------------------------
+
+    def on_body(self, body: bytes) -> None:
+        cycle = self.cycle
+        if cycle is not None and cycle.response_complete:  # answered already: dropped
+            now = self.loop.time()
+            if self._discard_until is None:
+                self._discard_until = now + DISCARD_S
+            elif now > self._discard_until:
+                self.transport.close()
+                return
+        super().on_body(body)
+
+    # -- writing -------------------------------------------------------------------------------
+
+    def pause_writing(self) -> None:
+        super().pause_writing()
+        if self._write_timer is None:
+            self._write_timer = self.loop.call_later(self.limits.write_timeout_s, self._write_expired)
+
+    def resume_writing(self) -> None:
+        super().resume_writing()
+        if self._write_timer is not None:
+            self._write_timer.cancel()
+            self._write_timer = None
+
+    def _write_expired(self) -> None:
+        self._write_timer = None
+        log.warning("client %s accepted no bytes for %.1f s: disconnected", self.client,
+                    self.limits.write_timeout_s)
+        self.limits.on_refused("write_timeout")
+        self.transport.abort()  # connection_lost: the app sees http.disconnect
+
+
+async def read_body(receive: Receive, content_length: str | None, *, max_bytes: int) -> bytearray:
+    """The request body, read as it arrives and never past ``max_bytes`` (its time is bounded by
+    the protocol's body timeout, which disconnects a client too slow to send it).
+
+    Raises PayloadTooLarge (413, at once for a larger ``Content-Length``, else when the limit is
+    crossed, without reading further) and ClientGone (the client left, or was disconnected)."""
+    if content_length is not None:
+        declared = int(content_length) if content_length.strip().isdigit() else -1
+        if declared > max_bytes:
+            raise PayloadTooLarge(f"body is {declared} bytes; the limit is {max_bytes}", field="body",
+                                  limit=max_bytes)
+    buf = bytearray()
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            raise ClientGone("client disconnected while sending the body")
+        chunk = message.get("body", b"")
+        if len(buf) + len(chunk) > max_bytes:
+            raise PayloadTooLarge(f"body exceeds the limit of {max_bytes} bytes", field="body",
+                                  limit=max_bytes)
+        buf += chunk
+        if not message.get("more_body", False):
+            return buf

@@ -1,0 +1,407 @@
+"""The router's ingress limits (docs/router.md, "Ingress limits") over real NATS, with the
+project's mock engine as the worker: body limit while reading (the router's memory measured in its
+own process), slow clients (slowloris), a full scheduler queue, a client that stops reading."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import select
+import socket
+import sys
+import threading
+import time
+from collections.abc import AsyncIterator, Iterator
+from typing import Any
+
+import httpx
+import openai
+import psutil
+import pytest
+
+from tests import buskit
+from tests.support_router.workers import (
+    InProcessRouter,
+    free_port,
+    router_settings,
+    spawn_router,
+    wait_for,
+    wait_http_ok,
+)
+
+pytestmark = pytest.mark.timeout(120)
+MODEL = "mock/ingress:1b"
+HEADER_TIMEOUT_S = 4.0
+BODY_TIMEOUT_S = 5.0
+WRITE_TIMEOUT_S = 1.0
+MAX_QUEUED = 8
+
+worker_agent = pytest.importorskip("worker.agent")
+worker_settings = pytest.importorskip("worker.settings")
+
+
+@pytest.fixture(scope="module")
+async def fleet(nats_url: str) -> AsyncIterator[InProcessRouter]:
+    """One mock worker and a router with short ingress timeouts and a small selection queue."""
+    stop = asyncio.Event()
+    ready: list[Any] = []
+    settings = buskit.worker_settings(
+        nats_url=nats_url, model=MODEL, heartbeat_s=0.2,
+        mock=worker_settings.MockEngineSettings(speedup_ratio=200.0, block_size=16),
+    )
+    task = asyncio.create_task(worker_agent.serve(settings, stop=stop, on_ready=ready.append))
+    await wait_for(lambda: ready or task.done(), within=20)
+    if task.done():
+        task.result()
+    router = await InProcessRouter(router_settings(
+        nats_url, MODEL, header_timeout_s=HEADER_TIMEOUT_S, body_timeout_s=BODY_TIMEOUT_S,
+        write_timeout_s=WRITE_TIMEOUT_S, max_queued_selections=MAX_QUEUED,
+    )).start()
+    await wait_for(lambda: router.runtime.scheduler.view.workers.get(MODEL) == 1, within=10)
+    yield router
+    await router.stop()
+    stop.set()
+    with contextlib.suppress(Exception):
+        await asyncio.wait_for(task, 10)
+
+
+def _connections(router: InProcessRouter) -> int:
+    assert router._server is not None
+    return len(router._server.server_state.connections)
+
+
+def _request(body: dict[str, Any], *, close: bool = True) -> bytes:
+    data = json.dumps(body).encode()
+    head = (f"POST /v1/chat/completions HTTP/1.1\r\nHost: router\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {len(data)}\r\n" + ("Connection: close\r\n" if close else "") + "\r\n")
+    return head.encode() + data
+
+
+async def _read_to_eof(sock: socket.socket, *, within: float) -> bytes:
+    loop = asyncio.get_running_loop()
+    out = bytearray()
+    async with asyncio.timeout(within):
+        while True:
+            try:
+                data = await loop.sock_recv(sock, 65536)
+            except ConnectionResetError:
+                break
+            if not data:
+                break
+            out += data
+    return bytes(out)
+
+
+def _status(raw: bytes) -> int:
+    return int(raw.split(b" ", 2)[1]) if raw.startswith(b"HTTP/1.1 ") else 0
+
+
+def _json_body(raw: bytes) -> Any:
+    return json.loads(raw.partition(b"\r\n\r\n")[2])
+
+
+async def _chat(router: InProcessRouter) -> str:
+    client = openai.AsyncOpenAI(base_url=router.url + "/v1", api_key="none", max_retries=0, timeout=10)
+    try:
+        reply = await client.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "hello"}], max_tokens=4)
+    finally:
+        await client.close()
+    assert reply.choices[0].message.content is not None
+    return reply.choices[0].message.content
+
+
+async def test_300_connections_that_never_finish_their_request_do_not_stop_a_chat(
+    fleet: InProcessRouter,
+) -> None:
+    router = fleet
+    before = _connections(router)
+    slow_heads: list[socket.socket] = []
+    slow_bodies: list[socket.socket] = []
+    try:
+        for i in range(300):
+            sock = socket.create_connection(("127.0.0.1", router.settings.port))
+            if i % 2:  # headers never finished
+                sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: router\r\nX-Slow: 1")
+                slow_heads.append(sock)
+            else:  # headers complete, the body never finished
+                sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: router\r\n"
+                             b"Content-Type: application/json\r\nContent-Length: 1000\r\n\r\n{\"model\"")
+                slow_bodies.append(sock)
+            sock.setblocking(False)
+        await wait_for(lambda: _connections(router) >= before + 300, within=10)
+        assert (await _chat(router)).strip() != ""
+        # Served while every slow connection was still held open.
+        assert _connections(router) >= before + 300
+        # And the slow ones do not stay: 408 and closed, heads after the header timeout, bodies
+        # after the body timeout.
+        heads = await asyncio.gather(*(_read_to_eof(s, within=HEADER_TIMEOUT_S + 10) for s in slow_heads))
+        bodies = await asyncio.gather(*(_read_to_eof(s, within=BODY_TIMEOUT_S + 10) for s in slow_bodies))
+        assert {_status(r) for r in heads} == {408}
+        assert {_status(r) for r in bodies} == {408}
+        assert _json_body(bodies[0])["error"]["code"] == "request_timeout"
+        await wait_for(lambda: _connections(router) <= before, within=10)
+        assert await _chat(router)
+    finally:
+        for sock in slow_heads + slow_bodies:
+            sock.close()
+
+
+async def test_oversized_request_head_is_refused_with_431(fleet: InProcessRouter) -> None:
+    router = fleet
+    sock = socket.create_connection(("127.0.0.1", router.settings.port))
+    try:
+        sock.sendall(b"GET /live HTTP/1.1\r\nHost: router\r\n")
+        filler = b"X-Filler: " + b"a" * 1000 + b"\r\n"
+        sent = 0
+        with contextlib.suppress(OSError):
+            while sent < 2 * router.settings.max_header_bytes:
+                sock.sendall(filler)
+                sent += len(filler)
+        sock.setblocking(False)
+        raw = await _read_to_eof(sock, within=10)
+    finally:
+        sock.close()
+    assert _status(raw) == 431, raw[:200]
+
+
+async def test_connections_past_the_cap_are_answered_503_and_closed(nats_url: str, fleet: InProcessRouter) -> None:
+    capped = await InProcessRouter(router_settings(nats_url, MODEL, max_connections=4)).start()
+    await wait_for(lambda: capped.runtime.scheduler.view.workers.get(MODEL) == 1, within=10)
+    held = [socket.create_connection(("127.0.0.1", capped.settings.port)) for _ in range(4)]
+    try:
+        await wait_for(lambda: _connections(capped) == 4, within=10)
+        extra = socket.create_connection(("127.0.0.1", capped.settings.port))
+        extra.setblocking(False)
+        raw = await _read_to_eof(extra, within=10)
+        extra.close()
+        assert _status(raw) == 503 and _json_body(raw)["error"]["type"] == "service_unavailable"
+        assert _connections(capped) == 4
+        for sock in held:
+            sock.close()
+        await wait_for(lambda: _connections(capped) == 0, within=10)
+        # Below the cap again: served.
+        assert await _chat(capped)
+    finally:
+        for sock in held:
+            sock.close()
+        await capped.stop()
+
+
+async def test_full_scheduler_queue_answers_the_overload_status(fleet: InProcessRouter) -> None:
+    router = fleet
+    n = MAX_QUEUED * 5
+    socks = [socket.create_connection(("127.0.0.1", router.settings.port)) for _ in range(n)]
+    try:
+        before = _connections(router)
+        await wait_for(lambda: _connections(router) >= n, within=10)
+        assert before >= 0
+        request = _request({"model": MODEL, "messages": [{"role": "user", "content": "burst"}],
+                            "max_tokens": 2})
+        # Every request is in the router's socket buffers before its event loop runs again, so
+        # all of them reach the scheduler's queue before the actor handles the first.
+        for sock in socks:
+            sock.sendall(request)
+        for sock in socks:
+            sock.setblocking(False)
+        answers = await asyncio.gather(*(_read_to_eof(s, within=30) for s in socks))
+    finally:
+        for sock in socks:
+            sock.close()
+    statuses = [_status(a) for a in answers]
+    refused = [a for a in answers if _status(a) == router.settings.overload_status]
+    assert set(statuses) <= {200, router.settings.overload_status}, statuses
+    assert statuses.count(200) >= MAX_QUEUED
+    assert refused, "no request was refused although the queue was over its bound"
+    error = _json_body(refused[0])["error"]
+    assert error["code"] == "queue_full" and error["type"] == "overloaded_error"
+    assert b"retry-after: 1" in refused[0].lower()
+    # The queue's places were all given back.
+    sched = router.runtime.scheduler
+    assert await sched.inspect(lambda s: s._queued_selections) == 0
+    assert await sched.inspect(lambda s: len(s.bookings)) == 0
+
+
+async def test_client_that_stops_reading_a_stream_is_closed_and_its_booking_freed(
+    fleet: InProcessRouter,
+) -> None:
+    router = fleet
+    sched = router.runtime.scheduler
+    rejections = router.runtime.metrics.rejections.labels("write_timeout")
+    closed_before = rejections._value.get()
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # a client that reads little
+    try:
+        sock.connect(("127.0.0.1", router.settings.port))
+        sock.sendall(_request({"model": MODEL, "messages": [{"role": "user", "content": "talk"}],
+                               "max_tokens": 100_000, "stream": True}))
+        # The stream runs (booked), and this client never reads a byte of it.
+        await wait_for(lambda: sched.inspect(lambda s: len(s.bookings) == 1), within=10)
+        booked = time.monotonic()
+        await wait_for(lambda: sched.inspect(lambda s: len(s.bookings) == 0), within=WRITE_TIMEOUT_S + 15)
+        freed_after = time.monotonic() - booked
+        assert rejections._value.get() == closed_before + 1
+        # The router closed the connection: what the client reads now ends (EOF or reset).
+        sock.setblocking(False)
+        received = await _read_to_eof(sock, within=10)
+        assert received.startswith(b"HTTP/1.1 200")
+        assert b"data: [DONE]" not in received  # cut off, not finished
+    finally:
+        sock.close()
+    # The client's buffers fill within about a second (measured: freed 2.0 s after booking with a
+    # 1 s write timeout); then the write timeout runs.
+    assert freed_after < WRITE_TIMEOUT_S + 5, f"booking freed {freed_after:.1f} s after it was made"
+    assert await _chat(router)
+
+
+async def test_a_large_prompt_is_tokenized_and_hashed_off_the_event_loop(fleet: InProcessRouter) -> None:
+    """A 3 MB prompt keeps the router busy for a long while (parse, ~3 M tokens, ~190 k block
+    hashes); meanwhile the event loop (the router's, which is this test's) keeps running. The
+    request pins an unknown worker, so the router refuses it after that work, without a worker."""
+    router = fleet
+    assert router.settings.offload_min_bytes < 3_000_000
+    gaps: list[float] = []
+    running = True
+
+    async def ticker() -> None:
+        last = time.perf_counter()
+        while running:
+            await asyncio.sleep(0.001)
+            now = time.perf_counter()
+            gaps.append(now - last)
+            last = now
+
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "y" * 3_000_000}]}
+    async with httpx.AsyncClient(base_url=router.url, timeout=60) as http:
+        tick = asyncio.create_task(ticker())
+        started = time.perf_counter()
+        r = await http.post("/v1/chat/completions", json=body, headers={"x-worker-instance-id": "999"})
+        took = time.perf_counter() - started
+        running = False
+        await tick
+    assert r.status_code == 400 and "999" in r.json()["error"]["message"]
+    assert took > 0.1, f"the prompt took only {took:.3f} s: too small to show anything"
+    # Inline, one stall lasts about the whole request (measured: 0.32 s of 0.34 s); in a thread,
+    # the loop gets the GIL back every few ms and stalls only for the longest single C call (the
+    # byte tokenizer's list(bytes) of 3 MB; measured: 0.02-0.03 s of 0.2-0.3 s). Half the
+    # request leaves room for a machine so loaded that the loop's thread waits for a core.
+    assert max(gaps) < took / 2, f"event loop stalled {max(gaps):.3f} s of a {took:.3f} s request"
+
+
+# ---------------------------------------------------------------------------------------------
+# The body limit, measured on a router in its own process
+
+
+def _upload(port: int, total: int, *, chunked: bool) -> tuple[int, bytes, int]:
+    """Send a ``total``-byte body (chunked, or with its Content-Length) until the router answers;
+    returns (status, answer, bytes of body sent)."""
+    sock = socket.create_connection(("127.0.0.1", port))
+    try:
+        framing = "Transfer-Encoding: chunked" if chunked else f"Content-Length: {total}"
+        sock.sendall(f"POST /v1/chat/completions HTTP/1.1\r\nHost: router\r\n"
+                     f"Content-Type: application/json\r\n{framing}\r\n\r\n".encode())
+        piece = b"x" * (1 << 20)
+        frame = (b"%x\r\n" % len(piece)) + piece + b"\r\n" if chunked else piece
+        sock.setblocking(False)
+        sent = 0
+        pending = memoryview(b"")
+        ended = False
+        answer = bytearray()
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            want_write = not ended or len(pending) > 0
+            readable, writable, _ = select.select([sock], [sock] if want_write else [], [], 1.0)
+            if readable:
+                try:
+                    data = sock.recv(65536)
+                except ConnectionResetError:
+                    break
+                if not data:
+                    break
+                answer += data
+                head, sep, body = bytes(answer).partition(b"\r\n\r\n")
+                if sep:
+                    length = next((int(line.split(b":")[1]) for line in head.split(b"\r\n")
+                                   if line.lower().startswith(b"content-length:")), 0)
+                    if len(body) >= length:
+                        break
+                continue
+            if writable:
+                if not pending and sent >= total:
+                    pending = memoryview(b"0\r\n\r\n" if chunked else b"")
+                    ended = True
+                elif not pending:
+                    pending = memoryview(frame)
+                    sent += len(piece)
+                try:
+                    n = sock.send(pending)
+                except (BrokenPipeError, ConnectionResetError):
+                    break
+                pending = pending[n:]
+        return _status(bytes(answer)), bytes(answer), sent
+    finally:
+        sock.close()
+
+
+class PeakRss:
+    """The largest RSS of a process, sampled every 10 ms in a thread."""
+
+    def __init__(self, pid: int) -> None:
+        self.proc = psutil.Process(pid)
+        self.peak = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self.peak = max(self.peak, self.proc.memory_info().rss)
+            self._stop.wait(0.01)
+
+    def __enter__(self) -> PeakRss:
+        self.peak = self.proc.memory_info().rss
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.peak = max(self.peak, self.proc.memory_info().rss)
+
+
+@pytest.fixture
+def router_process(nats_url: str) -> Iterator[tuple[int, psutil.Process]]:
+    """``rudder serve router`` (uvloop, as deployed) with its default limits."""
+    port = free_port()
+    proc = spawn_router(nats_url, MODEL, port=port, router_id="r-ingress-rss",
+                        command=[sys.executable, "-m", "cli.main", "serve", "router"])
+    try:
+        asyncio.run(wait_http_ok(f"http://127.0.0.1:{port}/live"))
+        yield port, psutil.Process(proc.pid)
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(10)
+        except Exception:
+            proc.kill()
+
+
+def test_100_mb_body_gets_413_while_the_router_grows_less_than_10_mb(
+    router_process: tuple[int, psutil.Process],
+) -> None:
+    port, proc = router_process
+    total = 100 * 1024 * 1024
+    # Warm up (imports, first allocations), then measure.
+    status, _, _ = _upload(port, 8 * 1024 * 1024, chunked=True)
+    assert status == 413
+    baseline = proc.memory_info().rss
+    for chunked in (True, False):
+        with PeakRss(proc.pid) as rss:
+            status, answer, sent = _upload(port, total, chunked=chunked)
+        assert status == 413, answer[:300]
+        assert _json_body(answer)["error"]["code"] == "payload_too_large"
+        grown = rss.peak - baseline
+        print(f"chunked={chunked} sent={sent/2**20:.1f} MiB grown={grown/2**20:.2f} MiB")
+        assert grown < 10 * 1024 * 1024, f"router RSS grew by {grown / 2**20:.1f} MiB (chunked={chunked})"
+        # The answer came while the body was still being sent.
+        assert sent < total
