@@ -649,15 +649,20 @@ def test_worker_instance_ids_are_unique_across_the_fleet(rendered: Rendered) -> 
     assert ids and len(set(ids)) == len(ids) and all(i > 0 for i in ids)
 
 
-def test_router_drains_before_it_is_killed(rendered: Rendered) -> None:
+def test_router_drains_before_it_is_killed(rendered: Rendered, tmp_path: Path) -> None:
+    """Deletion: preStop sleeps while endpoints drop the pod, then SIGTERM: the router's own drain
+    delay and grace period for streams in flight (its settings, as this pod gives them) must fit
+    in terminationGracePeriodSeconds, with time to exit."""
     router = rendered.get("StatefulSet", "rudder-router")
     pod = router["spec"]["template"]["spec"]
     (c,) = pod["containers"]
     assert c["readinessProbe"]["httpGet"]["path"] == "/health"
     sleep = c["lifecycle"]["preStop"]["exec"]["command"]
     assert sleep[0] == "sleep"
-    grace = int(next(e["value"] for e in c["env"] if e["name"] == "RUDDER_SHUTDOWN_GRACE_S"))
-    assert pod["terminationGracePeriodSeconds"] >= int(sleep[1]) + grace + 5
+    (container,) = [x for x in rudder_containers(rendered) if x.spec is c]
+    settings: Any = build_settings(SETTINGS_OF[("serve", "router")], env_with_files(rendered, container, tmp_path))
+    needed = int(sleep[1]) + settings.drain_delay_s + settings.shutdown_grace_s + 5
+    assert pod["terminationGracePeriodSeconds"] >= needed
     assert router["spec"]["updateStrategy"]["type"] == "RollingUpdate"
     assert router["spec"]["podManagementPolicy"] == "Parallel"  # scaling does not wait in line
 
