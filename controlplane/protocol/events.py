@@ -8,11 +8,12 @@ the place to add one is marked).
 from __future__ import annotations
 
 import enum
+import math
 import uuid
 from datetime import UTC, datetime
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from controlplane.protocol.errors import InvalidRequest
 from controlplane.protocol.policy import CacheInput, PolicyKind, PolicyOp
@@ -150,6 +151,31 @@ class MembershipOp(enum.StrEnum):
     LEAVE = "leave"
 
 
+class EngineTiming(BaseModel):
+    """The engine's own timing model, as its membership record advertises it (issue 9): the
+    router's prior for that worker until it has fitted one from what it observed.
+
+    Per engine step, in milliseconds: prefill ``p0 + p1·N + p2·N²`` for N uncached tokens computed
+    in the step (chunked at ``max_num_batched_tokens``), decode ``d0 + d1·u + d2·u²`` at KV usage
+    u ∈ [0, 1], at least ``decode_min_ms``. ``source`` says where the numbers come from
+    (``mock``: the mock's own formula divided by its speed-up ratio; ``vllm-default``: a generic
+    prior for a vLLM engine). ``version`` is this object's own schema version."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+    version: Literal[1] = 1
+    source: str = Field(default="mock", max_length=64)
+    prefill_ms: tuple[float, float, float]
+    decode_ms: tuple[float, float, float]
+    decode_min_ms: float = Field(default=0.0, ge=0)
+
+    @field_validator("prefill_ms", "decode_ms")
+    @classmethod
+    def _finite(cls, value: tuple[float, float, float]) -> tuple[float, float, float]:
+        if not all(math.isfinite(v) for v in value):
+            raise ValueError("coefficients must be finite")
+        return value
+
+
 class WorkerRecord(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
     instance_id: int = Field(gt=0, le=U64_MAX)
@@ -164,6 +190,8 @@ class WorkerRecord(BaseModel):
     cache_tiers: list[CacheInput] = Field(default_factory=lambda: [CacheInput.DEVICE])
     engine: str = "mock"
     started_at: datetime
+    # Since membership schema 2; absent in schema 1 records (the router then uses its default).
+    timing: EngineTiming | None = None
 
 
 class RankLoad(BaseModel):
@@ -176,15 +204,30 @@ class RankLoad(BaseModel):
     waiting: int = Field(default=0, ge=0)
 
 
+MEMBERSHIP_SCHEMA_VERSION = 2
+
+
 class MembershipEvent(_Event):
-    schema_version: Literal[1] = 1
+    """Schema 2 adds ``worker.timing`` (optional). A reader of schema 2 reads schema 1 events
+    unchanged (no timing); a schema 1 reader refuses schema 2 events, so upgrade routers (the
+    readers) before workers. An event without timing is written as schema 1, so a worker that
+    advertises no timing stays readable by old routers."""
+
+    schema_version: Literal[1, 2] = 1
     op: MembershipOp
     worker: WorkerRecord
     load: list[RankLoad] = Field(default_factory=list)
     at: datetime
 
+    @model_validator(mode="after")
+    def _version(self) -> MembershipEvent:
+        if self.worker.timing is not None and self.schema_version < 2:
+            object.__setattr__(self, "schema_version", MEMBERSHIP_SCHEMA_VERSION)
+        return self
+
 
 def decode_membership_event(data: bytes | str | dict[str, Any]) -> MembershipEvent:
+    # Schema 1 → 2: ``worker.timing`` is absent (None); nothing to rewrite.
     event: MembershipEvent = _decode(MembershipEvent, data)
     return event
 
