@@ -61,6 +61,7 @@ class SelectionParams:
     calibration_window: int = 256
     calibration_min_samples: int = 16
     ttft_slo_reject: bool = False
+    calibration_epoch: int = 0
 
     @classmethod
     def from_values(cls, values: Mapping[str, Number | None]) -> SelectionParams:

@@ -109,6 +109,23 @@ class RouterRole(enum.StrEnum):
     DECODE = "decode"
 
 
+class WorkerCalibration(BaseModel):
+    """One worker's timing model as a router fitted it (issue 9), in its status."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+    model: str
+    instance_id: int
+    source: str  # "fitted", or the prior's source while too few samples are in
+    prefill_ms: tuple[float, float, float]
+    decode_ms: tuple[float, float, float]
+    prefill_fitted: bool = False
+    decode_fitted: bool = False
+    prefill_samples: int = 0
+    decode_samples: int = 0
+    ttft_mae_ms: float | None = None
+    ttft_p90_error_ms: float | None = None
+
+
 class RouterStatus(_Event):
     """A router's status in the ``RUDDER_ROUTERS`` bucket, refreshed every heartbeat."""
 
@@ -124,6 +141,8 @@ class RouterStatus(_Event):
     applied: dict[str, AppliedDocument] = Field(default_factory=dict)
     started_at: datetime
     heartbeat_at: datetime
+    # Per-worker timing fits of the router's time cost (optional; absent from older routers).
+    calibration: list[WorkerCalibration] = Field(default_factory=list)
 
 
 def doc_key(model: str, kind: PolicyKind | str) -> str:
