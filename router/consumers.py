@@ -19,6 +19,7 @@ keeps serving with its last good state while NATS is away.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import logging
 from collections.abc import Awaitable, Callable, Coroutine
@@ -38,6 +39,7 @@ from controlplane.protocol.events import (
     ApplyAck,
     RouterRole,
     RouterStatus,
+    WorkerCalibration,
     decode_kv_dump,
     decode_kv_event,
     decode_membership_event,
@@ -140,14 +142,18 @@ class StatusPublisher:
             "started_at": started_at,
         }
         self._lock = asyncio.Lock()
+        self._calibration: list[WorkerCalibration] = []
 
     def status(self) -> RouterStatus:
         return RouterStatus(
-            **self._static, applied=self.scheduler.view.applied, heartbeat_at=utcnow()
+            **self._static, applied=self.scheduler.view.applied, heartbeat_at=utcnow(),
+            calibration=self._calibration,
         )
 
     async def put(self) -> None:
         async with self._lock:
+            with contextlib.suppress(RudderError):  # stopping: keep the last one
+                self._calibration = await self.scheduler.inspect(lambda s: s.calibration_status())
             try:
                 await self.kv.put(router_status_key(self.router_id), self.status().to_bytes())
             except _NATS_ERRORS as exc:

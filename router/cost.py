@@ -28,14 +28,14 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from controlplane.protocol.events import EngineTiming
+from controlplane.protocol.events import (
+    DEFAULT_DECODE_MIN_MS,
+    DEFAULT_DECODE_MS,
+    DEFAULT_PREFILL_MS,
+    EngineTiming,
+)
 from router.selection import NO_OVERLAP, Candidate, Overlap, SelectionParams
 
-# The mock engine's defaults (DESIGN §6, the reference simulator's fit of vLLM on one GPU) serve as
-# the prior of a worker whose membership record advertises no timing model.
-DEFAULT_PREFILL_MS = (16.50142, 1.518344e-2, 4.209989e-7)
-DEFAULT_DECODE_MS = (5.74, 54.01, -25.74)
-DEFAULT_DECODE_MIN_MS = 1.0
 # Decode tokens per request assumed until a model's requests have been observed.
 DEFAULT_DECODE_TOKENS = 32.0
 

@@ -195,6 +195,13 @@ class EngineTiming(BaseModel):
         return value
 
 
+# DESIGN §6's formula (the reference simulator's fit of vLLM on one GPU): the prior of an engine that
+# advertises nothing better (a vLLM worker), and of a schema 1 record (no timing at all).
+DEFAULT_PREFILL_MS = (16.50142, 1.518344e-2, 4.209989e-7)
+DEFAULT_DECODE_MS = (5.74, 54.01, -25.74)
+DEFAULT_DECODE_MIN_MS = 1.0
+
+
 class WorkerRecord(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
     instance_id: int = Field(gt=0, le=U64_MAX)

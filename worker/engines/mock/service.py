@@ -7,6 +7,7 @@ from controlplane.protocol.events import KvDumpRank, RankLoad
 from worker.engines.base import EngineInfo, KvSink
 from worker.engines.mock.api import MockApi
 from worker.engines.mock.engine import MockCore
+from worker.engines.mock.timing import TimingModel
 from worker.httpserver import HttpServer, advertised_url
 from worker.settings import WorkerSettings
 
@@ -34,6 +35,7 @@ class MockEngine:
             block_size=s.mock.block_size, kv_total_blocks=s.mock.num_blocks,
             max_num_batched_tokens=s.mock.max_num_batched_tokens, dp_size=s.dp_size,
             tokenizer=tokenizer.NAME, engine="mock",
+            timing=TimingModel.from_settings(s.mock).advertised(),
         )
 
     async def stop(self) -> None:
