@@ -92,6 +92,7 @@ class Queries:
                     "applied": {k: v.model_dump() for k, v in r.applied.items()},
                     "startup": r.startup, "heartbeat_at": _iso(r.heartbeat_at),
                     "started_at": _iso(r.started_at),
+                    "calibration": [c.model_dump() for c in r.calibration],
                 }
                 for r in routers
             ],
