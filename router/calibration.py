@@ -38,7 +38,7 @@ from router.cost import DEFAULT_DECODE_TOKENS, Timing
 Floats = npt.NDArray[np.float64]
 
 _HUBER = 1.345
-_RIDGE = 1e-4  # relative to the mean diagonal of the scaled normal matrix
+_PRIOR_OBSERVATIONS = 0.01  # the ridge toward the prior weighs as much as this many observations
 _IRLS_ITERATIONS = 10
 REFIT_EVERY = 4  # observations between two refits (a fit costs tens of microseconds)
 
@@ -89,7 +89,7 @@ def robust_fit(x: Floats, y: Floats, prior: Floats, *, nonnegative: bool) -> Flo
         for _ in range(_IRLS_ITERATIONS):
             zw = z * w[:, None]
             a = z.T @ zw
-            lam = _RIDGE * float(np.trace(a)) / len(cols) + 1e-12
+            lam = _PRIOR_OBSERVATIONS * float(np.trace(a)) / (len(cols) * n) + 1e-12
             a = a + lam * np.eye(len(cols))
             b = zw.T @ y + lam * phi_prior
             phi = np.linalg.solve(a, b)
