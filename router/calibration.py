@@ -27,13 +27,15 @@ from __future__ import annotations
 
 import math
 from collections import deque
+from collections.abc import Iterable
 from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
 import numpy.typing as npt
 
-from router.cost import DEFAULT_DECODE_TOKENS, Timing
+from controlplane.protocol.events import WorkerCalibration
+from router.cost import DEFAULT_DECODE_TOKENS, Prediction, Timing
 
 Floats = npt.NDArray[np.float64]
 
@@ -252,3 +254,108 @@ class RunningMean:
     @property
     def value(self) -> float:
         return self._sum / len(self._values) if self._values else self.initial
+
+
+@dataclass(frozen=True, slots=True)
+class Pending:
+    """What the router predicted for a booked request, kept until its first token and its end."""
+
+    instance_id: int
+    model: str
+    prediction: Prediction
+    budget: int  # the worker's step budget (max_num_batched_tokens)
+
+
+class Calibrations:
+    """One router's calibrations: one per worker, the predictions awaiting their outcome, and each
+    model's decode tokens per request. Methods that change a worker's timing model return its id,
+    so the caller can re-read the slots that score with it."""
+
+    def __init__(self, models: Iterable[str]) -> None:
+        self.workers: dict[int, Calibration] = {}
+        self._model: dict[int, str] = {}
+        self._pending: dict[str, Pending] = {}
+        self.decode_tokens = {m: RunningMean() for m in models}
+
+    def timing(self, wid: int) -> Timing | None:
+        cal = self.workers.get(wid)
+        return cal.timing if cal is not None else None
+
+    def join(self, wid: int, model: str, prior: Timing, *, window: int, min_samples: int) -> None:
+        """A worker joined or re-announced itself: create its calibration or update its prior."""
+        cal = self.workers.get(wid)
+        if cal is None:
+            self.workers[wid] = Calibration(prior, window=window, min_samples=min_samples)
+            self._model[wid] = model
+        else:
+            cal.set_prior(prior)
+
+    def forget(self, wid: int, booking_ids: Iterable[str] = ()) -> None:
+        self.workers.pop(wid, None)
+        self._model.pop(wid, None)
+        for b in booking_ids:
+            self._pending.pop(b, None)
+
+    def configure(self, model: str, *, window: int, min_samples: int, reset: bool) -> list[int]:
+        changed = []
+        for wid, cal in self.workers.items():
+            if self._model.get(wid) == model:
+                cal.configure(window=window, min_samples=min_samples)
+                if reset:
+                    cal.reset()
+                changed.append(wid)
+        return changed
+
+    def reset(self, model: str | None = None) -> list[int]:
+        """Back to the priors (every model, or one); returns the workers reset."""
+        out = []
+        for wid, cal in self.workers.items():
+            if model is None or self._model.get(wid) == model:
+                cal.reset()
+                out.append(wid)
+        return out
+
+    # -- observations ----------------------------------------------------------------------------
+
+    def expect(self, booking_id: str, pending: Pending) -> None:
+        self._pending[booking_id] = pending
+
+    def first_token(self, booking_id: str, ttft_ms: float) -> int | None:
+        pending = self._pending.get(booking_id)
+        cal = self.workers.get(pending.instance_id) if pending is not None else None
+        if pending is None or cal is None:
+            return None
+        pred = pending.prediction
+        before = cal.timing
+        cal.observe_ttft(PrefillObservation(
+            queued_tokens=pred.queued_tokens, uncached_tokens=pred.uncached_tokens, running=pred.running,
+            kv_usage=pred.kv_usage, budget=pending.budget, measured_ms=ttft_ms, predicted_ms=pred.ttft_ms,
+        ))
+        return pending.instance_id if cal.timing != before else None
+
+    def done(self, booking_id: str, itl_ms: float | None, decode_tokens: int | None) -> int | None:
+        pending = self._pending.pop(booking_id, None)
+        if pending is None:
+            return None
+        if decode_tokens is not None and decode_tokens > 0 and pending.model in self.decode_tokens:
+            self.decode_tokens[pending.model].add(float(decode_tokens))
+        cal = self.workers.get(pending.instance_id)
+        if cal is None or itl_ms is None:
+            return None
+        before = cal.timing
+        cal.observe_decode(pending.prediction.kv_usage, itl_ms)
+        return pending.instance_id if cal.timing != before else None
+
+    def status(self) -> list[WorkerCalibration]:
+        out: list[WorkerCalibration] = []
+        for wid, cal in sorted(self.workers.items()):
+            snap = cal.snapshot()
+            t = cal.timing
+            out.append(WorkerCalibration(
+                model=self._model.get(wid, ""), instance_id=wid, source=t.source,
+                prefill_ms=(t.p0, t.p1, t.p2), decode_ms=(t.d0, t.d1, t.d2),
+                prefill_fitted=cal.prefill_fitted, decode_fitted=cal.decode_fitted,
+                prefill_samples=snap["prefill_samples"], decode_samples=snap["decode_samples"],
+                ttft_mae_ms=snap["ttft_mae_ms"], ttft_p90_error_ms=snap["ttft_p90_error_ms"],
+            ))
+        return out

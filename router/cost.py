@@ -25,8 +25,12 @@ Temperature and ties are DESIGN §5's (:func:`router.selection.pick`) over these
 
 from __future__ import annotations
 
+import random
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+
+import numpy as np
+import numpy.typing as npt
 
 from controlplane.protocol.events import (
     DEFAULT_DECODE_MIN_MS,
@@ -215,3 +219,14 @@ def time_costs(
         costs.append(cost)
         ttfts.append(ttft)
     return costs, ttfts
+
+
+def consolidate(cost: npt.NDArray[np.float64], meet: npt.NDArray[np.bool_], hits: npt.NDArray[np.float64],
+                rng: random.Random) -> int:
+    """A TTFT objective's pick (issue 9): among the candidates predicted to meet it (``meet``, at
+    least one), those with the most cached blocks (``hits``), and among them the least cost, ties
+    uniformly at random (DESIGN §5's tie-break)."""
+    best_hit = hits[meet].max()
+    masked = np.where(meet & (hits >= best_hit), cost, np.inf)
+    ties = np.flatnonzero(masked - masked.min() <= 1e-9)
+    return int(ties[0]) if len(ties) == 1 else int(ties[rng.randrange(len(ties))])

@@ -260,7 +260,7 @@ class LoadTable(dict[WorkerKey, C]):
             if booked_shared:
                 items = [(k, v) for k, v in booked_shared.items() if v]
                 if items:
-                    spos, keep = self._locate(rows, [k for k, _ in items])
+                    spos, keep = self.locate(rows, [k for k, _ in items])
                     vals = np.array([v for _, v in items], dtype=np.int64)[keep]
                     cost[spos] = cost[spos] - vals
         return cost
@@ -327,7 +327,7 @@ class LoadTable(dict[WorkerKey, C]):
             if booked_shared:
                 items = [(k, v) for k, v in booked_shared.items() if v]
                 if items:
-                    spos, keep = self._locate(rows, [k for k, _ in items])
+                    spos, keep = self.locate(rows, [k for k, _ in items])
                     vals = np.array([v for _, v in items], dtype=np.int64)[keep]
                     r_all = r_all.copy()
                     r_all[spos] = r_all[spos] - vals
@@ -337,7 +337,7 @@ class LoadTable(dict[WorkerKey, C]):
             cost = ttft + np.where(active & (grown > step), extra, 0.0)
         return cost, ttft
 
-    def _locate(self, rows: Rows | None, keys: list[WorkerKey]) -> tuple[Rows, npt.NDArray[np.bool_]]:
+    def locate(self, rows: Rows | None, keys: list[WorkerKey]) -> tuple[Rows, npt.NDArray[np.bool_]]:
         """Positions (within ``rows``) of the keys that are there, and which keys those were."""
         row_of = self._row_of
         found = np.array([row_of.get(k, -1) for k in keys], dtype=np.intp)
@@ -351,7 +351,7 @@ class LoadTable(dict[WorkerKey, C]):
         return at[keep], keep
 
     def _positions(self, rows: Rows | None, overlaps: Mapping[WorkerKey, Overlap]) -> tuple[Rows, Ints]:
-        pos, keep = self._locate(rows, list(overlaps))
+        pos, keep = self.locate(rows, list(overlaps))
         flat = np.fromiter(
             itertools.chain.from_iterable(overlaps.values()), dtype=np.int64, count=4 * len(overlaps)
         )

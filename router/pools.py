@@ -10,8 +10,10 @@ Owned by the scheduler actor (never touched from another task). Pure: the clock 
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import NoReturn
 
+from controlplane.protocol.errors import Overloaded, ServiceUnavailable
 from controlplane.protocol.events import WorkerRole
 from router.bookings import Bookings
 from router.busy import Thresholds, rank_busy
@@ -161,3 +163,37 @@ class Pools:
                 if state is not None:
                     slot.healthy = self.discovery.health(state, now) is Health.LIVE
                     slot.touch()
+
+    # -- what a selection asks of the pools --------------------------------------------------
+
+    def eligible(self, model: str, table: LoadTable[Slot], pool: WorkerRole,
+                 exclude: frozenset[int]) -> list[Slot]:
+        """The slots a selection without a target may choose, in row order. Raises as
+        :meth:`none_eligible` when there is none."""
+        eligible = [s for s in table.values() if selectable(s) and (not exclude or s.instance_id not in exclude)]
+        if not eligible:
+            self.none_eligible(model, table, pool, exclude)
+        return eligible
+
+    def none_eligible(self, model: str, table: LoadTable[Slot], pool: WorkerRole,
+                      exclude: frozenset[int]) -> NoReturn:
+        """Raises the error that fits a pool with no eligible rank: Overloaded (all busy) or
+        ServiceUnavailable (none reachable)."""
+        where = "" if pool is WorkerRole.AGGREGATED else f" in the {pool.value} pool"
+        if any(s.healthy and s.instance_id not in exclude for s in table.values()):
+            raise Overloaded(f"every worker of model {model}{where} is busy", model=model)
+        raise ServiceUnavailable(f"no worker available for model {model}{where}", retry_after=1)
+
+    def booked_shared(self, hashes: Mapping[int, Sequence[int]],
+                      slots: Mapping[WorkerKey, Slot]) -> dict[WorkerKey, int]:
+        """Blocks of the request (its chain hashes by block size) already booked on each rank for
+        other requests."""
+        shared: dict[WorkerKey, int] = {}
+        for key in self.bookings.keys():
+            rank = self.bookings.rank(key)
+            slot = slots.get(key)
+            if rank is None or slot is None:
+                continue
+            mine = hashes.get(slot.block_size, ())
+            shared[key] = sum(1 for h in mine if h in rank.blocks)
+        return shared

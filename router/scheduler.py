@@ -24,7 +24,7 @@ import itertools
 import logging
 import random
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any, TypeVar
@@ -49,7 +49,7 @@ from controlplane.protocol.events import (
 from controlplane.protocol.policy import CacheInput, Number, PolicyKind
 from router.bookings import Bookings
 from router.busy import Thresholds
-from router.calibration import Calibration, PrefillObservation, RunningMean
+from router.calibration import Calibration, Calibrations, Pending
 from router.commands import (
     PREFILL_BOOKING,
     ApplyKvEvents,
@@ -70,7 +70,7 @@ from router.commands import (
     SelectWorker,
     Tick,
 )
-from router.cost import Prediction, Timing, predict, time_costs
+from router.cost import Prediction, Timing, consolidate, predict, time_costs
 from router.discovery import Change, Discovery
 from router.index import KvApplied, PrefixIndex, WorkerKey
 from router.loadvec import VECTOR_MIN_CANDIDATES, LoadTable, pick_index
@@ -116,16 +116,6 @@ __all__ = [  # the vocabulary, re-exported for the modules and tests that import
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 _STOP = object()
-
-
-@dataclass(frozen=True, slots=True)
-class _Pending:
-    """What the router predicted for a booked request, kept until its first token and its end."""
-
-    instance_id: int
-    model: str
-    prediction: Prediction
-    budget: int
 
 
 @dataclass(slots=True)
@@ -174,16 +164,13 @@ class Scheduler:
         self.index = PrefixIndex()
         self.bookings = Bookings()
         self.round_robin = {m: RoundRobin() for m in models}
-        # Per-worker timing models (router.calibration), the predictions awaiting their outcome,
-        # and each model's decode tokens per request.
-        self.calibration: dict[int, Calibration] = {}
-        self._pending: dict[str, _Pending] = {}
-        self.decode_tokens = {m: RunningMean() for m in models}
+        # Per-worker timing models (router.calibration) and the predictions awaiting their outcome.
+        self.timings = Calibrations(models)
         self.slo = {m: {"requests": 0, "predicted_met": 0, "rejected": 0} for m in models}
         self._epochs: dict[str, Number | None] = {}
         self.tables = Pools(
             models=models, roles=self.pools, discovery=self.discovery, bookings=self.bookings,
-            clock=clock, timing=self._timing_of,
+            clock=clock, timing=self.timings.timing,
         )
         self._params: dict[str, SelectionParams] = {}
         for m in models:
@@ -195,6 +182,10 @@ class Scheduler:
         self._task: asyncio.Task[None] | None = None
         self._stopping = False
         self.stats: dict[str, int] = {"selections": 0, "skipped": 0, "applied": 0, "nacked": 0}
+
+    @property
+    def calibration(self) -> dict[int, Calibration]:
+        return self.timings.workers
 
     @property
     def _slots(self) -> dict[str, dict[WorkerKey, Slot]]:
@@ -324,13 +315,13 @@ class Scheduler:
                 if booking is not None:
                     self.tables.refresh_slot(booking.model, booking.key)
                     if cmd.ttft_ms is not None:
-                        self._observe_ttft(cmd.request_id, cmd.ttft_ms)
+                        self._retime(self.timings.first_token(cmd.request_id, cmd.ttft_ms))
                 return None
             case RequestDone():
                 booking = self.bookings.free(cmd.request_id)
                 if booking is not None:
                     self.tables.refresh_slot(booking.model, booking.key)
-                self._observe_done(cmd.request_id, cmd.itl_ms, cmd.decode_tokens)
+                self._retime(self.timings.done(cmd.request_id, cmd.itl_ms, cmd.decode_tokens))
                 return None
             case MarkUnavailable():
                 if self.discovery.mark_unreachable(cmd.instance_id):
@@ -358,14 +349,9 @@ class Scheduler:
         epoch = effective.get("calibration_epoch")
         reset = model in self._epochs and self._epochs[model] != epoch
         self._epochs[model] = epoch
-        for wid, cal in self.calibration.items():
-            state = self.discovery.get(wid)
-            if state is None or state.record.model != model:
-                continue
-            cal.configure(window=params.calibration_window, min_samples=params.calibration_min_samples)
-            if reset:
-                cal.reset()
-            self.tables.set_timing(wid, cal.timing)
+        for wid in self.timings.configure(model, window=params.calibration_window,
+                                          min_samples=params.calibration_min_samples, reset=reset):
+            self._retime(wid)
         if reset:
             log.info("model %s: calibration reset (calibration_epoch %s)", model, epoch)
 
@@ -415,10 +401,8 @@ class Scheduler:
     def _forget(self, wid: int, why: str) -> None:
         self.index.remove_worker(wid)
         dropped = self.bookings.drop_worker(wid)
-        for b in dropped:
-            self._pending.pop(b.request_id, None)
         self.tables.forget(wid)
-        self.calibration.pop(wid, None)
+        self.timings.forget(wid, (b.request_id for b in dropped))
         log.info("worker %s %s: %d bookings dropped", wid, why, len(dropped))
         self._publish_view()
 
@@ -434,84 +418,30 @@ class Scheduler:
 
     # -- calibration (router.calibration) ------------------------------------------------------
 
-    def _timing_of(self, wid: int) -> Timing | None:
-        cal = self.calibration.get(wid)
-        return cal.timing if cal is not None else None
-
     def _calibrate(self, wid: int) -> None:
         """Create the worker's calibration from its advertised timing model, or update its prior."""
         state = self.discovery.get(wid)
-        if state is None:
-            return
-        prior = Timing.from_engine(state.record.timing)
-        cal = self.calibration.get(wid)
-        if cal is None:
+        if state is not None:
             params = self._params[state.record.model]
-            self.calibration[wid] = Calibration(
-                prior, window=params.calibration_window, min_samples=params.calibration_min_samples
-            )
-        else:
-            cal.set_prior(prior)
+            self.timings.join(wid, state.record.model, Timing.from_engine(state.record.timing),
+                              window=params.calibration_window, min_samples=params.calibration_min_samples)
 
-    def _observe_ttft(self, booking_id: str, ttft_ms: float) -> None:
-        pending = self._pending.get(booking_id)
-        if pending is None:
-            return
-        cal = self.calibration.get(pending.instance_id)
-        if cal is None:
-            return
-        pred = pending.prediction
-        before = cal.timing
-        cal.observe_ttft(PrefillObservation(
-            queued_tokens=pred.queued_tokens, uncached_tokens=pred.uncached_tokens, running=pred.running,
-            kv_usage=pred.kv_usage, budget=pending.budget, measured_ms=ttft_ms, predicted_ms=pred.ttft_ms,
-        ))
-        if cal.timing != before:
-            self.tables.set_timing(pending.instance_id, cal.timing)
-
-    def _observe_done(self, booking_id: str, itl_ms: float | None, decode_tokens: int | None) -> None:
-        pending = self._pending.pop(booking_id, None)
-        if pending is None:
-            return
-        if decode_tokens is not None and decode_tokens > 0:
-            self.decode_tokens[pending.model].add(float(decode_tokens))
-        cal = self.calibration.get(pending.instance_id)
-        if cal is None or itl_ms is None:
-            return
-        before = cal.timing
-        cal.observe_decode(pending.prediction.kv_usage, itl_ms)
-        if cal.timing != before:
-            self.tables.set_timing(pending.instance_id, cal.timing)
+    def _retime(self, wid: int | None) -> None:
+        """A worker's timing model changed: its slots score with the new one."""
+        timing = self.timings.timing(wid) if wid is not None else None
+        if wid is not None and timing is not None:
+            self.tables.set_timing(wid, timing)
 
     def calibration_status(self) -> list[WorkerCalibration]:
         """Each worker's fitted timing model and prediction error (router status, /metrics)."""
-        out: list[WorkerCalibration] = []
-        for wid, cal in sorted(self.calibration.items()):
-            state = self.discovery.get(wid)
-            if state is None:
-                continue
-            snap = cal.snapshot()
-            t = cal.timing
-            out.append(WorkerCalibration(
-                model=state.record.model, instance_id=wid, source=t.source,
-                prefill_ms=(t.p0, t.p1, t.p2), decode_ms=(t.d0, t.d1, t.d2),
-                prefill_fitted=cal.prefill_fitted, decode_fitted=cal.decode_fitted,
-                prefill_samples=snap["prefill_samples"], decode_samples=snap["decode_samples"],
-                ttft_mae_ms=snap["ttft_mae_ms"], ttft_p90_error_ms=snap["ttft_p90_error_ms"],
-            ))
-        return out
+        return self.timings.status()
 
     def reset_calibration(self, model: str | None = None) -> int:
         """Back to the priors (every model, or one); returns how many workers were reset."""
-        n = 0
-        for wid, cal in self.calibration.items():
-            state = self.discovery.get(wid)
-            if state is None or (model is not None and state.record.model != model):
-                continue
-            cal.reset()
-            self.tables.set_timing(wid, cal.timing)
-            n += 1
-        return n
+        reset = self.timings.reset(model)
+        for wid in reset:
+            self._retime(wid)
+        return len(reset)
 
     # -- KV events ---------------------------------------------------------------------------
 
@@ -583,7 +513,7 @@ class Scheduler:
             return self._select_pinned(req, seq, revisions, pool, pin, then_decode)
         table = self.tables.table(model, pool)
         if self.cost_mode is None:
-            eligible = self._eligible_list(req, table, pool)
+            eligible = self.tables.eligible(req.model, table, pool, req.exclude)
             if self.mode is RoutingMode.ROUND_ROBIN:
                 i = self.round_robin[model].pick(eligible)
             elif self.mode is RoutingMode.RANDOM:
@@ -604,21 +534,6 @@ class Scheduler:
             float(scored.cost[i]), n, disaggregated=then_decode, slo_met=met,
         )
 
-    def _eligible_list(self, req: RoutingRequest, table: LoadTable[Slot], pool: WorkerRole) -> list[Slot]:
-        exclude = req.exclude
-        eligible = [s for s in table.values() if selectable(s) and (not exclude or s.instance_id not in exclude)]
-        if not eligible:
-            self._none_eligible(req, table, pool)
-        return eligible
-
-    def _none_eligible(self, req: RoutingRequest, table: LoadTable[Slot], pool: WorkerRole) -> None:
-        """Raises the error that fits a pool with no eligible rank: Overloaded or ServiceUnavailable."""
-        model = req.model
-        where = "" if pool is WorkerRole.AGGREGATED else f" in the {pool.value} pool"
-        if any(s.healthy and s.instance_id not in req.exclude for s in table.values()):
-            raise Overloaded(f"every worker of model {model}{where} is busy", model=model)
-        raise ServiceUnavailable(f"no worker available for model {model}{where}", retry_after=1)
-
     def _score(self, req: RoutingRequest, table: LoadTable[Slot], pool: WorkerRole) -> _Scored:
         """The KV-aware cost of every eligible rank: the Python loop for a small pool, numpy
         columns (router.loadvec) for a large one; the same candidates in the same order either
@@ -632,10 +547,10 @@ class Scheduler:
         if vector:
             rows = table.eligible_rows(req.exclude)
             if (len(table) if rows is None else len(rows)) == 0:
-                self._none_eligible(req, table, pool)
+                self.tables.none_eligible(req.model, table, pool, req.exclude)
             slots = table.row(0 if rows is None else int(rows[0])),  # only its block size is read
         else:
-            slots = self._eligible_list(req, table, pool)
+            slots = self.tables.eligible(req.model, table, pool, req.exclude)
         overlaps: dict[WorkerKey, Overlap] = {}
         if self.use_index:
             for hashes in req.hashes.values():
@@ -643,9 +558,9 @@ class Scheduler:
                     overlaps.update(self.index.overlaps(hashes))
         size = slots[0].block_size
         request_blocks = {bs: -(-p // bs) for bs in req.hashes} or {size: -(-p // size)}
-        shared = self._booked_shared(req, table)
+        shared = self.tables.booked_shared(req.hashes, table)
         timed = self.cost_mode is RoutingMode.KV_TIME or req.ttft_slo_ms is not None
-        decode_tokens = self.decode_tokens[model].value
+        decode_tokens = self.timings.decode_tokens[model].value
         cost: Any
         tcost: Any = None
         ttft: Any = None
@@ -695,7 +610,7 @@ class Scheduler:
         if scored.overlaps:
             keys = list(scored.overlaps)
             if scored.table is not None:
-                pos, keep = scored.table._locate(scored.rows, keys)
+                pos, keep = scored.table.locate(scored.rows, keys)
                 keys = [k for k, kept in zip(keys, keep.tolist(), strict=True) if kept]
             else:
                 where = {s.key: i for i, s in enumerate(scored.slots)}
@@ -703,21 +618,7 @@ class Scheduler:
                 pos = np.array([i for i, _ in pairs], dtype=np.intp)
                 keys = [k for _, k in pairs]
             hits[pos] = [scored.overlaps[k].total for k in keys]
-        best_hit = hits[meet].max()
-        masked = np.where(meet & (hits >= best_hit), cost, np.inf)
-        return pick_index(masked, 0.0, self.rng), True
-
-    def _booked_shared(self, req: RoutingRequest, slots: Mapping[WorkerKey, Slot]) -> dict[WorkerKey, int]:
-        """Blocks of the request already booked on each rank for other requests."""
-        shared: dict[WorkerKey, int] = {}
-        for key in self.bookings.keys():
-            rank = self.bookings.rank(key)
-            slot = slots.get(key)
-            if rank is None or slot is None:
-                continue
-            hashes = req.hashes.get(slot.block_size, ())
-            shared[key] = sum(1 for h in hashes if h in rank.blocks)
-        return shared
+        return consolidate(cost, meet, hits, self.rng), True
 
     def _select_pinned(
         self, req: RoutingRequest, seq: int, revisions: dict[str, int], pool: WorkerRole, pin: Pin,
@@ -758,13 +659,13 @@ class Scheduler:
         # kept until the first token and the end to feed its calibration.
         params = self._params[req.model]
         pred = predict(slot, params, p, overlap, least_prefill=slot.active_prefill_tokens,
-                       decode_tokens=self.decode_tokens[req.model].value)
-        self._pending[booking_id] = _Pending(
+                       decode_tokens=self.timings.decode_tokens[req.model].value)
+        self.timings.expect(booking_id, Pending(
             slot.instance_id, req.model,
             Prediction(pred.ttft_ms, pred.cost_ms, pred.queued_tokens, float(p - cached), pred.steps,
                        pred.kv_usage, pred.running),
             slot.batch_tokens or 8192,
-        )
+        ))
         self.bookings.book(
             booking_id, slot.key, model=req.model, prefill_tokens=p - cached, hashes=hashes
         )
