@@ -317,6 +317,28 @@ async def worker_totals(fleet: Fleet) -> dict[str, float]:
     return totals
 
 
+async def router_timing(url: str) -> dict[str, Any]:
+    """The router's per-worker timing fits and TTFT prediction errors, from its /metrics."""
+    fits: dict[str, dict[str, float]] = {}
+    async with httpx.AsyncClient() as client:
+        text = (await client.get(url + "/metrics", timeout=5)).text
+    for line in text.splitlines():
+        for name, label in (("rudder_router_timing_coefficient", "coefficient"),
+                            ("rudder_router_ttft_prediction_error_ms", "stat"),
+                            ("rudder_router_calibration_samples", "fit")):
+            if line.startswith(name + "{"):
+                labels = dict(part.split("=", 1) for part in line[len(name) + 1:line.index("}")].split(","))
+                wid = labels["instance_id"].strip('"')
+                key = labels[label].strip('"')
+                key = key if name != "rudder_router_calibration_samples" else f"{key}_samples"
+                key = key if name != "rudder_router_ttft_prediction_error_ms" else f"ttft_error_{key}_ms"
+                fits.setdefault(wid, {})[key] = float(line.rsplit(" ", 1)[1])
+    maes = [f["ttft_error_mae_ms"] for f in fits.values() if "ttft_error_mae_ms" in f]
+    p90s = [f["ttft_error_p90_ms"] for f in fits.values() if "ttft_error_p90_ms" in f]
+    return {"workers": fits, "mean_worker_mae_ms": statistics.fmean(maes) if maes else None,
+            "mean_worker_p90_ms": statistics.fmean(p90s) if p90s else None}
+
+
 async def run_mode(nats_url: str, fleet: Fleet, mode: str, sessions: list[Session],
                    selection: dict[str, float] | None, deadline_s: float, log_dir: Path,
                    nats_pid: int, details: bool = False) -> dict[str, Any]:
@@ -339,6 +361,7 @@ async def run_mode(nats_url: str, fleet: Fleet, mode: str, sessions: list[Sessio
         results, wall = await replay(router.url, sessions, deadline_s=deadline_s)
         cpu = sampler.stop()
         after = await worker_totals(fleet)
+        timing = await router_timing(router.url)
     finally:
         router.stop()
     turns_by_key = {(t.session, t.turn): t for s in sessions for t in s.turns}
@@ -348,6 +371,7 @@ async def run_mode(nats_url: str, fleet: Fleet, mode: str, sessions: list[Sessio
     if details:
         out["details"] = [asdict(r) for r in sorted(results, key=lambda r: r.sent)]
     out["cpu"] = cpu
+    out["timing_fit"] = timing
     out["engine"] = {k: after.get(k, 0.0) - (before.get(k, 0.0) if k != "rudder_mock_kv_cached_blocks" else 0.0)
                      for k in after}
     return out
