@@ -9,13 +9,18 @@ by :mod:`router.calibration`), plus the time its decode costs the requests alrea
     N      = P - hit                                  uncached tokens of this request
     Q      = active prefill tokens ahead (the larger of this router's bookings and the worker's report)
     TTFT   = prefill(Q + N) + steps(Q + N) · decode_step(u)      (decode pass only if it runs requests)
-    slow   = decode_slowdown_weight · running · (decode_step(u + R/K) - decode_step(u)) · L
+    slow   = running · (prefill_interference_weight · (prefill(Q + N) - prefill(Q))
+                      + decode_slowdown_weight · (decode_step(u + R/K) - decode_step(u)) · L)
     cost   = TTFT + slow
 
 ``prefill(x)`` runs ``x`` tokens in engine steps of at most ``max_num_batched_tokens`` (M), each
 costing ``p0 + p1·n + p2·n²`` for its ``n`` tokens; ``steps(x) = ⌈x/M⌉``; ``u`` is the rank's
 active blocks over its KV blocks ``K``; ``R`` the request's blocks (less those already booked
-there); ``L`` the model's expected decode tokens per request (observed). The cache tiers are
+there); ``L`` the model's expected decode tokens per request (observed). ``slow`` is what this
+request costs the requests already running there: its prefill lengthens the steps they decode in,
+and its blocks lengthen every later decode step, for about ``L`` steps. A worker with nothing
+running pays no such cost; one with a long prefill to do for many running requests pays much,
+which is what keeps a session on the worker that holds its cache. The cache tiers are
 credits in the same unit: a block held in a tier removes its tokens (times the tier's weight)
 from the prefill, i.e. it is worth the prefill time it saves on that worker. ``decay`` is the
 block cost's (DESIGN §5): ``1 / (1 + overlap_score_credit_decay · excess / R)``.
@@ -138,9 +143,12 @@ def predict(
     if c.active_requests:
         step = timing.decode_step_ms(u)
         ttft += steps * step
-        if params.decode_slowdown_weight:
+        if params.decode_slowdown_weight or params.prefill_interference_weight:
             grown = timing.decode_step_ms((c.decode_blocks + max(r - booked_shared, 0)) / total)
-            slow = params.decode_slowdown_weight * c.active_requests * max(grown - step, 0.0) * decode_tokens
+            ahead = timing.prefill_ms(q, c.batch_tokens or 8192)[0]
+            slow = c.active_requests * (
+                params.prefill_interference_weight * (prefill - ahead)
+                + params.decode_slowdown_weight * max(grown - step, 0.0) * decode_tokens)
     return Prediction(ttft, ttft + slow, q, n, steps, u, c.active_requests)
 
 
@@ -162,6 +170,7 @@ def time_costs(
     host_w, disk_w = params.host_cache_hit_weight, params.disk_cache_hit_weight
     shared_w = params.shared_cache_multiplier
     slow_w = params.decode_slowdown_weight
+    inter_w = params.prefill_interference_weight
     least_prefill = min(c.active_prefill_tokens for c in candidates) if decay_w else 0
     ov_get = overlaps.get
     rb_get = request_blocks.get if request_blocks else None
@@ -185,16 +194,18 @@ def time_costs(
             limit = (p - 1) // b if p > 0 else 0
             x = q + p - (credit if credit < limit else limit) * b
         m = c.batch_tokens or 8192
+        step_full = max(t.p0 + t.p1 * m + t.p2 * m * m, 0.0)
         if x <= 0:
             ttft, steps = 0.0, 0
         else:
             full = int(x // m)
             rem = x - full * m
-            ttft = full * max(t.p0 + t.p1 * m + t.p2 * m * m, 0.0) if full else 0.0
+            ttft = full * step_full if full else 0.0
             if rem > 0:
                 ttft += max(t.p0 + t.p1 * rem + t.p2 * rem * rem, 0.0)
                 full += 1
             steps = full
+        prefill = ttft
         cost = ttft
         if c.active_requests:
             total = c.kv_total_blocks or 1
@@ -206,7 +217,7 @@ def time_costs(
                 step = t.decode_min_ms
             ttft += steps * step
             cost = ttft
-            if slow_w:
+            if slow_w or inter_w:
                 shared = bs_get(c.key, 0) if bs_get is not None else 0
                 v = (c.decode_blocks + (r - shared if r > shared else 0)) / total
                 if v > 1.0:
@@ -214,8 +225,17 @@ def time_costs(
                 grown = t.d0 + t.d1 * v + t.d2 * v * v
                 if grown < t.decode_min_ms:
                     grown = t.decode_min_ms
+                ahead = 0.0
+                if q > 0:
+                    qf = int(q // m)
+                    qr = q - qf * m
+                    ahead = qf * step_full if qf else 0.0
+                    if qr > 0:
+                        ahead += max(t.p0 + t.p1 * qr + t.p2 * qr * qr, 0.0)
+                extra = inter_w * (prefill - ahead)
                 if grown > step:
-                    cost = ttft + slow_w * c.active_requests * (grown - step) * decode_tokens
+                    extra += slow_w * (grown - step) * decode_tokens
+                cost = ttft + c.active_requests * extra
         costs.append(cost)
         ttfts.append(ttft)
     return costs, ttfts

@@ -303,19 +303,22 @@ class LoadTable(dict[WorkerKey, C]):
         full = np.floor_divide(x, budget)
         rem = x - full * budget
         has_rem = rem > 0
-        ttft = full * np.maximum(p0 + p1 * budget + p2 * budget * budget, 0.0)
+        step_full = np.maximum(p0 + p1 * budget + p2 * budget * budget, 0.0)
+        ttft = full * step_full
         ttft = ttft + np.where(has_rem, np.maximum(p0 + p1 * rem + p2 * rem * rem, 0.0), 0.0)
         steps = full + has_rem
         positive = x > 0
         ttft = np.where(positive, ttft, 0.0)
         steps = np.where(positive, steps, 0.0)
+        prefill = ttft
         active = requests > 0
         u = np.minimum(decode / kv, 1.0)
         step = np.maximum(d0 + d1 * u + d2 * u * u, dmin)
         ttft = ttft + np.where(active, steps * step, 0.0)
         cost = ttft
         slow_w = params.decode_slowdown_weight
-        if slow_w and bool(active.any()):
+        inter_w = params.prefill_interference_weight
+        if (slow_w or inter_w) and bool(active.any()):
             if request_blocks and len(request_blocks) == 1:
                 (only,) = request_blocks.values()
                 r_all: Any = np.full(m_rows, only, dtype=np.int64)
@@ -333,8 +336,12 @@ class LoadTable(dict[WorkerKey, C]):
                     r_all[spos] = r_all[spos] - vals
             v = np.minimum((decode + np.maximum(r_all, 0)) / kv, 1.0)
             grown = np.maximum(d0 + d1 * v + d2 * v * v, dmin)
-            extra = slow_w * requests * (grown - step) * decode_tokens
-            cost = ttft + np.where(active & (grown > step), extra, 0.0)
+            af = a.astype(np.float64)
+            qfull = np.floor_divide(af, budget)
+            qrem = af - qfull * budget
+            ahead = qfull * step_full + np.where(qrem > 0, np.maximum(p0 + p1 * qrem + p2 * qrem * qrem, 0.0), 0.0)
+            extra = inter_w * (prefill - ahead) + np.where(grown > step, slow_w * (grown - step) * decode_tokens, 0.0)
+            cost = ttft + np.where(active, requests * extra, 0.0)
         return cost, ttft
 
     def locate(self, rows: Rows | None, keys: list[WorkerKey]) -> tuple[Rows, npt.NDArray[np.bool_]]:

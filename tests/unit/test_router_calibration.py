@@ -122,7 +122,7 @@ def cand(wid: int, *, prefill: int = 0, blocks: int = 0, requests: int = 0, timi
 
 
 def test_time_cost_is_the_engine_time_to_first_token() -> None:
-    params = SelectionParams(decode_slowdown_weight=0.0)
+    params = SelectionParams(decode_slowdown_weight=0.0, prefill_interference_weight=0.0)
     idle, busy = cand(1), cand(2, prefill=8192, blocks=1000, requests=3)
     cost, ttft = time_costs([idle, busy], params, 4096, overlaps={})
     assert ttft[0] == pytest.approx(DEFAULT_TIMING.prefill_step_ms(4096))
@@ -134,7 +134,7 @@ def test_time_cost_is_the_engine_time_to_first_token() -> None:
 
 
 def test_cache_credit_is_prefill_time_saved_and_tiers_weigh() -> None:
-    params = SelectionParams(decode_slowdown_weight=0.0)
+    params = SelectionParams(decode_slowdown_weight=0.0, prefill_interference_weight=0.0)
     c = cand(1)
     cost, _ = time_costs([c, cand(2), cand(3)], params, 4096, overlaps={
         (1, 0): Overlap(device=40), (3, 0): Overlap(host=40)})
@@ -153,7 +153,7 @@ def test_a_slower_worker_costs_more_for_the_same_work() -> None:
 
 
 def test_decode_slowdown_counts_running_requests() -> None:
-    params = SelectionParams(decode_slowdown_weight=1.0)
+    params = SelectionParams(decode_slowdown_weight=1.0, prefill_interference_weight=0.0)
     lone, crowded = cand(1, blocks=500, requests=1), cand(2, blocks=500, requests=20)
     cost, ttft = time_costs([lone, crowded], params, 4096, overlaps={}, decode_tokens=32)
     assert ttft[0] == ttft[1]
@@ -172,3 +172,16 @@ def test_predict_matches_the_loop() -> None:
     for c, want_cost, want_ttft in zip(cands, cost, ttft, strict=True):
         pred = predict(c, params, 5000, overlaps.get(c.key, NO_OVERLAP), least_prefill=least, decode_tokens=20)
         assert pred.cost_ms == pytest.approx(want_cost) and pred.ttft_ms == pytest.approx(want_ttft)
+
+
+def test_prefill_interference_is_the_running_requests_delay() -> None:
+    """Its prefill lengthens the steps the running requests decode in: r · (prefill(Q+N) - prefill(Q))."""
+    params = SelectionParams(decode_slowdown_weight=0.0, prefill_interference_weight=1.0)
+    busy = cand(1, prefill=3000, blocks=500, requests=4)
+    cost, ttft = time_costs([busy, cand(2)], params, 4096, overlaps={})
+    own = DEFAULT_TIMING.prefill_ms(7096, 8192)[0] - DEFAULT_TIMING.prefill_ms(3000, 8192)[0]
+    assert cost[0] - ttft[0] == pytest.approx(4 * own)
+    assert cost[1] == ttft[1]  # nothing running there: nobody to delay
+    # A cached prefix makes the interference small: the session stays where its cache is.
+    cached, _ = time_costs([busy], params, 4096, overlaps={(1, 0): Overlap(device=60)})
+    assert cached[0] < cost[0] / 2
