@@ -57,7 +57,7 @@ class SelectionParams:
     decode_active_request_weight: float = 0.0
     router_temperature: float = 0.0
     # The time cost's (router.cost) and its calibration's (router.calibration).
-    decode_slowdown_weight: float = 1.0
+    decode_slowdown_weight: float = 0.0
     prefill_interference_weight: float = 1.0
     calibration_window: int = 256
     calibration_min_samples: int = 16

@@ -47,8 +47,9 @@ class RoutingMode(enum.StrEnum):
         return self if self.kv_aware else None
 
 
-# What plain ``kv`` means (decided by bench/routing_quality.py, docs/benchmarks.md).
-DEFAULT_KV_COST = RoutingMode.KV_BLOCKS
+# What plain ``kv`` means: the predicted-time cost, which beat the block cost at startup values on
+# every scenario of bench/routing_quality.py (docs/benchmarks.md, "Predicted-time cost").
+DEFAULT_KV_COST = RoutingMode.KV_TIME
 
 
 def new_router_id() -> str:
