@@ -177,65 +177,84 @@ def time_costs(
     bs_get = booked_shared.get if booked_shared else None
     costs: list[float] = []
     ttfts: list[float] = []
+    limit = (p - 1) // 1 if p > 0 else 0
     for c in candidates:
         t = c.timing or DEFAULT_TIMING
+        m = c.batch_tokens or 8192
+        co = c.coef
+        if co is None or c.coef_of is not t:
+            co = c.coef = (t.p0, t.p1, t.p2, t.prefill_step_ms(m), t.d0, t.d1, t.d2, t.decode_min_ms)
+            c.coef_of = t
+        p0, p1, p2, step_full, d0, d1, d2, dmin = co
         b = c.block_size
-        r = rb_get(b, -(-p // b)) if rb_get is not None else -(-p // b)
-        ov = ov_get(c.key, NO_OVERLAP)
         q = c.active_prefill_tokens
+        ov = ov_get(c.key, NO_OVERLAP)
         if ov is NO_OVERLAP:
             x = float(q + p)
         else:
+            r = rb_get(b, -(-p // b)) if rb_get is not None else -(-p // b)
             decay = 1.0
             if decay_w:
-                decay = 1.0 / (1.0 + decay_w * ((q - least_prefill) / b) / max(1, r))
+                decay = 1.0 / (1.0 + decay_w * ((q - least_prefill) / b) / (r if r > 1 else 1))
             credit = (credit_w * decay * ov.device + host_w * ov.host + disk_w * ov.disk
                       + shared_w * ov.shared)
-            limit = (p - 1) // b if p > 0 else 0
-            x = q + p - (credit if credit < limit else limit) * b
-        m = c.batch_tokens or 8192
-        step_full = max(t.p0 + t.p1 * m + t.p2 * m * m, 0.0)
+            cap = limit // b
+            x = q + p - (credit if credit < cap else cap) * b
         if x <= 0:
-            ttft, steps = 0.0, 0
+            prefill, steps = 0.0, 0
+        elif x <= m:
+            part = p0 + x * (p1 + p2 * x)
+            prefill, steps = (part if part > 0.0 else 0.0), 1
         else:
             full = int(x // m)
             rem = x - full * m
-            ttft = full * step_full if full else 0.0
-            if rem > 0:
-                ttft += max(t.p0 + t.p1 * rem + t.p2 * rem * rem, 0.0)
-                full += 1
+            prefill = full * step_full
             steps = full
-        prefill = ttft
-        cost = ttft
-        if c.active_requests:
+            if rem > 0:
+                part = p0 + rem * (p1 + p2 * rem)
+                prefill += part if part > 0.0 else 0.0
+                steps += 1
+        ttft = prefill
+        cost = prefill
+        n_req = c.active_requests
+        if n_req:
             total = c.kv_total_blocks or 1
             u = c.decode_blocks / total
             if u > 1.0:
                 u = 1.0
-            step = t.d0 + t.d1 * u + t.d2 * u * u
-            if step < t.decode_min_ms:
-                step = t.decode_min_ms
-            ttft += steps * step
+            step = d0 + u * (d1 + d2 * u)
+            if step < dmin:
+                step = dmin
+            ttft = prefill + steps * step
             cost = ttft
-            if slow_w or inter_w:
-                shared = bs_get(c.key, 0) if bs_get is not None else 0
-                v = (c.decode_blocks + (r - shared if r > shared else 0)) / total
-                if v > 1.0:
-                    v = 1.0
-                grown = t.d0 + t.d1 * v + t.d2 * v * v
-                if grown < t.decode_min_ms:
-                    grown = t.decode_min_ms
-                ahead = 0.0
-                if q > 0:
-                    qf = int(q // m)
-                    qr = q - qf * m
-                    ahead = qf * step_full if qf else 0.0
-                    if qr > 0:
-                        ahead += max(t.p0 + t.p1 * qr + t.p2 * qr * qr, 0.0)
-                extra = inter_w * (prefill - ahead)
-                if grown > step:
-                    extra += slow_w * (grown - step) * decode_tokens
-                cost = ttft + c.active_requests * extra
+            if inter_w or slow_w:
+                extra = 0.0
+                if inter_w:
+                    ahead = 0.0
+                    if q > 0:
+                        if q <= m:
+                            part = p0 + q * (p1 + p2 * q)
+                            ahead = part if part > 0.0 else 0.0
+                        else:
+                            qf = int(q // m)
+                            qr = q - qf * m
+                            ahead = qf * step_full
+                            if qr > 0:
+                                part = p0 + qr * (p1 + p2 * qr)
+                                ahead += part if part > 0.0 else 0.0
+                    extra = inter_w * (prefill - ahead)
+                if slow_w:
+                    r = rb_get(b, -(-p // b)) if rb_get is not None else -(-p // b)
+                    shared = bs_get(c.key, 0) if bs_get is not None else 0
+                    v = (c.decode_blocks + (r - shared if r > shared else 0)) / total
+                    if v > 1.0:
+                        v = 1.0
+                    grown = d0 + v * (d1 + d2 * v)
+                    if grown < dmin:
+                        grown = dmin
+                    if grown > step:
+                        extra += slow_w * (grown - step) * decode_tokens
+                cost = ttft + n_req * extra
         costs.append(cost)
         ttfts.append(ttft)
     return costs, ttfts

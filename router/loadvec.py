@@ -73,7 +73,7 @@ class LoadTable(dict[WorkerKey, C]):
         self._instance = np.zeros(cap, dtype=np.uint64)
         self._ok = np.zeros(cap, dtype=np.bool_)
         # The time cost's (router.cost): KV blocks, step budget, timing coefficients per row.
-        self._timing = np.zeros((cap, 9), dtype=np.float64)
+        self._timing = np.zeros((cap, 12), dtype=np.float64)
 
     def _columns(self) -> tuple[npt.NDArray[Any], ...]:
         return (self._block, self._prefill, self._decode, self._requests, self._instance, self._ok,
@@ -182,9 +182,14 @@ class LoadTable(dict[WorkerKey, C]):
         self._decode[row] = cand.decode_blocks
         self._requests[row] = cand.active_requests
         self._ok[row] = self._eligible(cand)
+        # The time cost's figures that depend on this row alone, computed when it changes rather
+        # than at every selection: a full step's prefill, the prefill queued ahead, the decode step.
         t = cand.timing or DEFAULT_TIMING
-        self._timing[row] = (cand.kv_total_blocks or 1, cand.batch_tokens or 8192,
-                             t.p0, t.p1, t.p2, t.d0, t.d1, t.d2, t.decode_min_ms)
+        kv = cand.kv_total_blocks or 1
+        budget = cand.batch_tokens or 8192
+        self._timing[row] = (kv, budget, t.p0, t.p1, t.p2, t.d0, t.d1, t.d2, t.decode_min_ms,
+                             t.prefill_step_ms(budget), t.prefill_ms(cand.active_prefill_tokens, budget)[0],
+                             t.decode_step_ms(cand.decode_blocks / kv) if cand.active_requests else 0.0)
 
     # -- selection -----------------------------------------------------------------------------
 
@@ -284,7 +289,8 @@ class LoadTable(dict[WorkerKey, C]):
         a, decode, requests = self._prefill[sel], self._decode[sel], self._requests[sel]
         t = self._timing[sel]
         kv, budget = t[:, 0], t[:, 1]
-        p0, p1, p2, d0, d1, d2, dmin = (t[:, i] for i in range(2, 9))
+        p0, p1, p2 = t[:, 2], t[:, 3], t[:, 4]
+        step_full, ahead, step = t[:, 9], t[:, 10], t[:, 11]
         p = prompt_tokens
         x: Floats = (a + p).astype(np.float64)
         if overlaps:
@@ -302,46 +308,42 @@ class LoadTable(dict[WorkerKey, C]):
                 x[pos] = x[pos] - np.minimum(credit, limit) * bp
         full = np.floor_divide(x, budget)
         rem = x - full * budget
+        # x > 0 always for a prompt of ≥ 1 token (the last one is never a hit); rem = 0 adds
+        # max(p0, 0) · 0 below only when p0 ≤ 0, so the where on rem > 0 is kept.
+        part = np.maximum(p0 + rem * (p1 + p2 * rem), 0.0)
         has_rem = rem > 0
-        step_full = np.maximum(p0 + p1 * budget + p2 * budget * budget, 0.0)
-        ttft = full * step_full
-        ttft = ttft + np.where(has_rem, np.maximum(p0 + p1 * rem + p2 * rem * rem, 0.0), 0.0)
+        prefill = full * step_full + np.where(has_rem, part, 0.0)
         steps = full + has_rem
-        positive = x > 0
-        ttft = np.where(positive, ttft, 0.0)
-        steps = np.where(positive, steps, 0.0)
-        prefill = ttft
-        active = requests > 0
-        u = np.minimum(decode / kv, 1.0)
-        step = np.maximum(d0 + d1 * u + d2 * u * u, dmin)
-        ttft = ttft + np.where(active, steps * step, 0.0)
+        ttft = prefill + steps * step  # step is 0 on a rank that runs nothing
         cost = ttft
         slow_w = params.decode_slowdown_weight
         inter_w = params.prefill_interference_weight
-        if (slow_w or inter_w) and bool(active.any()):
-            if request_blocks and len(request_blocks) == 1:
-                (only,) = request_blocks.values()
-                r_all: Any = np.full(m_rows, only, dtype=np.int64)
-            else:
-                r_all = -(-p // b)
-                if request_blocks:
-                    for size, count in request_blocks.items():
-                        r_all = np.where(b == size, count, r_all)
-            if booked_shared:
-                items = [(k, v) for k, v in booked_shared.items() if v]
-                if items:
-                    spos, keep = self.locate(rows, [k for k, _ in items])
-                    vals = np.array([v for _, v in items], dtype=np.int64)[keep]
-                    r_all = r_all.copy()
-                    r_all[spos] = r_all[spos] - vals
-            v = np.minimum((decode + np.maximum(r_all, 0)) / kv, 1.0)
-            grown = np.maximum(d0 + d1 * v + d2 * v * v, dmin)
-            af = a.astype(np.float64)
-            qfull = np.floor_divide(af, budget)
-            qrem = af - qfull * budget
-            ahead = qfull * step_full + np.where(qrem > 0, np.maximum(p0 + p1 * qrem + p2 * qrem * qrem, 0.0), 0.0)
-            extra = inter_w * (prefill - ahead) + np.where(grown > step, slow_w * (grown - step) * decode_tokens, 0.0)
-            cost = ttft + np.where(active, requests * extra, 0.0)
+        if inter_w or slow_w:
+            active = requests > 0
+            if not bool(active.any()):
+                return cost, ttft
+            extra = inter_w * (prefill - ahead) if inter_w else np.zeros(m_rows)
+            if slow_w:
+                d0, d1, d2, dmin = t[:, 5], t[:, 6], t[:, 7], t[:, 8]
+                if request_blocks and len(request_blocks) == 1:
+                    (only,) = request_blocks.values()
+                    r_all: Any = np.full(m_rows, only, dtype=np.int64)
+                else:
+                    r_all = -(-p // b)
+                    if request_blocks:
+                        for size, count in request_blocks.items():
+                            r_all = np.where(b == size, count, r_all)
+                if booked_shared:
+                    items = [(k, v) for k, v in booked_shared.items() if v]
+                    if items:
+                        spos, keep = self.locate(rows, [k for k, _ in items])
+                        vals = np.array([v for _, v in items], dtype=np.int64)[keep]
+                        r_all = r_all.copy()
+                        r_all[spos] = r_all[spos] - vals
+                v = np.minimum((decode + np.maximum(r_all, 0)) / kv, 1.0)
+                grown = np.maximum(d0 + d1 * v + d2 * v * v, dmin)
+                extra = extra + np.where(grown > step, slow_w * (grown - step) * decode_tokens, 0.0)
+            cost = ttft + requests * extra  # requests = 0: no one to slow down
         return cost, ttft
 
     def locate(self, rows: Rows | None, keys: list[WorkerKey]) -> tuple[Rows, npt.NDArray[np.bool_]]:
