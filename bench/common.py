@@ -194,6 +194,8 @@ class Fleet:
     mock: dict[str, Any] = field(default_factory=dict)
     log_dir: Path | None = None
     launcher: str = "cli"
+    # Per-worker overrides of ``mock`` (a heterogeneous pool), by worker index; shorter = no override.
+    per_worker: list[dict[str, Any]] = field(default_factory=list)
     ports: list[int] = field(default_factory=list)
     procs: list[subprocess.Popen[bytes]] = field(default_factory=list)
 
@@ -205,8 +207,9 @@ class Fleet:
         self.ports = [free_port() for _ in range(self.n)]
         for i, port in enumerate(self.ports):
             log = self.log_dir / f"worker{i}.log" if self.log_dir else None
+            mock = {**self.mock, **(self.per_worker[i] if i < len(self.per_worker) else {})}
             self.procs.append(spawn(serve_command("worker", self.launcher),
-                                    worker_env(self.bus, self.model, port, **self.mock), log=log))
+                                    worker_env(self.bus, self.model, port, **mock), log=log))
         for url in self.urls:
             await wait_until(url + "/health")
 

@@ -2,7 +2,10 @@
 
 A synthetic trace of multi-turn chat sessions is replayed through one router over 8 mock workers
 (separate ``python -m worker`` processes, default timing model, one ``speedup_ratio`` for every
-mode) under ``kv``, ``round_robin``, ``random`` and ``least_loaded``:
+mode) under ``kv-time`` (predicted-time cost), ``kv-blocks`` (block cost; also with
+``prefill_load_scale = 10`` for reference), ``round_robin``, ``random`` and ``least_loaded``, every
+router at its startup values. A third run replays the loaded trace over a heterogeneous pool (half
+the workers at half the speed-up ratio, i.e. twice as slow):
 
 - sessions are split into groups sharing a system prompt; a session's first turn carries a
   private document of a few thousand tokens; every later turn carries all earlier turns plus the
@@ -55,11 +58,15 @@ from worker.engines.mock.scheduler import output_token
 MODEL = "bench-rq"
 BLOCK = 64  # the mock engine's default block size
 _ROUTER_LOGS = itertools.count()
-# The kv router with its startup defaults, and with the one override this bench found to matter
-# on the mock's timing model (see docs/benchmarks.md): prefill blocks weigh 10x a decode block.
-KV_TUNED = 'kv:{"prefill_load_scale":10}'
-MODES = ("kv", KV_TUNED, "round_robin", "random", "least_loaded")
-IDLE_MODES = ("kv", KV_TUNED, "round_robin")
+# Every mode at the router's startup values: the predicted-time cost (kv-time), the block cost
+# (kv-blocks), and for reference the block cost with the one override an earlier run of this bench
+# found to matter on the mock's timing model (docs/benchmarks.md): prefill blocks weigh 10x.
+KV_TUNED = 'kv-blocks:{"prefill_load_scale":10}'
+MODES = ("kv-time", "kv-blocks", KV_TUNED, "round_robin", "random", "least_loaded")
+IDLE_MODES = ("kv-time", "kv-blocks", KV_TUNED, "round_robin")
+# The heterogeneous pool: half the workers at half the speed-up ratio (twice as slow).
+HETERO_MODES = ("kv-time", "kv-blocks", "least_loaded")
+KV_MODES = ("kv", "kv-time", "kv-blocks")
 WORDS = ("alpha bravo charlie delta echo foxtrot golf hotel india juliet kilo lima mike november "
          "oscar papa quebec romeo sierra tango uniform victor whiskey xray yankee zulu the of and "
          "to in is that for it as with was on be by this are from or at an which but not have "
@@ -308,17 +315,39 @@ async def worker_totals(fleet: Fleet) -> dict[str, float]:
     return totals
 
 
+async def router_timing(url: str) -> dict[str, Any]:
+    """The router's per-worker timing fits and TTFT prediction errors, from its /metrics."""
+    fits: dict[str, dict[str, float]] = {}
+    async with httpx.AsyncClient() as client:
+        text = (await client.get(url + "/metrics", timeout=5)).text
+    for line in text.splitlines():
+        for name, label in (("rudder_router_timing_coefficient", "coefficient"),
+                            ("rudder_router_ttft_prediction_error_ms", "stat"),
+                            ("rudder_router_calibration_samples", "fit")):
+            if line.startswith(name + "{"):
+                labels = dict(part.split("=", 1) for part in line[len(name) + 1:line.index("}")].split(","))
+                wid = labels["instance_id"].strip('"')
+                key = labels[label].strip('"')
+                key = key if name != "rudder_router_calibration_samples" else f"{key}_samples"
+                key = key if name != "rudder_router_ttft_prediction_error_ms" else f"ttft_error_{key}_ms"
+                fits.setdefault(wid, {})[key] = float(line.rsplit(" ", 1)[1])
+    maes = [f["ttft_error_mae_ms"] for f in fits.values() if "ttft_error_mae_ms" in f]
+    p90s = [f["ttft_error_p90_ms"] for f in fits.values() if "ttft_error_p90_ms" in f]
+    return {"workers": fits, "mean_worker_mae_ms": statistics.fmean(maes) if maes else None,
+            "mean_worker_p90_ms": statistics.fmean(p90s) if p90s else None}
+
+
 async def run_mode(bus: LocalBus, fleet: Fleet, mode: str, sessions: list[Session],
                    selection: dict[str, float] | None, deadline_s: float, log_dir: Path,
                    nats_pid: int, details: bool = False) -> dict[str, Any]:
     await fleet.reset_caches()
     label = mode
-    if ":" in mode:  # "kv:{json}": a kv variant with its own selection overrides
+    if ":" in mode:  # "kv-blocks:{json}": a kv variant with its own selection overrides
         mode, raw = mode.split(":", 1)
         selection = json.loads(raw)
     kv_events = mode != "kv-approx"  # approximate mode: the router indexes its own decisions
     mode = "kv" if mode == "kv-approx" else mode
-    router = Router(bus, MODEL, mode=mode, selection=selection if mode == "kv" else None,
+    router = Router(bus, MODEL, mode=mode, selection=selection if mode in KV_MODES else None,
                     kv_events=kv_events, log=log_dir / f"router-{next(_ROUTER_LOGS)}-{mode}.log",
                     launcher=fleet.launcher)
     try:
@@ -330,15 +359,17 @@ async def run_mode(bus: LocalBus, fleet: Fleet, mode: str, sessions: list[Sessio
         results, wall = await replay(router.url, sessions, deadline_s=deadline_s)
         cpu = sampler.stop()
         after = await worker_totals(fleet)
+        timing = await router_timing(router.url)
     finally:
         router.stop()
     turns_by_key = {(t.session, t.turn): t for s in sessions for t in s.turns}
     out = summarize(results, wall, turns_by_key)
     out["mode"] = label
-    out["selection_overrides"] = (selection or {}) if mode == "kv" else {}
+    out["selection_overrides"] = (selection or {}) if mode in KV_MODES else {}
     if details:
         out["details"] = [asdict(r) for r in sorted(results, key=lambda r: r.sent)]
     out["cpu"] = cpu
+    out["timing_fit"] = timing
     out["engine"] = {k: after.get(k, 0.0) - (before.get(k, 0.0) if k != "rudder_mock_kv_cached_blocks" else 0.0)
                      for k in after}
     return out
@@ -383,9 +414,12 @@ async def main(args: argparse.Namespace) -> None:
                        think_s=1.0, seed=args.seed + 1)
     selection = json.loads(args.selection) if args.selection else None
     mock = {"speedup_ratio": args.speedup}
+    slow = [{"speedup_ratio": args.speedup / 2}] * (args.workers // 2)
+    hetero_speedups = [args.speedup] * (args.workers - len(slow)) + [args.speedup / 2] * len(slow)
     out: dict[str, Any] = {
         "benchmark": "routing_quality", **machine(),
         "workers": args.workers, "launcher": args.launcher, "speedup_ratio": args.speedup,
+        "heterogeneous_speedup_ratios": hetero_speedups,
         "kv_selection_overrides": selection or {},
         "note": ("TTFT = client send -> first chunk with content; cached = usage.prompt_tokens_details."
                  "cached_tokens; oracle = unlimited cache of every earlier request, whole blocks, "
@@ -397,19 +431,30 @@ async def main(args: argparse.Namespace) -> None:
         log_dir.mkdir(parents=True, exist_ok=True)
         server = LocalBus(Path(tmp))
         server.start()
-        fleet = Fleet(server, MODEL, args.workers, mock=mock, log_dir=log_dir, launcher=args.launcher)
+        fleet: Fleet | None = None
+        scenarios = [
+            ("loaded", loaded, split_modes(args.modes), []),
+            ("idle", idle, split_modes(args.idle_modes), []),
+            ("heterogeneous", loaded, split_modes(args.hetero_modes), [{}] * (args.workers - len(slow)) + slow),
+        ]
         try:
-            await fleet.start()
             assert server.server.proc is not None
-            for label, cfg, modes in (("loaded", loaded, split_modes(args.modes)),
-                                      ("idle", idle, split_modes(args.idle_modes))):
+            for label, cfg, modes, per_worker in scenarios:
                 if cfg.sessions <= 0 or not modes:
                     continue
+                if fleet is None or fleet.per_worker != per_worker:
+                    if fleet is not None:
+                        fleet.stop()
+                        await asyncio.sleep(3)  # stopped workers leave (SIGTERM → leave event)
+                    fleet = Fleet(server, MODEL, args.workers, mock=mock, log_dir=log_dir,
+                                  launcher=args.launcher, per_worker=per_worker)
+                    await fleet.start()
                 sessions = build_trace(cfg)
                 trace_oracle = oracle(planned_order(sessions))
                 n_req = sum(len(s.turns) for s in sessions)
+                speeds = ", ".join(f"{x:g}" for x in hetero_speedups) if per_worker else f"{args.speedup:g}"
                 print(f"{label}: {cfg.sessions} sessions, {n_req} requests, "
-                      f"{cfg.session_rate} sessions/s, speedup_ratio {args.speedup}", flush=True)
+                      f"{cfg.session_rate} sessions/s, speedup_ratio {speeds}", flush=True)
                 rows = []
                 for mode in modes:
                     row = await run_mode(server, fleet, mode, sessions, selection,
@@ -421,9 +466,11 @@ async def main(args: argparse.Namespace) -> None:
                 print_table(f"{label} ({n_req} requests over {args.workers} workers)", rows,
                             trace_oracle["fraction"])
                 out["runs"].append({"load": label, "trace": asdict(cfg), "requests": n_req,
+                                    "speedup_ratios": hetero_speedups if per_worker else [args.speedup] * args.workers,
                                     "oracle": trace_oracle, "modes": rows})
         finally:
-            fleet.stop()
+            if fleet is not None:
+                fleet.stop()
             server.stop()
     path = write_result(args.output, out)
     print(f"\nwrote {path}")
@@ -441,11 +488,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--idle-sessions", type=int, default=12, help="0 skips the low-load run")
     p.add_argument("--idle-modes", default=",".join(IDLE_MODES))
     p.add_argument("--idle-session-rate", type=float, default=0.4)
+    p.add_argument("--hetero-modes", default=",".join(HETERO_MODES),
+                   help="modes of the heterogeneous-pool run (half the workers twice as slow); '' skips it")
     p.add_argument("--modes", default=",".join(MODES),
-                   help='comma-separated; a kv variant may carry its own overrides: kv:{"prefill_load_scale":4}; '
+                   help='comma-separated; a kv variant may carry its own overrides: '
+                        'kv-blocks:{"prefill_load_scale":4}; '
                         'kv-approx[:{...}] = kv without KV events (RUDDER_KV_EVENTS=false)')
     p.add_argument("--selection", default="",
-                   help='startup selection overrides for plain "kv" entries, JSON (RUDDER_SELECTION)')
+                   help='startup selection overrides for plain kv, kv-time, kv-blocks entries, JSON (RUDDER_SELECTION)')
     p.add_argument("--deadline", type=float, default=150.0, help="no new turn after this many seconds")
     p.add_argument("--seed", type=int, default=7)
     p.add_argument("--output", default="routing_quality", help="name of the JSON in bench/results/")

@@ -1,7 +1,9 @@
 """Selection time of the router's scheduler at 8..4096 workers (DESIGN §5; issue 3 "Speed").
 
-Measures the scheduler's handling of one ``SelectWorker`` (prefix-index overlap query, cost of every
-candidate, pick, booking) with a populated index, 4096-token prompts and 64-token blocks, at router
+Measures, for the block cost (``kv-blocks``) and the predicted-time cost (``kv-time``), the
+scheduler's handling of one ``SelectWorker`` (prefix-index overlap query, cost of every
+candidate, pick, booking, the chosen worker's TTFT prediction) with a populated index, 4096-token
+prompts and 64-token blocks, at router
 temperature 0 and 0.7. Hashing the prompt (done on the HTTP side, outside the actor) is measured
 separately. No network: the pure core is driven through the actor's dispatch directly.
 
@@ -22,6 +24,7 @@ import sys
 import time
 from datetime import UTC, datetime
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -64,12 +67,13 @@ def pct(values: list[float], q: float) -> float:
     return values[min(len(values) - 1, int(q * len(values)))]
 
 
-def build(n_workers: int, temperature: float, rng: random.Random) -> tuple[Scheduler, list[list[int]]]:
+def build(n_workers: int, temperature: float, rng: random.Random,
+          mode: RoutingMode = RoutingMode.KV_BLOCKS) -> tuple[Scheduler, list[list[int]]]:
     now = datetime.now(UTC)
     startup = {k: startup_values(k) for k in PolicyKind}
     startup[PolicyKind.SELECTION]["router_temperature"] = temperature
     s = Scheduler(
-        router_id="bench", models=[MODEL], role=RouterRole.AGGREGATED, mode=RoutingMode.KV,
+        router_id="bench", models=[MODEL], role=RouterRole.AGGREGATED, mode=mode,
         kv_events=True, cache_inputs=ALL_CACHE_INPUTS, startup=startup, worker_ttl_s=1e9,
         worker_stale_s=1e9, wall=lambda: now, rng=rng,
         keyring=Keyring({}),  # selections only: no policy event is applied here
@@ -91,9 +95,10 @@ def build(n_workers: int, temperature: float, rng: random.Random) -> tuple[Sched
     return s, prefixes
 
 
-def run_case(n_workers: int, temperature: float, iters: int) -> dict[str, float]:
+def run_case(n_workers: int, temperature: float, iters: int,
+             mode: RoutingMode = RoutingMode.KV_BLOCKS) -> dict[str, Any]:
     rng = random.Random(n_workers * 10 + int(temperature * 10))
-    s, prefixes = build(n_workers, temperature, rng)
+    s, prefixes = build(n_workers, temperature, rng, mode)
     times: list[float] = []
     hash_times: list[float] = []
     for i in range(iters):
@@ -110,7 +115,7 @@ def run_case(n_workers: int, temperature: float, iters: int) -> dict[str, float]
         times.append(time.perf_counter() - t2)
         s._dispatch(RequestDone(f"r{i}"))
     return {
-        "workers": n_workers, "temperature": temperature, "iterations": iters,
+        "mode": mode.value, "workers": n_workers, "temperature": temperature, "iterations": iters,
         "path": "numpy" if n_workers >= VECTOR_MIN_CANDIDATES else "loop",
         "select_p50_us": pct(times, 0.5) * 1e6, "select_p99_us": pct(times, 0.99) * 1e6,
         "select_mean_us": statistics.fmean(times) * 1e6,
@@ -121,13 +126,15 @@ def run_case(n_workers: int, temperature: float, iters: int) -> dict[str, float]
 
 def main() -> None:
     cases = []
-    for n, iters in ((8, 3000), (64, 3000), (512, 1500), (4096, 400)):
-        for t in (0.0, 0.7):
-            cases.append(run_case(n, t, iters))
-    print(f"{'workers':>8} {'T':>4} {'path':>6} {'p50 µs':>9} {'p99 µs':>9} {'hash p50 µs':>12} "
-          f"{'hash p99 µs':>12} {'blocks':>8}")
+    for mode in (RoutingMode.KV_BLOCKS, RoutingMode.KV_TIME):
+        for n, iters in ((8, 3000), (64, 3000), (512, 1500), (4096, 400)):
+            for t in (0.0, 0.7):
+                cases.append(run_case(n, t, iters, mode))
+    print(f"{'mode':>10} {'workers':>8} {'T':>4} {'path':>6} {'p50 µs':>9} {'p99 µs':>9} "
+          f"{'hash p50 µs':>12} {'hash p99 µs':>12} {'blocks':>8}")
     for c in cases:
-        print(f"{c['workers']:>8} {c['temperature']:>4} {c['path']:>6} {c['select_p50_us']:>9.1f} "
+        print(f"{c['mode']:>10} {c['workers']:>8} {c['temperature']:>4} {c['path']:>6} "
+              f"{c['select_p50_us']:>9.1f} "
               f"{c['select_p99_us']:>9.1f} {c['hash_p50_us']:>12.1f} {c['hash_p99_us']:>12.1f} "
               f"{c['index_blocks']:>8}")
     out = {

@@ -75,9 +75,43 @@ def routers_list() -> None:
                              "yes" if (applied or 0) >= head else "NO", nack))
         if rows:
             show(table(["router", "document", "applied", "head", "on head", "last nack"], rows))
+        fits = calibration_rows(routers)
+        if fits:
+            show(table(["router", "model", "worker", "timing", "prefill ms per step", "samples",
+                        "TTFT err mean ms", "p90 ms"], fits))
     for s in summary:
         say(f"{s['model']} {s['kind']}: {s['on_head']}/{s['routers']} routers on the head "
             f"revision {s['head_revision']}")
+
+
+@routers_app.command("reset-calibration")
+def routers_reset_calibration(
+    model: Annotated[str, typer.Argument(help="Model whose timing fits every router forgets.")],
+) -> None:
+    """Every router forgets its timing fits of MODEL and starts again from the workers' priors
+    (a revisioned, audited patch of the selection document's calibration_epoch)."""
+    with shared.client() as api:
+        result = api.post("/router_policy/calibration/reset", {"model": model})
+    if shared.json_mode():
+        print_json(result)
+        return
+    say(f"{model}: calibration reset at revision {result.get('revision')}")
+
+
+def calibration_rows(routers: list[dict[str, Any]]) -> list[tuple[Any, ...]]:
+    """One row per (router, worker) timing fit: coefficients and prediction error."""
+    rows = []
+    for r in routers:
+        for c in r.get("calibration") or []:
+            p0, p1, p2 = c.get("prefill_ms") or (None, None, None)
+            mae, p90 = c.get("ttft_mae_ms"), c.get("ttft_p90_error_ms")
+            rows.append((
+                r.get("router_id"), c.get("model"), c.get("instance_id"), c.get("source"),
+                f"{p0:.3g} + {p1:.3g}·N + {p2:.3g}·N²" if p0 is not None else "",
+                f"{c.get('prefill_samples', 0)}/{c.get('decode_samples', 0)}",
+                "" if mae is None else f"{mae:.1f}", "" if p90 is None else f"{p90:.1f}",
+            ))
+    return rows
 
 
 @routers_app.command("acks")

@@ -79,7 +79,8 @@ def router(
     host: Annotated[str | None, typer.Option("--host")] = None,
     port: Annotated[int | None, typer.Option("--port", help="OpenAI API port.")] = None,
     mode: Annotated[
-        str | None, typer.Option("--mode", help="kv, round_robin, random or least_loaded.")
+        str | None,
+        typer.Option("--mode", help="kv (= kv-time), kv-time, kv-blocks, round_robin, random or least_loaded."),
     ] = None,
     no_kv_events: Annotated[
         bool, typer.Option("--no-kv-events", help="Approximate mode: index own decisions.")

@@ -33,6 +33,7 @@ from controlplane.protocol.errors import (
     NotFound,
     PayloadTooLarge,
     RateLimited,
+    RevisionConflict,
     RudderError,
     ServiceUnavailable,
     Unauthenticated,
@@ -320,6 +321,35 @@ def build_app(cp: ControlPlane, *, lifespan: Any = None) -> FastAPI:
         body = await read_json(request, ctx, PolicyOp.ROLLBACK, None)
         result = await counted(cp.writes.rollback(ctx, body))
         return dict(result.to_dict())
+
+    @app.post("/router_policy/calibration/reset")
+    async def reset_calibration(request: Request) -> dict[str, Any]:
+        """Reset every router's timing fit of a model: a patch of the selection document's
+        ``calibration_epoch`` (head + 1) through the one write path, so it is validated,
+        revisioned and audited like any other change; retried on a concurrent write."""
+        ctx = await write_context(request)
+        body = await read_json(request, ctx, PolicyOp.PATCH, PolicyKind.SELECTION)
+        well_formed = isinstance(body, dict) and set(body) == {"model"} and isinstance(body["model"], str)
+        for attempt in range(3):
+            patch: Any = body  # not {"model": name}: the write path refuses it (and audits that)
+            if well_formed:
+                try:
+                    head = await cp.log.head(body["model"], PolicyKind.SELECTION)
+                except RudderError:
+                    head = None  # a bad model name: the write path names it
+                document = dict(head.event.document) if head and head.event else {}
+                epoch = int(document.get("calibration_epoch", 0)) + 1
+                patch = {"model": body["model"], "kind": PolicyKind.SELECTION.value,
+                         "expected_revision": head.revision if head else 0,
+                         "parameters": {"calibration_epoch": epoch}}
+            try:
+                result = await counted(cp.writes.patch(ctx, patch))
+            except RevisionConflict:
+                if attempt == 2:
+                    raise
+                continue
+            return dict(result.to_dict())
+        raise AssertionError("unreachable")
 
     async def get_thresholds(request: Request, model: str) -> dict[str, Any]:
         await require(request, Action.READ_POLICY)

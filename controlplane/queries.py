@@ -93,6 +93,7 @@ class Queries:
                     "startup": r.startup, "heartbeat_at": _iso(r.heartbeat_at),
                     "started_at": _iso(r.started_at),
                     "policy_resync": r.policy_resync.model_dump(mode="json") if r.policy_resync else None,
+                    "calibration": [c.model_dump() for c in r.calibration],
                 }
                 for r in routers
             ],

@@ -19,6 +19,7 @@ retry-before-the-first-byte.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import time
@@ -59,10 +60,12 @@ from router.targets import (
     HDR_DP_RANK,
     HDR_POLICY_REVISIONS,
     HDR_PREDICTED_CACHED,
+    HDR_PREDICTED_TTFT,
     HDR_PREFILL,
     HDR_PREFILL_DP_RANK,
     HDR_WORKER,
     parse_targets,
+    parse_ttft_slo,
 )
 from router.tokenize import Tokenizer, TokenizerRegistry
 from router.upstream import UpstreamError, UpstreamResponse
@@ -169,6 +172,7 @@ class _Opened:
     sel: Selection
     resp: UpstreamResponse
     selected_at: float  # perf_counter when the first selection of the phase was answered
+    sent_at: float = 0.0  # perf_counter when the request went to the worker that answered
 
 
 async def _open(
@@ -191,6 +195,7 @@ async def _open(
         out = dict(headers)
         out[HDR_WORKER] = str(sel.instance_id)
         out[HDR_DP_RANK] = str(sel.dp_rank)
+        sent_at = time.perf_counter()
         try:
             resp = await rt.proxy.open(sel.url, path, make_body(sel), out)
         except WorkerUnreachable as exc:
@@ -209,7 +214,7 @@ async def _open(
         except BaseException:
             rt.scheduler.send(RequestDone(sel.booking_id))
             raise
-        return _Opened(sel, resp, selected_at)
+        return _Opened(sel, resp, selected_at, sent_at)
 
 
 async def _read_all(rt: Runtime, opened: _Opened) -> bytes:
@@ -270,6 +275,7 @@ async def _completion(request: Request, rt: Runtime, path: str, chat: bool) -> R
         raise NotFound(f"The model `{model}` does not exist on this router", field="model")
     stream = body.get("stream", False) is True
     targets = parse_targets(body.get("nvext"), request.headers)
+    slo = parse_ttft_slo(body.get("nvext"), request.headers)
     view = rt.scheduler.view
     tok = await rt.tokenizers.get(view.tokenizers.get(model, frozenset()))
     block_sizes = tuple(view.block_sizes.get(model, ()))
@@ -283,12 +289,18 @@ async def _completion(request: Request, rt: Runtime, path: str, chat: bool) -> R
     labels = (model,)
     routing = RoutingRequest(
         request_id=request_id, model=model, prompt_tokens=n_prompt, hashes=hashes, targets=targets,
+        ttft_slo_ms=slo,
     )
 
     def first_body(s: Selection) -> bytes:
         return _prefill_body(body, s, chat=chat) if s.disaggregated else _target_body(body, s)
 
-    opened = await _open(request, rt, routing, path, first_body, headers)
+    try:
+        opened = await _open(request, rt, routing, path, first_body, headers)
+    except Overloaded:
+        if slo is not None:
+            rt.metrics.observe_slo(model, "rejected")
+        raise
     sel = opened.sel
     rt.metrics.overhead.labels(*labels).observe(opened.selected_at - t0)
     rt.metrics.hit_rate.labels(*labels).observe(sel.predicted_hit_rate)
@@ -331,8 +343,13 @@ async def _completion(request: Request, rt: Runtime, path: str, chat: bool) -> R
     resp = opened.resp
     booking = sel.booking_id
 
+    if sel.predicted_ttft_ms is not None:
+        out_headers[HDR_PREDICTED_TTFT] = f"{sel.predicted_ttft_ms:.1f}"
+
     def observe_first_token(now: float) -> None:
         rt.metrics.ttft.labels(*labels).observe(now - t0)
+        if slo is not None:
+            rt.metrics.observe_slo(model, "met" if (now - t0) * 1e3 <= slo else "missed")
         if phase_started is not None:
             rt.metrics.phase_ttft.labels(model, "decode").observe(now - phase_started)
 
@@ -351,6 +368,10 @@ async def _completion(request: Request, rt: Runtime, path: str, chat: bool) -> R
 
     client_gone = False
     finished = False
+    # Content chunks after the role-only opening and when the first and last came (for the
+    # worker's decode calibration: its mean inter-token time).
+    chunks = 0
+    first_at = last = 0.0
 
     async def finish(status: str) -> None:
         """Release the worker connection and the booking, once, whoever gets here first: the relay
@@ -360,24 +381,27 @@ async def _completion(request: Request, rt: Runtime, path: str, chat: bool) -> R
             return
         finished = True
         await resp.aclose()
-        rt.scheduler.send(RequestDone(booking))
+        itl_ms = (last - first_at) * 1e3 / (chunks - 1) if chunks > 1 and status == "200" else None
+        rt.scheduler.send(RequestDone(booking, itl_ms=itl_ms, decode_tokens=chunks or None))
         rt.metrics.requests.labels(model, path, status).inc()
 
     async def relay() -> AsyncGenerator[bytes, None]:
-        last: float | None = None
+        nonlocal chunks, first_at, last
         status = "200"
         first = FirstTokenDetector()  # a role-only opening chunk is not the first token
         try:
             async for chunk in resp.aiter_raw():
                 now = time.perf_counter()
-                if last is None:
+                if not chunks:
                     if first.feed(chunk):
-                        rt.scheduler.send(RequestFirstToken(booking))
+                        rt.scheduler.send(RequestFirstToken(booking, ttft_ms=(now - opened.sent_at) * 1e3))
                         observe_first_token(now)
-                        last = now
+                        first_at = last = now
+                        chunks = 1
                 else:
                     rt.metrics.itl.labels(*labels).observe(now - last)
                     last = now
+                    chunks += 1
                 yield chunk
         except UpstreamError as exc:
             if client_gone:
@@ -540,4 +564,6 @@ def build_api(rt: Runtime, app: FastAPI) -> None:
             rt.metrics.revision.labels(model, kind).set(doc.revision)
         for model, n in view.workers.items():
             rt.metrics.workers.labels(model).set(n)
+        with contextlib.suppress(RudderError):  # a stopping router still answers its metrics
+            rt.metrics.set_calibration(await rt.scheduler.inspect(lambda s: s.calibration_status()))
         return Response(rt.metrics.render(), media_type="text/plain; version=0.0.4")

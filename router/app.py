@@ -47,7 +47,7 @@ from router.metrics import RouterMetrics
 from router.policy_state import ApplyResult, Outcome
 from router.proxy import Proxy
 from router.scheduler import Scheduler, UseVerifyKeys
-from router.settings import RouterSettings, RoutingMode
+from router.settings import RouterSettings
 from router.tokenize import TokenizerRegistry
 from router.upstream import UpstreamClient
 
@@ -108,7 +108,7 @@ class RouterRuntime:
             started_at=self.started_at,
         )
         dumper = None
-        if s.mode is RoutingMode.KV and s.kv_events:
+        if s.mode.kv_aware and s.kv_events:
             dumper = KvDumper(self.nc, self.scheduler, self.tasks, timeout_s=s.kvdump_timeout_s,
                               drops=self.drops)
             self.kv = KvEventSubscriber(self.nc, self.scheduler, dumper, models=list(s.models),

@@ -52,6 +52,7 @@ from controlplane.protocol.events import (
     PolicyResync,
     RouterRole,
     RouterStatus,
+    WorkerCalibration,
     check_kv_dump,
     check_kv_subject,
     check_membership_subject,
@@ -182,16 +183,20 @@ class StatusPublisher:
         self._lock = asyncio.Lock()
         self._dirty = asyncio.Event()
         self.resync: PolicyResync | None = None  # set by the policy consumer when it re-syncs
+        self._calibration: list[WorkerCalibration] = []
 
     def status(self) -> RouterStatus:
         return RouterStatus(
             **self._static, applied=self.scheduler.view.applied, heartbeat_at=utcnow(),
             policy_resync=self.resync,
+            calibration=self._calibration,
         )
 
     async def put(self) -> None:
         async with self._lock:
             self._dirty.clear()
+            with contextlib.suppress(RudderError):  # stopping: keep the last one
+                self._calibration = await self.scheduler.inspect(lambda s: s.calibration_status())
             try:
                 await self.kv.put(router_status_key(self.router_id), self.status().to_bytes())
             except _NATS_ERRORS as exc:

@@ -28,6 +28,7 @@ from typing import Any, TypeVar
 import numpy as np
 import numpy.typing as npt
 
+from router.cost import DEFAULT_DECODE_TOKENS, DEFAULT_TIMING
 from router.selection import Candidate, Overlap, SelectionParams
 
 WorkerKey = tuple[int, int]
@@ -71,9 +72,12 @@ class LoadTable(dict[WorkerKey, C]):
         self._requests = np.zeros(cap, dtype=np.int64)
         self._instance = np.zeros(cap, dtype=np.uint64)
         self._ok = np.zeros(cap, dtype=np.bool_)
+        # The time cost's (router.cost): KV blocks, step budget, timing coefficients per row.
+        self._timing = np.zeros((cap, 12), dtype=np.float64)
 
     def _columns(self) -> tuple[npt.NDArray[Any], ...]:
-        return (self._block, self._prefill, self._decode, self._requests, self._instance, self._ok)
+        return (self._block, self._prefill, self._decode, self._requests, self._instance, self._ok,
+                self._timing)
 
     def row(self, row: int) -> C:
         return self._rows[row]
@@ -178,6 +182,14 @@ class LoadTable(dict[WorkerKey, C]):
         self._decode[row] = cand.decode_blocks
         self._requests[row] = cand.active_requests
         self._ok[row] = self._eligible(cand)
+        # The time cost's figures that depend on this row alone, computed when it changes rather
+        # than at every selection: a full step's prefill, the prefill queued ahead, the decode step.
+        t = cand.timing or DEFAULT_TIMING
+        kv = cand.kv_total_blocks or 1
+        budget = cand.batch_tokens or 8192
+        self._timing[row] = (kv, budget, t.p0, t.p1, t.p2, t.d0, t.d1, t.d2, t.decode_min_ms,
+                             t.prefill_step_ms(budget), t.prefill_ms(cand.active_prefill_tokens, budget)[0],
+                             t.decode_step_ms(cand.decode_blocks / kv) if cand.active_requests else 0.0)
 
     # -- selection -----------------------------------------------------------------------------
 
@@ -253,12 +265,88 @@ class LoadTable(dict[WorkerKey, C]):
             if booked_shared:
                 items = [(k, v) for k, v in booked_shared.items() if v]
                 if items:
-                    spos, keep = self._locate(rows, [k for k, _ in items])
+                    spos, keep = self.locate(rows, [k for k, _ in items])
                     vals = np.array([v for _, v in items], dtype=np.int64)[keep]
                     cost[spos] = cost[spos] - vals
         return cost
 
-    def _locate(self, rows: Rows | None, keys: list[WorkerKey]) -> tuple[Rows, npt.NDArray[np.bool_]]:
+    def time_costs(
+        self, rows: Rows | None, params: SelectionParams, prompt_tokens: int, *,
+        overlaps: Mapping[WorkerKey, Overlap],
+        request_blocks: Mapping[int, int] | None = None,
+        booked_shared: Mapping[WorkerKey, int] | None = None,
+        decode_tokens: float = DEFAULT_DECODE_TOKENS,
+    ) -> tuple[Floats, Floats]:
+        """(cost, predicted TTFT) in ms of each row, as :func:`router.cost.time_costs` computes
+        them for those candidates (equal up to float rounding). Call :meth:`eligible_rows` first."""
+        n = len(self._rows)
+        sel: Any = slice(0, n) if rows is None else rows
+        b = self._block[sel]
+        m_rows = len(b)
+        if m_rows == 0:
+            empty = np.zeros(0, dtype=np.float64)
+            return empty, empty
+        a, decode, requests = self._prefill[sel], self._decode[sel], self._requests[sel]
+        t = self._timing[sel]
+        kv, budget = t[:, 0], t[:, 1]
+        p0, p1, p2 = t[:, 2], t[:, 3], t[:, 4]
+        step_full, ahead, step = t[:, 9], t[:, 10], t[:, 11]
+        p = prompt_tokens
+        x: Floats = (a + p).astype(np.float64)
+        if overlaps:
+            pos, ov = self._positions(rows, overlaps)
+            if len(pos):
+                bp = b[pos]
+                credit = params.overlap_score_credit * ov[:, 0]
+                if params.overlap_score_credit_decay:
+                    r = np.maximum(1, -(-p // bp))
+                    excess = (a[pos] - a.min()) / bp
+                    credit = credit / (1.0 + params.overlap_score_credit_decay * excess / r)
+                credit = (credit + params.host_cache_hit_weight * ov[:, 1]
+                          + params.disk_cache_hit_weight * ov[:, 2] + params.shared_cache_multiplier * ov[:, 3])
+                limit = (p - 1) // bp if p > 0 else np.zeros_like(bp)
+                x[pos] = x[pos] - np.minimum(credit, limit) * bp
+        full = np.floor_divide(x, budget)
+        rem = x - full * budget
+        # x > 0 always for a prompt of ≥ 1 token (the last one is never a hit); rem = 0 adds
+        # max(p0, 0) · 0 below only when p0 ≤ 0, so the where on rem > 0 is kept.
+        part = np.maximum(p0 + rem * (p1 + p2 * rem), 0.0)
+        has_rem = rem > 0
+        prefill = full * step_full + np.where(has_rem, part, 0.0)
+        steps = full + has_rem
+        ttft = prefill + steps * step  # step is 0 on a rank that runs nothing
+        cost = ttft
+        slow_w = params.decode_slowdown_weight
+        inter_w = params.prefill_interference_weight
+        if inter_w or slow_w:
+            active = requests > 0
+            if not bool(active.any()):
+                return cost, ttft
+            extra = inter_w * (prefill - ahead) if inter_w else np.zeros(m_rows)
+            if slow_w:
+                d0, d1, d2, dmin = t[:, 5], t[:, 6], t[:, 7], t[:, 8]
+                if request_blocks and len(request_blocks) == 1:
+                    (only,) = request_blocks.values()
+                    r_all: Any = np.full(m_rows, only, dtype=np.int64)
+                else:
+                    r_all = -(-p // b)
+                    if request_blocks:
+                        for size, count in request_blocks.items():
+                            r_all = np.where(b == size, count, r_all)
+                if booked_shared:
+                    items = [(k, v) for k, v in booked_shared.items() if v]
+                    if items:
+                        spos, keep = self.locate(rows, [k for k, _ in items])
+                        vals = np.array([v for _, v in items], dtype=np.int64)[keep]
+                        r_all = r_all.copy()
+                        r_all[spos] = r_all[spos] - vals
+                v = np.minimum((decode + np.maximum(r_all, 0)) / kv, 1.0)
+                grown = np.maximum(d0 + d1 * v + d2 * v * v, dmin)
+                extra = extra + np.where(grown > step, slow_w * (grown - step) * decode_tokens, 0.0)
+            cost = ttft + requests * extra  # requests = 0: no one to slow down
+        return cost, ttft
+
+    def locate(self, rows: Rows | None, keys: list[WorkerKey]) -> tuple[Rows, npt.NDArray[np.bool_]]:
         """Positions (within ``rows``) of the keys that are there, and which keys those were."""
         row_of = self._row_of
         found = np.array([row_of.get(k, -1) for k in keys], dtype=np.intp)
@@ -272,7 +360,7 @@ class LoadTable(dict[WorkerKey, C]):
         return at[keep], keep
 
     def _positions(self, rows: Rows | None, overlaps: Mapping[WorkerKey, Overlap]) -> tuple[Rows, Ints]:
-        pos, keep = self._locate(rows, list(overlaps))
+        pos, keep = self.locate(rows, list(overlaps))
         flat = np.fromiter(
             itertools.chain.from_iterable(overlaps.values()), dtype=np.int64, count=4 * len(overlaps)
         )

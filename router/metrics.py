@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from controlplane.protocol.events import WorkerCalibration
 
 _LATENCY = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
 _OVERHEAD = (0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.1)
@@ -66,6 +70,56 @@ class RouterMetrics:
         self.retries = Counter(
             "rudder_router_retries", "Requests retried on another worker", ["model"], registry=r
         )
+        # Requests with a TTFT objective (x-rudder-ttft-slo-ms / nvext.ttft_slo_ms), by outcome:
+        # met / missed (measured at the router, received to first token) / rejected (refused).
+        self.slo = Counter(
+            "rudder_router_ttft_slo_requests", "Requests with a TTFT objective, by outcome",
+            ["model", "outcome"], registry=r,
+        )
+        self.slo_met = Gauge(
+            "rudder_router_ttft_slo_met_ratio", "Fraction of requests with a TTFT objective that met it",
+            ["model"], registry=r,
+        )
+        self._slo_counts: dict[str, list[int]] = {}
+        # The time cost's per-worker timing fit (router.calibration), refreshed at each scrape.
+        self.calibration = Gauge(
+            "rudder_router_timing_coefficient", "Fitted timing model of a worker (ms per engine step)",
+            ["model", "instance_id", "coefficient"], registry=r,
+        )
+        self.prediction_error = Gauge(
+            "rudder_router_ttft_prediction_error_ms",
+            "Predicted vs measured engine TTFT of a worker's recent requests (absolute, ms)",
+            ["model", "instance_id", "stat"], registry=r,
+        )
+        self.calibration_samples = Gauge(
+            "rudder_router_calibration_samples", "Observations in a worker's timing fit window",
+            ["model", "instance_id", "fit"], registry=r,
+        )
+
+    def observe_slo(self, model: str, outcome: str) -> None:
+        self.slo.labels(model, outcome).inc()
+        counts = self._slo_counts.setdefault(model, [0, 0])
+        counts[0] += outcome == "met"
+        counts[1] += 1
+        self.slo_met.labels(model).set(counts[0] / counts[1])
+
+    def set_calibration(self, workers: Iterable[WorkerCalibration]) -> None:
+        """Replace the per-worker calibration series (a worker gone drops its series)."""
+        for gauge in (self.calibration, self.prediction_error, self.calibration_samples):
+            gauge.clear()
+        for w in workers:
+            wid = str(w.instance_id)
+            names = ("p0", "p1", "p2")
+            for name, value in zip(names, w.prefill_ms, strict=True):
+                self.calibration.labels(w.model, wid, name).set(value)
+            for name, value in zip(("d0", "d1", "d2"), w.decode_ms, strict=True):
+                self.calibration.labels(w.model, wid, name).set(value)
+            if w.ttft_mae_ms is not None:
+                self.prediction_error.labels(w.model, wid, "mae").set(w.ttft_mae_ms)
+            if w.ttft_p90_error_ms is not None:
+                self.prediction_error.labels(w.model, wid, "p90").set(w.ttft_p90_error_ms)
+            self.calibration_samples.labels(w.model, wid, "prefill").set(w.prefill_samples)
+            self.calibration_samples.labels(w.model, wid, "decode").set(w.decode_samples)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -1,33 +1,35 @@
 """The scheduler actor: the one owner of a router's routing state (DESIGN §5).
 
-Effective policy, the discovery snapshot, the prefix index, bookings and busy flags live here and
-nowhere else. Everything that reads or changes them arrives as a typed command on one queue and is
-handled, one at a time, in :meth:`Scheduler._dispatch`; a handler never awaits, so a policy
-change lands between two selections, never inside one, and queued selections survive it.
+Effective policy, the discovery snapshot, the prefix index, bookings, busy flags and the workers'
+timing models live here and nowhere else. Everything that reads or changes them arrives as a
+typed command (:mod:`router.commands`) on one queue and is handled, one at a time, in
+:meth:`Scheduler._dispatch`; a handler never awaits, so a policy change lands between two
+selections, never inside one, and queued selections survive it.
 
 Other tasks send a command and await its future. A selection whose future is already done (its
 client went away and cancelled it) is skipped. :meth:`Scheduler.stop` answers every waiter still
 queued with ``ServiceUnavailable`` and then returns; an unexpected error in a handler fails that
 command's future (logged with its traceback) and the actor carries on.
 
-For speed at thousands of workers each (worker, dp rank) has one persistent :class:`Slot`
-(a :class:`~router.selection.Candidate`), updated in place when its load, bookings, health or
-busy flag change, so a selection only scans the eligible slots once.
+The pure parts it drives: :mod:`router.pools` (slots and load tables), :mod:`router.selection`
+(block cost, comparison modes, pick), :mod:`router.cost` (predicted-time cost),
+:mod:`router.calibration` (per-worker timing fit), :mod:`router.index`, :mod:`router.bookings`.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import enum
 import itertools
 import logging
 import random
 import time
-from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from datetime import datetime
-from typing import Any, Generic, TypeVar
+from typing import Any, TypeVar
+
+import numpy as np
 
 from controlplane.protocol.errors import (
     InvalidRequest,
@@ -37,25 +39,49 @@ from controlplane.protocol.errors import (
     ServiceUnavailable,
 )
 from controlplane.protocol.events import (
-    AppliedDocument,
     KvDumpReply,
     KvEvent,
     MembershipEvent,
     RouterRole,
+    WorkerCalibration,
     WorkerRole,
     utcnow,
 )
 from controlplane.protocol.policy import CacheInput, Number, PolicyKind
 from controlplane.protocol.signing import Keyring
 from router.bookings import Bookings
-from router.busy import Thresholds, rank_busy
-from router.discovery import Change, Discovery, Health, WorkerState
+from router.busy import Thresholds
+from router.calibration import Calibration, Calibrations, Pending
+from router.commands import (
+    PREFILL_BOOKING,
+    ApplyKvEvents,
+    ApplyMembership,
+    ApplyPolicy,
+    Command,
+    DiscoveryComplete,
+    Inspect,
+    LoadKvDump,
+    MarkUnavailable,
+    Phase,
+    PolicyApplied,
+    RequestDone,
+    RequestFirstToken,
+    ResyncPolicy,
+    RouterView,
+    RoutingRequest,
+    Selection,
+    SelectWorker,
+    Tick,
+    UseVerifyKeys,
+)
+from router.cost import Prediction, Timing, consolidate, predict, time_costs
+from router.discovery import Change, Discovery
 from router.index import KvApplied, PrefixIndex, WorkerKey
 from router.loadvec import VECTOR_MIN_CANDIDATES, LoadTable, pick_index
-from router.policy_state import ApplyResult, Outcome, PolicyState
+from router.policy_state import Outcome, PolicyState
+from router.pools import Pools, Slot, selectable
 from router.selection import (
     NO_OVERLAP,
-    Candidate,
     Overlap,
     RoundRobin,
     SelectionParams,
@@ -64,194 +90,50 @@ from router.selection import (
     pick,
 )
 from router.settings import RoutingMode
-from router.targets import Pin, Targets, pool_of, prefill_not_allowed, resolve_pin
+from router.targets import Pin, pool_of, prefill_not_allowed, resolve_pin
+
+__all__ = [  # the vocabulary, re-exported for the modules and tests that import it from here
+    "PREFILL_BOOKING",
+    "VECTOR_MIN_CANDIDATES",
+    "ApplyKvEvents",
+    "ApplyMembership",
+    "ApplyPolicy",
+    "DiscoveryComplete",
+    "Inspect",
+    "LoadKvDump",
+    "MarkUnavailable",
+    "Phase",
+    "PolicyApplied",
+    "RequestDone",
+    "RequestFirstToken",
+    "ResyncPolicy",
+    "RouterView",
+    "RoutingRequest",
+    "Scheduler",
+    "SelectWorker",
+    "Selection",
+    "Slot",
+    "Tick",
+    "UseVerifyKeys",
+    "cancel_quietly",
+    "selectable",
+]
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
-
-
-# ---------------------------------------------------------------------------------------------
-# Requests and answers
-
-PREFILL_BOOKING = ":prefill"  # suffix of the booking id of a disaggregated request's prefill phase
-
-
-class Phase(enum.Enum):
-    """What a selection is for. ``AUTO``: the whole request on a router of a prefill or decode
-    role or on an aggregated deployment, or its prefill phase when the model's snapshot holds
-    prefill and decode workers (the answer says so); ``DECODE``: the decode phase that follows."""
-
-    AUTO = "auto"
-    DECODE = "decode"
-
-
-@dataclass(frozen=True, slots=True)
-class RoutingRequest:
-    request_id: str
-    model: str
-    prompt_tokens: int
-    hashes: Mapping[int, Sequence[int]]  # block size → chain hashes of the prompt's full blocks
-    pin: Pin | None = None  # used when ``targets`` is None
-    exclude: frozenset[int] = frozenset()  # workers that already failed this request
-    targets: Targets | None = None  # both phases' explicit targets (parse_targets)
-    phase: Phase = Phase.AUTO
-
-
-@dataclass(frozen=True, slots=True)
-class Selection:
-    request_id: str
-    model: str
-    instance_id: int
-    dp_rank: int
-    url: str
-    revisions: dict[str, int]  # kind → revision of the document it was scored with
-    seq: int  # position of the command in the queue
-    cost: float | None
-    overlap_blocks: int
-    cached_tokens: int
-    prompt_tokens: int
-    candidates: int
-    pinned: bool = False
-    pool: WorkerRole = WorkerRole.AGGREGATED
-    # Id its booking is kept under (send RequestFirstToken / RequestDone with it).
-    booking_id: str = ""
-    # True for the prefill phase of a disaggregated request: a decode phase must follow.
-    disaggregated: bool = False
-
-    @property
-    def predicted_hit_rate(self) -> float:
-        return self.cached_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
-
-
-@dataclass(frozen=True, slots=True)
-class PolicyApplied:
-    result: ApplyResult
-    seq: int
-
-
-@dataclass(frozen=True, slots=True)
-class RouterView:
-    """What the HTTP side may read without asking the actor (replaced, never mutated)."""
-
-    ready: bool = False
-    block_sizes: dict[str, frozenset[int]] = field(default_factory=dict)
-    tokenizers: dict[str, frozenset[str]] = field(default_factory=dict)
-    workers: dict[str, int] = field(default_factory=dict)
-    applied: dict[str, AppliedDocument] = field(default_factory=dict)
-
-
-# ---------------------------------------------------------------------------------------------
-# Commands (imperative names; each carries the future its sender awaits, if any)
-
-
-@dataclass(slots=True)
-class _Command(Generic[T]):
-    future: asyncio.Future[T] | None = field(default=None, kw_only=True)
-    seq: int = field(default=0, kw_only=True)
-
-
-@dataclass(slots=True)
-class SelectWorker(_Command[Selection]):
-    request: RoutingRequest
-
-
-@dataclass(slots=True)
-class ApplyPolicy(_Command[PolicyApplied]):
-    model: str
-    kind: PolicyKind
-    revision: int
-    payload: bytes
-    headers: dict[str, str] | None  # the message's headers: the signature is among them
-
-
-@dataclass(slots=True)
-class UseVerifyKeys(_Command[None]):
-    """The verify-keys file changed: check policy signatures against this keyring from now on."""
-
-    keyring: Keyring
-
-
-@dataclass(slots=True)
-class ResyncPolicy(_Command[dict[str, int]]):
-    """The policy stream went backwards: forget applied revisions (answers them)."""
-
-    reason: str
-
-
-@dataclass(slots=True)
-class ApplyMembership(_Command[Change]):
-    event: MembershipEvent
-    received_at: datetime | None = None  # when the bus stored it (liveness uses it, not event.at)
-
-
-@dataclass(slots=True)
-class ApplyKvEvents(_Command[list[int]]):
-    """Answers the worker ids whose full state must be fetched (gap or new worker)."""
-
-    events: list[KvEvent]
-
-
-@dataclass(slots=True)
-class LoadKvDump(_Command[None]):
-    instance_id: int
-    reply: KvDumpReply | None  # None: the dump failed; replay what was buffered
-
-
-@dataclass(slots=True)
-class DiscoveryComplete(_Command[None]):
-    pass
-
-
-@dataclass(slots=True)
-class RequestFirstToken(_Command[None]):
-    request_id: str
-
-
-@dataclass(slots=True)
-class RequestDone(_Command[None]):
-    request_id: str
-
-
-@dataclass(slots=True)
-class MarkUnavailable(_Command[None]):
-    instance_id: int
-
-
-@dataclass(slots=True)
-class Tick(_Command[list[int]]):
-    """Expire workers and approximate-index entries; answers the ids of workers gone."""
-
-
-@dataclass(slots=True)
-class Inspect(_Command[Any]):
-    """Run a read-only function on the actor's state (status, tests)."""
-
-    fn: Callable[[Scheduler], Any]
-
-
 _STOP = object()
 
 
-class Slot(Candidate):
-    """A candidate kept between selections, with what eligibility needs."""
+@dataclass(slots=True)
+class _Scored:
+    """One selection's candidates and what the cost said of them."""
 
-    __slots__ = ("busy", "healthy", "role", "url")
-
-    def __init__(self, state: WorkerState, dp_rank: int) -> None:
-        rec = state.record
-        super().__init__(rec.instance_id, dp_rank, rec.block_size, 0, 0, 0)
-        self.busy = False
-        self.healthy = True
-        self.url = rec.url
-        self.role = rec.role
-
-
-def selectable(slot: Slot) -> bool:
-    """Whether a slot may be chosen by a selection that names no target."""
-    return slot.healthy and not slot.busy
-
-
-# ---------------------------------------------------------------------------------------------
+    slots: Sequence[Slot]  # the eligible slots, in row order (LoadTable or list)
+    rows: Any  # numpy rows into the table, or None (every row / the list itself)
+    table: LoadTable[Slot] | None
+    overlaps: dict[WorkerKey, Overlap]
+    cost: Any  # list[float] or numpy array
+    ttft: Any  # list[float] or numpy array or None (block cost without an objective)
 
 
 class Scheduler:
@@ -276,9 +158,10 @@ class Scheduler:
             frozenset(WorkerRole) if role is RouterRole.AGGREGATED else frozenset({self.pool})
         )
         self.mode = mode
+        self.cost_mode = mode.cost  # KV_BLOCKS, KV_TIME or None (load-only)
         self.kv_events = kv_events
-        self.approximate = mode is RoutingMode.KV and not kv_events
-        self.use_index = mode is RoutingMode.KV and role is not RouterRole.DECODE
+        self.approximate = mode.kv_aware and not kv_events
+        self.use_index = mode.kv_aware and role is not RouterRole.DECODE
         self.approx_ttl_s = approx_ttl_s
         self.clock = clock
         self.wall = wall
@@ -291,12 +174,15 @@ class Scheduler:
         self.index = PrefixIndex()
         self.bookings = Bookings()
         self.round_robin = {m: RoundRobin() for m in models}
-        self._slots: dict[str, dict[WorkerKey, Slot]] = {m: {} for m in models}  # every pool
-        self._pools: dict[tuple[str, WorkerRole], LoadTable[Slot]] = {
-            (m, p): LoadTable(selectable) for m in models for p in self.pools
-        }
+        # Per-worker timing models (router.calibration) and the predictions awaiting their outcome.
+        self.timings = Calibrations(models)
+        self.slo = {m: {"requests": 0, "predicted_met": 0, "rejected": 0} for m in models}
+        self._epochs: dict[str, Number | None] = {}
+        self.tables = Pools(
+            models=models, roles=self.pools, discovery=self.discovery, bookings=self.bookings,
+            clock=clock, timing=self.timings.timing,
+        )
         self._params: dict[str, SelectionParams] = {}
-        self._thresholds: dict[str, Thresholds] = {}
         for m in models:
             self._refresh_policy(m)
         self.view = RouterView(applied=self.policy.applied())
@@ -306,6 +192,18 @@ class Scheduler:
         self._task: asyncio.Task[None] | None = None
         self._stopping = False
         self.stats: dict[str, int] = {"selections": 0, "skipped": 0, "applied": 0, "nacked": 0}
+
+    @property
+    def calibration(self) -> dict[int, Calibration]:
+        return self.timings.workers
+
+    @property
+    def _slots(self) -> dict[str, dict[WorkerKey, Slot]]:
+        return self.tables.slots
+
+    @property
+    def _thresholds(self) -> dict[str, Thresholds]:
+        return self.tables.thresholds
 
     # -- lifecycle ---------------------------------------------------------------------------
 
@@ -335,7 +233,7 @@ class Scheduler:
                 return
             if isinstance(cmd, SelectWorker):
                 self._queued_selections -= 1
-            if isinstance(cmd, _Command) and cmd.future is not None and not cmd.future.done():
+            if isinstance(cmd, Command) and cmd.future is not None and not cmd.future.done():
                 cmd.future.set_exception(ServiceUnavailable("router is stopping", retry_after=1))
 
     async def _run(self) -> None:
@@ -351,7 +249,7 @@ class Scheduler:
         finally:
             self._drain()
 
-    def _handle(self, cmd: _Command[Any]) -> None:
+    def _handle(self, cmd: Command[Any]) -> None:
         fut = cmd.future
         if isinstance(cmd, SelectWorker):
             self._queued_selections -= 1
@@ -376,7 +274,7 @@ class Scheduler:
 
     # -- sending -----------------------------------------------------------------------------
 
-    def submit(self, cmd: _Command[T]) -> asyncio.Future[T]:
+    def submit(self, cmd: Command[T]) -> asyncio.Future[T]:
         """Queue a command; the returned future answers it. Raises ServiceUnavailable if stopping,
         QueueFull for a selection when ``max_queued_selections`` are already waiting."""
         if self._stopping:
@@ -392,14 +290,14 @@ class Scheduler:
         self._queue.put_nowait(cmd)
         return fut
 
-    def send(self, cmd: _Command[Any]) -> None:
+    def send(self, cmd: Command[Any]) -> None:
         """Queue a command nobody waits for (completions, KV events). Dropped when stopping."""
         if self._stopping:
             return
         cmd.seq = next(self._seq)
         self._queue.put_nowait(cmd)
 
-    async def call(self, cmd: _Command[T]) -> T:
+    async def call(self, cmd: Command[T]) -> T:
         fut = self.submit(cmd)
         try:
             return await fut
@@ -420,7 +318,7 @@ class Scheduler:
 
     # -- dispatch ----------------------------------------------------------------------------
 
-    def _dispatch(self, cmd: _Command[Any]) -> Any:
+    def _dispatch(self, cmd: Command[Any]) -> Any:
         match cmd:
             case SelectWorker():
                 return self._select(cmd.request, cmd.seq)
@@ -443,17 +341,20 @@ class Scheduler:
             case RequestFirstToken():
                 booking = self.bookings.first_token(cmd.request_id)
                 if booking is not None:
-                    self._refresh_slot(booking.model, booking.key)
+                    self.tables.refresh_slot(booking.model, booking.key)
+                    if cmd.ttft_ms is not None:
+                        self._retime(self.timings.first_token(cmd.request_id, cmd.ttft_ms))
                 return None
             case RequestDone():
                 booking = self.bookings.free(cmd.request_id)
                 if booking is not None:
-                    self._refresh_slot(booking.model, booking.key)
+                    self.tables.refresh_slot(booking.model, booking.key)
+                self._retime(self.timings.done(cmd.request_id, cmd.itl_ms, cmd.decode_tokens))
                 return None
             case MarkUnavailable():
                 if self.discovery.mark_unreachable(cmd.instance_id):
                     log.warning("worker %s unreachable until its next heartbeat", cmd.instance_id)
-                    self._refresh_worker(cmd.instance_id)
+                    self.tables.refresh_worker(cmd.instance_id)
                 return None
             case Tick():
                 return self._tick()
@@ -468,12 +369,19 @@ class Scheduler:
     # -- policy ------------------------------------------------------------------------------
 
     def _refresh_policy(self, model: str) -> None:
-        self._params[model] = SelectionParams.from_values(
-            self.policy.get(model, PolicyKind.SELECTION).effective
-        )
-        self._thresholds[model] = Thresholds.from_values(
+        effective = self.policy.get(model, PolicyKind.SELECTION).effective
+        params = self._params[model] = SelectionParams.from_values(effective)
+        self.tables.thresholds[model] = Thresholds.from_values(
             self.policy.get(model, PolicyKind.BUSY_THRESHOLD).effective
         )
+        epoch = effective.get("calibration_epoch")
+        reset = model in self._epochs and self._epochs[model] != epoch
+        self._epochs[model] = epoch
+        for wid in self.timings.configure(model, window=params.calibration_window,
+                                          min_samples=params.calibration_min_samples, reset=reset):
+            self._retime(wid)
+        if reset:
+            log.info("model %s: calibration reset (calibration_epoch %s)", model, epoch)
 
     def _apply_policy(self, cmd: ApplyPolicy) -> PolicyApplied:
         result = self.policy.apply(cmd.model, cmd.kind, cmd.revision, cmd.payload, cmd.headers)
@@ -482,7 +390,7 @@ class Scheduler:
             self._refresh_policy(cmd.model)
             if cmd.kind is PolicyKind.BUSY_THRESHOLD:
                 for slot in self._slots[cmd.model].values():
-                    self._refresh_busy(cmd.model, slot)
+                    self.tables.refresh_busy(cmd.model, slot)
         elif result.outcome is Outcome.NACK:
             self.stats["nacked"] += 1
         if result.outcome is not Outcome.SKIP:
@@ -510,88 +418,23 @@ class Scheduler:
             self._forget(wid, "left")
         elif change is Change.JOINED:
             log.info("worker %s joined (%s, %s)", wid, event.worker.model, event.worker.url)
-            self._rebuild_worker(wid)
+            self._calibrate(wid)
+            self.tables.rebuild_worker(wid)
             if self.use_index and self.kv_events:
                 self.index.begin_dump(wid)
             self._publish_view()
         elif change is Change.UPDATED:
-            self._rebuild_worker(wid)
+            self._calibrate(wid)
+            self.tables.rebuild_worker(wid)
         return change
 
     def _forget(self, wid: int, why: str) -> None:
         self.index.remove_worker(wid)
         dropped = self.bookings.drop_worker(wid)
-        for slots in (*self._slots.values(), *self._pools.values()):
-            for key in [k for k in slots if k[0] == wid]:
-                del slots[key]
+        self.tables.forget(wid)
+        self.timings.forget(wid, (b.request_id for b in dropped))
         log.info("worker %s %s: %d bookings dropped", wid, why, len(dropped))
         self._publish_view()
-
-    def _rebuild_worker(self, wid: int) -> None:
-        state = self.discovery.get(wid)
-        if state is None:
-            return
-        model = state.record.model
-        role = state.record.role
-        if role not in self.pools:
-            return
-        slots = self._slots[model]
-        pool = self._pools[(model, role)]
-        size = state.record.dp_size
-        for key in [k for k in slots if k[0] == wid and (k[1] >= size or slots[k].role is not role)]:
-            self._pools[(model, slots[key].role)].pop(key, None)
-            del slots[key]
-        for rank in range(size):
-            slot = slots.get((wid, rank))
-            if slot is None or slot.block_size != state.record.block_size:
-                slot = slots[(wid, rank)] = pool[(wid, rank)] = Slot(state, rank)
-            slot.url = state.record.url
-            self._refresh_slot(model, (wid, rank), state)
-
-    def _refresh_worker(self, wid: int) -> None:
-        state = self.discovery.get(wid)
-        if state is not None:
-            for rank in range(state.record.dp_size):
-                self._refresh_slot(state.record.model, (wid, rank), state)
-
-    def _refresh_slot(self, model: str, key: WorkerKey, state: WorkerState | None = None) -> None:
-        slot = self._slots[model].get(key)
-        if slot is None:
-            return
-        if state is None:
-            state = self.discovery.get(key[0])
-            if state is None:
-                return
-        reported = state.load.get(key[1])
-        booked = self.bookings.rank(key)
-        slot.active_prefill_tokens = max(
-            booked.prefill_tokens if booked else 0, reported.active_prefill_tokens if reported else 0
-        )
-        slot.decode_blocks = max(
-            booked.active_blocks if booked else 0, reported.active_decode_blocks if reported else 0
-        )
-        slot.active_requests = max(
-            booked.requests if booked else 0,
-            (reported.running + reported.waiting) if reported else 0,
-        )
-        slot.healthy = self.discovery.health(state, self.clock()) is Health.LIVE
-        self._refresh_busy(model, slot, state)
-
-    def _refresh_busy(self, model: str, slot: Slot, state: WorkerState | None = None) -> None:
-        slot.touch()  # its load figures or flags change: its pool's LoadTable re-reads it
-        th = self._thresholds[model]
-        if not th.enabled:
-            slot.busy = False
-            return
-        state = state or self.discovery.get(slot.instance_id)
-        if state is None:
-            return
-        slot.busy = rank_busy(
-            th, active_decode_blocks=slot.decode_blocks,
-            active_prefill_tokens=slot.active_prefill_tokens,
-            kv_total_blocks=state.record.kv_total_blocks,
-            max_num_batched_tokens=state.record.max_num_batched_tokens,
-        )
 
     def _tick(self) -> list[int]:
         now = self.clock()
@@ -600,13 +443,35 @@ class Scheduler:
             self._forget(wid, "expired (no heartbeat within the TTL)")
         if self.approximate:
             self.index.expire(now)
-        for slots in self._slots.values():
-            for slot in slots.values():
-                state = self.discovery.get(slot.instance_id)
-                if state is not None:
-                    slot.healthy = self.discovery.health(state, now) is Health.LIVE
-                    slot.touch()
+        self.tables.refresh_health(now)
         return gone
+
+    # -- calibration (router.calibration) ------------------------------------------------------
+
+    def _calibrate(self, wid: int) -> None:
+        """Create the worker's calibration from its advertised timing model, or update its prior."""
+        state = self.discovery.get(wid)
+        if state is not None:
+            params = self._params[state.record.model]
+            self.timings.join(wid, state.record.model, Timing.from_engine(state.record.timing),
+                              window=params.calibration_window, min_samples=params.calibration_min_samples)
+
+    def _retime(self, wid: int | None) -> None:
+        """A worker's timing model changed: its slots score with the new one."""
+        timing = self.timings.timing(wid) if wid is not None else None
+        if wid is not None and timing is not None:
+            self.tables.set_timing(wid, timing)
+
+    def calibration_status(self) -> list[WorkerCalibration]:
+        """Each worker's fitted timing model and prediction error (router status, /metrics)."""
+        return self.timings.status()
+
+    def reset_calibration(self, model: str | None = None) -> int:
+        """Back to the priors (every model, or one); returns how many workers were reset."""
+        reset = self.timings.reset(model)
+        for wid in reset:
+            self._retime(wid)
+        return len(reset)
 
     # -- KV events ---------------------------------------------------------------------------
 
@@ -640,10 +505,10 @@ class Scheduler:
 
     def disaggregated(self, model: str) -> bool:
         """The model's snapshot holds prefill and decode workers (and this router runs both)."""
-        pools = self._pools
+        tables = self.tables.tables
         return bool(
             self.role is RouterRole.AGGREGATED
-            and pools[(model, WorkerRole.PREFILL)] and pools[(model, WorkerRole.DECODE)]
+            and tables[(model, WorkerRole.PREFILL)] and tables[(model, WorkerRole.DECODE)]
         )
 
     def _plan(self, req: RoutingRequest) -> tuple[WorkerRole, Pin | None, bool]:
@@ -661,7 +526,8 @@ class Scheduler:
             return WorkerRole.PREFILL, None if t is None else t.prefill, True
         if t is not None and t.prefill_field is not None:
             raise prefill_not_allowed(t.prefill_field)
-        if not self._pools[(req.model, WorkerRole.AGGREGATED)] and self._pools[(req.model, WorkerRole.DECODE)]:
+        tables = self.tables.tables
+        if not tables[(req.model, WorkerRole.AGGREGATED)] and tables[(req.model, WorkerRole.DECODE)]:
             # Decode workers and no prefill worker: they prefill locally (as vLLM does without
             # remote KV), so they serve whole requests rather than none.
             return WorkerRole.DECODE, decode_pin, False
@@ -675,88 +541,114 @@ class Scheduler:
         pool, pin, then_decode = self._plan(req)
         if pin is not None:
             return self._select_pinned(req, seq, revisions, pool, pin, then_decode)
-        slots = self._pools[(model, pool)]
-        exclude = req.exclude
-        if self.mode is RoutingMode.KV and len(slots) >= VECTOR_MIN_CANDIDATES:
-            many = self._select_many(req, slots)
-            if many is not None:
-                return self._book(req, seq, revisions, *many, disaggregated=then_decode)
-        eligible = [
-            s for s in slots.values()
-            if s.healthy and not s.busy and (not exclude or s.instance_id not in exclude)
-        ]
-        if not eligible:
-            where = "" if pool is WorkerRole.AGGREGATED else f" in the {pool.value} pool"
-            if any(s.healthy and s.instance_id not in exclude for s in slots.values()):
-                raise Overloaded(f"every worker of model {model}{where} is busy", model=model)
-            raise ServiceUnavailable(f"no worker available for model {model}{where}", retry_after=1)
-        p = req.prompt_tokens
-        overlaps: dict[WorkerKey, Overlap] = {}
-        cost: float | None = None
-        if self.mode is RoutingMode.KV:
-            params = self._params[model]
-            if self.use_index:
-                for hashes in req.hashes.values():
-                    if hashes:
-                        overlaps.update(self.index.overlaps(hashes))
-            request_blocks = {bs: -(-p // bs) for bs in req.hashes} or {
-                eligible[0].block_size: -(-p // eligible[0].block_size)
-            }
-            all_costs = costs(
-                eligible, params, p, overlaps=overlaps, request_blocks=request_blocks,
-                booked_shared=self._booked_shared(req, slots),
-            )
-            i = pick(all_costs, params.router_temperature, self.rng)
-            cost = all_costs[i]
-        elif self.mode is RoutingMode.ROUND_ROBIN:
-            i = self.round_robin[model].pick(eligible)
-        elif self.mode is RoutingMode.RANDOM:
-            i = self.rng.randrange(len(eligible))
+        table = self.tables.table(model, pool)
+        if self.cost_mode is None:
+            eligible = self.tables.eligible(req.model, table, pool, req.exclude)
+            if self.mode is RoutingMode.ROUND_ROBIN:
+                i = self.round_robin[model].pick(eligible)
+            elif self.mode is RoutingMode.RANDOM:
+                i = self.rng.randrange(len(eligible))
+            else:
+                i = least_loaded(eligible, self.rng)
+            return self._book(req, seq, revisions, eligible[i], NO_OVERLAP, None, len(eligible),
+                              disaggregated=then_decode)
+        scored = self._score(req, table, pool)
+        i, met = self._choose(req, scored)
+        if scored.table is None:
+            chosen = scored.slots[i]
         else:
-            i = least_loaded(eligible, self.rng)
-        chosen = eligible[i]
+            chosen = table.row(i if scored.rows is None else int(scored.rows[i]))
+        n = len(scored.cost)
         return self._book(
-            req, seq, revisions, chosen, overlaps.get(chosen.key, NO_OVERLAP), cost, len(eligible),
-            disaggregated=then_decode,
+            req, seq, revisions, chosen, scored.overlaps.get(chosen.key, NO_OVERLAP),
+            float(scored.cost[i]), n, disaggregated=then_decode, slo_met=met,
         )
 
-    def _select_many(self, req: RoutingRequest, slots: LoadTable[Slot]) -> tuple[Slot, Overlap, float, int] | None:
-        """The KV selection of :meth:`_select` over a large pool, on numpy columns
-        (:mod:`router.loadvec`): the same costs, candidate order and random draws. ``None`` when no
-        rank is eligible, so that :meth:`_select` raises the error that fits.
-        Returns (chosen slot, its overlap, its cost, number of candidates)."""
-        rows = slots.eligible_rows(req.exclude)
-        n = len(slots) if rows is None else len(rows)
-        if n == 0:
-            return None
-        params = self._params[req.model]
+    def _score(self, req: RoutingRequest, table: LoadTable[Slot], pool: WorkerRole) -> _Scored:
+        """The KV-aware cost of every eligible rank: the Python loop for a small pool, numpy
+        columns (router.loadvec) for a large one; the same candidates in the same order either
+        way, so ties break with the same random draw."""
+        model = req.model
+        params = self._params[model]
         p = req.prompt_tokens
+        vector = len(table) >= VECTOR_MIN_CANDIDATES
+        rows: Any = None
+        slots: Sequence[Slot]
+        if vector:
+            rows = table.eligible_rows(req.exclude)
+            if (len(table) if rows is None else len(rows)) == 0:
+                self.tables.none_eligible(req.model, table, pool, req.exclude)
+            slots = table.row(0 if rows is None else int(rows[0])),  # only its block size is read
+        else:
+            slots = self.tables.eligible(req.model, table, pool, req.exclude)
         overlaps: dict[WorkerKey, Overlap] = {}
         if self.use_index:
             for hashes in req.hashes.values():
                 if hashes:
                     overlaps.update(self.index.overlaps(hashes))
-        size = slots.row(0 if rows is None else int(rows[0])).block_size
+        size = slots[0].block_size
         request_blocks = {bs: -(-p // bs) for bs in req.hashes} or {size: -(-p // size)}
-        cost = slots.costs(
-            rows, params, p, overlaps=overlaps, request_blocks=request_blocks,
-            booked_shared=self._booked_shared(req, slots),
-        )
-        i = pick_index(cost, params.router_temperature, self.rng)
-        chosen = slots.row(i if rows is None else int(rows[i]))
-        return chosen, overlaps.get(chosen.key, NO_OVERLAP), float(cost[i]), n
+        shared = self.tables.booked_shared(req.hashes, table)
+        timed = self.cost_mode is RoutingMode.KV_TIME or req.ttft_slo_ms is not None
+        decode_tokens = self.timings.decode_tokens[model].value
+        cost: Any
+        tcost: Any = None
+        ttft: Any = None
+        if vector:
+            if timed:
+                tcost, ttft = table.time_costs(rows, params, p, overlaps=overlaps, request_blocks=request_blocks,
+                                               booked_shared=shared, decode_tokens=decode_tokens)
+            cost = tcost if self.cost_mode is RoutingMode.KV_TIME else table.costs(
+                rows, params, p, overlaps=overlaps, request_blocks=request_blocks, booked_shared=shared)
+            return _Scored((), rows, table, overlaps, cost, ttft)
+        if timed:
+            tcost, ttft = time_costs(slots, params, p, overlaps=overlaps, request_blocks=request_blocks,
+                                     booked_shared=shared, decode_tokens=decode_tokens)
+        cost = tcost if self.cost_mode is RoutingMode.KV_TIME else costs(
+            slots, params, p, overlaps=overlaps, request_blocks=request_blocks, booked_shared=shared)
+        return _Scored(slots, None, None, overlaps, cost, ttft)
 
-    def _booked_shared(self, req: RoutingRequest, slots: Mapping[WorkerKey, Slot]) -> dict[WorkerKey, int]:
-        """Blocks of the request already booked on each rank for other requests."""
-        shared: dict[WorkerKey, int] = {}
-        for key in self.bookings.keys():
-            rank = self.bookings.rank(key)
-            slot = slots.get(key)
-            if rank is None or slot is None:
-                continue
-            hashes = req.hashes.get(slot.block_size, ())
-            shared[key] = sum(1 for h in hashes if h in rank.blocks)
-        return shared
+    def _choose(self, req: RoutingRequest, scored: _Scored) -> tuple[int, bool | None]:
+        """Index of the chosen candidate, and whether it is predicted to meet the request's TTFT
+        objective (None without one). With an objective: among the candidates predicted to meet
+        it, the one with the most cached tokens, then the least cost (ties at random); none → the
+        overload status if ``ttft_slo_reject``, else the usual pick (best effort)."""
+        params = self._params[req.model]
+        temperature = params.router_temperature
+        slo = req.ttft_slo_ms
+        if slo is None:
+            if scored.table is not None:
+                return pick_index(scored.cost, temperature, self.rng), None
+            return pick(scored.cost, temperature, self.rng), None
+        stats = self.slo[req.model]
+        stats["requests"] += 1
+        cost = np.asarray(scored.cost, dtype=np.float64)
+        meet = np.asarray(scored.ttft, dtype=np.float64) <= slo
+        if not bool(meet.any()):
+            if params.ttft_slo_reject:
+                stats["rejected"] += 1
+                best = float(np.min(scored.ttft))
+                raise Overloaded(
+                    f"no worker of model {req.model} is predicted to meet the TTFT objective of "
+                    f"{slo:g} ms (best predicted {best:.0f} ms)", model=req.model,
+                )
+            if scored.table is None:
+                return pick(scored.cost, temperature, self.rng), False
+            return pick_index(cost, temperature, self.rng), False
+        stats["predicted_met"] += 1
+        hits = np.zeros(len(cost))
+        if scored.overlaps:
+            keys = list(scored.overlaps)
+            if scored.table is not None:
+                pos, keep = scored.table.locate(scored.rows, keys)
+                keys = [k for k, kept in zip(keys, keep.tolist(), strict=True) if kept]
+            else:
+                where = {s.key: i for i, s in enumerate(scored.slots)}
+                pairs = [(where[k], k) for k in keys if k in where]
+                pos = np.array([i for i, _ in pairs], dtype=np.intp)
+                keys = [k for _, k in pairs]
+            hits[pos] = [scored.overlaps[k].total for k in keys]
+        return consolidate(cost, meet, hits, self.rng), True
 
     def _select_pinned(
         self, req: RoutingRequest, seq: int, revisions: dict[str, int], pool: WorkerRole, pin: Pin,
@@ -764,7 +656,7 @@ class Scheduler:
     ) -> Selection:
         model = req.model
 
-        def busy(state: WorkerState, rank: int) -> bool:
+        def busy(state: Any, rank: int) -> bool:
             slot = self._slots[model].get((state.instance_id, rank))
             return slot is not None and slot.busy
 
@@ -785,7 +677,7 @@ class Scheduler:
     def _book(
         self, req: RoutingRequest, seq: int, revisions: dict[str, int], slot: Slot,
         overlap: Overlap, cost: float | None, candidates: int, *, pinned: bool = False,
-        disaggregated: bool = False,
+        disaggregated: bool = False, slo_met: bool | None = None,
     ) -> Selection:
         p = req.prompt_tokens
         # As vLLM does (and the mock engine), the last prompt token is always computed, so a hit
@@ -793,24 +685,35 @@ class Scheduler:
         cached = min(overlap.total, max(p - 1, 0) // slot.block_size) * slot.block_size
         hashes = req.hashes.get(slot.block_size, ())
         booking_id = req.request_id + PREFILL_BOOKING if disaggregated else req.request_id
+        # What the chosen worker's timing model predicts (before this request is booked there),
+        # kept until the first token and the end to feed its calibration.
+        params = self._params[req.model]
+        pred = predict(slot, params, p, overlap, least_prefill=slot.active_prefill_tokens,
+                       decode_tokens=self.timings.decode_tokens[req.model].value)
+        self.timings.expect(booking_id, Pending(
+            slot.instance_id, req.model,
+            Prediction(pred.ttft_ms, pred.cost_ms, pred.queued_tokens, float(p - cached), pred.steps,
+                       pred.kv_usage, pred.running),
+            slot.batch_tokens or 8192,
+        ))
         self.bookings.book(
             booking_id, slot.key, model=req.model, prefill_tokens=p - cached, hashes=hashes
         )
         if self.approximate and hashes:
             self.index.record(slot.key, hashes, now=self.clock(), ttl=self.approx_ttl_s)
-        self._refresh_slot(req.model, slot.key)
+        self.tables.refresh_slot(req.model, slot.key)
         self.stats["selections"] += 1
         log.debug(
-            "request %s → %s worker %s rank %d (cost %s, overlap %d blocks, revisions %s)",
-            req.request_id, slot.role.value, slot.instance_id, slot.dp_rank, cost, overlap.total,
-            revisions,
+            "request %s → %s worker %s rank %d (cost %s, overlap %d blocks, predicted TTFT %.1f ms, "
+            "revisions %s)", req.request_id, slot.role.value, slot.instance_id, slot.dp_rank, cost,
+            overlap.total, pred.ttft_ms, revisions,
         )
         return Selection(
             request_id=req.request_id, model=req.model, instance_id=slot.instance_id,
             dp_rank=slot.dp_rank, url=slot.url, revisions=revisions, seq=seq, cost=cost,
             overlap_blocks=overlap.total, cached_tokens=cached, prompt_tokens=p,
             candidates=candidates, pinned=pinned, pool=slot.role, booking_id=booking_id,
-            disaggregated=disaggregated,
+            disaggregated=disaggregated, predicted_ttft_ms=pred.ttft_ms, slo_predicted_met=slo_met,
         )
 
     # -- the view the HTTP side reads -----------------------------------------------------------

@@ -20,9 +20,12 @@ import math
 import random
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import NamedTuple, Protocol
+from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
 
 from controlplane.protocol.policy import SELECTION_PARAMETERS, Number
+
+if TYPE_CHECKING:
+    from router.cost import Timing
 
 _TIE_EPS = 1e-9
 
@@ -53,16 +56,24 @@ class SelectionParams:
     shared_cache_multiplier: float = 0.0
     decode_active_request_weight: float = 0.0
     router_temperature: float = 0.0
+    # The time cost's (router.cost) and its calibration's (router.calibration).
+    decode_slowdown_weight: float = 0.0
+    prefill_interference_weight: float = 1.0
+    calibration_window: int = 256
+    calibration_min_samples: int = 16
+    ttft_slo_reject: bool = False
+    calibration_epoch: int = 0
 
     @classmethod
     def from_values(cls, values: Mapping[str, Number | None]) -> SelectionParams:
         """Build from effective values; a ``None`` falls back to the parameter's default."""
-        kwargs: dict[str, float] = {}
+        kwargs: dict[str, Any] = {}
         for name, spec in SELECTION_PARAMETERS.items():
             value = values.get(name)
             if value is None:
                 value = spec.default if spec.default is not None else 0.0
-            kwargs[name] = float(value)
+            kwargs[name] = int(value) if spec.integer else float(value)
+        kwargs["ttft_slo_reject"] = bool(kwargs.get("ttft_slo_reject", 0))
         return cls(**kwargs)
 
 
@@ -79,7 +90,16 @@ class Candidate:
     decode_blocks: int
     active_requests: int
     overlap: Overlap = NO_OVERLAP
+    # What the time cost (router.cost) needs besides the load figures: the rank's KV blocks, its
+    # step budget (max_num_batched_tokens) and its worker's timing model (None: the default).
+    kv_total_blocks: int = 0
+    batch_tokens: int = 0
+    timing: Timing | None = None
     key: tuple[int, int] = field(init=False)
+    # router.cost's per-candidate cache: (p0, p1, p2, full step prefill, d0, d1, d2, decode min)
+    # of ``coef_of`` (the timing object they came from: a replaced timing is noticed).
+    coef: tuple[float, ...] | None = field(default=None, init=False, repr=False, compare=False)
+    coef_of: object = field(default=None, init=False, repr=False, compare=False)
     # The router.loadvec.LoadTable mirroring this candidate, if any (it sets this).
     table: Touchable | None = field(default=None, init=False, repr=False, compare=False)
 

@@ -29,10 +29,32 @@ from controlplane.protocol.signing import load_keyring
 
 
 class RoutingMode(enum.StrEnum):
+    """``kv`` is KV-aware routing with the default cost (:data:`DEFAULT_KV_COST`); ``kv-blocks``
+    and ``kv-time`` name a cost explicitly (DESIGN §5's block cost; router.cost's predicted time).
+    The others are load-only comparison modes."""
+
     KV = "kv"
+    KV_BLOCKS = "kv-blocks"
+    KV_TIME = "kv-time"
     ROUND_ROBIN = "round_robin"
     RANDOM = "random"
     LEAST_LOADED = "least_loaded"
+
+    @property
+    def kv_aware(self) -> bool:
+        return self in (RoutingMode.KV, RoutingMode.KV_BLOCKS, RoutingMode.KV_TIME)
+
+    @property
+    def cost(self) -> RoutingMode | None:
+        """The cost a KV-aware mode scores with (``kv`` resolved); None for load-only modes."""
+        if self is RoutingMode.KV:
+            return DEFAULT_KV_COST
+        return self if self.kv_aware else None
+
+
+# What plain ``kv`` means: the predicted-time cost, which beat the block cost at startup values on
+# every scenario of bench/routing_quality.py (docs/benchmarks.md, "Predicted-time cost").
+DEFAULT_KV_COST = RoutingMode.KV_TIME
 
 
 def new_router_id() -> str:
@@ -160,7 +182,7 @@ class RouterSettings(BusSettings):
     @property
     def cache_inputs(self) -> frozenset[CacheInput]:
         """What this router can feed to cache-scoring weights (DESIGN §3.1)."""
-        if self.mode is not RoutingMode.KV or self.role is RouterRole.DECODE:
+        if not self.mode.kv_aware or self.role is RouterRole.DECODE:
             return frozenset()
         if not self.kv_events:
             return frozenset({CacheInput.DEVICE})

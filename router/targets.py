@@ -21,6 +21,7 @@ overload when busy).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -209,3 +210,31 @@ def resolve_pin(
             instance_id=str(pin.instance_id), dp_rank=rank,
         )
     return state, rank
+
+
+HDR_TTFT_SLO = "x-rudder-ttft-slo-ms"
+HDR_PREDICTED_TTFT = "x-rudder-predicted-ttft-ms"
+
+
+def parse_ttft_slo(nvext: Any, headers: Mapping[str, str]) -> float | None:
+    """A request's TTFT objective in ms (header ``x-rudder-ttft-slo-ms``, else
+    ``nvext.ttft_slo_ms``), or None. Raises InvalidRequest naming the field unless it is a finite
+    number > 0."""
+    raw = headers.get(HDR_TTFT_SLO)
+    field = HDR_TTFT_SLO
+    value: Any = raw
+    if raw is not None:
+        try:
+            value = float(raw)
+        except ValueError:
+            raise InvalidRequest(f"{field} must be a number of milliseconds, got {raw!r}", field=field) from None
+    else:
+        field = "nvext.ttft_slo_ms"
+        value = nvext.get("ttft_slo_ms") if isinstance(nvext, Mapping) else None
+        if value is None:
+            return None
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            raise InvalidRequest(f"{field} must be a number of milliseconds, got {value!r}", field=field)
+    if not math.isfinite(value) or value <= 0:
+        raise InvalidRequest(f"{field} must be a finite number > 0, got {value!r}", field=field)
+    return float(value)

@@ -92,26 +92,6 @@ ESTIMATE = EstimatingTokenizer()
 _BYTE_NAMES = frozenset({byte_tokenizer.NAME})
 
 
-def _as_text_content(message: Mapping[str, Any]) -> dict[str, Any]:
-    """vLLM's "string" content format: text parts of a content array joined with newlines."""
-    out = dict(message)
-    content = out.get("content")
-    if isinstance(content, list):
-        out["content"] = "\n".join(
-            str(p.get("text", "")) for p in content if isinstance(p, Mapping) and p.get("type") == "text"
-        )
-    return out
-
-
-def _ids(out: Any) -> list[int]:
-    """Token ids from ``apply_chat_template``: a list (transformers 4) or a dict-like
-    ``BatchEncoding`` with ``input_ids`` (transformers 5)."""
-    ids = out if isinstance(out, list) else out["input_ids"]
-    if ids and isinstance(ids[0], list):  # a batch of one conversation
-        ids = ids[0]
-    return [int(t) for t in ids]
-
-
 class HfTokenizer:
     """A Hugging Face tokenizer loaded from a local model folder (the vLLM engine's)."""
 
@@ -121,9 +101,8 @@ class HfTokenizer:
         self._warned = False
 
     def chat(self, messages: Any) -> tuple[list[int], int]:
-        msgs = [_as_text_content(m) for m in _check_messages(messages)]
         try:
-            out = self._tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True)
+            ids = byte_tokenizer.hf_chat_ids(self._tok, _check_messages(messages))
         except Exception as exc:
             # No template, jinja2 missing, or messages the template refuses: route on an
             # estimate and let the engine judge the request.
@@ -131,7 +110,6 @@ class HfTokenizer:
             self._warned = True
             log.log(level, "chat template of %s failed (%r): prompt length estimated", self.name, exc)
             return ESTIMATE.chat(messages)
-        ids = _ids(out)
         return ids, len(ids)
 
     def prompt(self, prompt: Any) -> tuple[list[int], int]:
@@ -140,7 +118,7 @@ class HfTokenizer:
             return [int(t) for t in parts], len(parts)
         if len(parts) != 1:  # a batch of prompts: no single token sequence to hash
             return ESTIMATE.prompt(prompt)
-        ids = [int(t) for t in self._tok.encode(str(parts[0]), add_special_tokens=True)]
+        ids = byte_tokenizer.hf_prompt_ids(self._tok, str(parts[0]))
         return ids, len(ids)
 
 

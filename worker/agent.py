@@ -127,7 +127,7 @@ class Worker:
                 kv_total_blocks=self.info.kv_total_blocks,
                 max_num_batched_tokens=self.info.max_num_batched_tokens,
                 tokenizer=self.info.tokenizer, cache_tiers=[CacheInput.DEVICE],
-                engine=self.info.engine, started_at=utcnow(),
+                engine=self.info.engine, started_at=utcnow(), timing=self.info.timing,
             )
             await self._publish_membership(MembershipOp.JOIN)
             self._spawn(self._heartbeats(), "heartbeats")

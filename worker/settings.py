@@ -55,6 +55,9 @@ class MockEngineSettings(BaseModel):
     kv_transfer_ms_per_block: float = Field(default=0.05, ge=0)
     default_max_tokens: int = Field(default=16, gt=0)
     max_model_len: int = Field(default=131072, gt=0)
+    # "" = rudder-bytes (one token per UTF-8 byte); a local model folder = its Hugging Face
+    # tokenizer, the one the router loads for it (worker/engines/mock/tokenizer.py).
+    tokenizer: str = ""
 
 
 class VllmEngineSettings(BaseModel):

@@ -8,11 +8,12 @@ the place to add one is marked).
 from __future__ import annotations
 
 import enum
+import math
 import uuid
 from datetime import UTC, datetime
 from typing import Annotated, Any, Literal
 
-from pydantic import AwareDatetime, BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import AwareDatetime, BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from controlplane.protocol import limits as L
 from controlplane.protocol.errors import InvalidRequest, SubjectMismatch
@@ -134,6 +135,23 @@ class PolicyResync(BaseModel):
     count: int = Field(ge=1)
 
 
+class WorkerCalibration(BaseModel):
+    """One worker's timing model as a router fitted it (issue 9), in its status."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+    model: str
+    instance_id: int
+    source: str  # "fitted", or the prior's source while too few samples are in
+    prefill_ms: tuple[float, float, float]
+    decode_ms: tuple[float, float, float]
+    prefill_fitted: bool = False
+    decode_fitted: bool = False
+    prefill_samples: int = 0
+    decode_samples: int = 0
+    ttft_mae_ms: float | None = None
+    ttft_p90_error_ms: float | None = None
+
+
 class RouterStatus(_Event):
     """A router's status in the ``RUDDER_ROUTERS`` bucket, refreshed every heartbeat."""
 
@@ -152,6 +170,8 @@ class RouterStatus(_Event):
     started_at: Timestamp
     heartbeat_at: Timestamp
     policy_resync: PolicyResync | None = None
+    # Per-worker timing fits of the router's time cost (optional; absent from older routers).
+    calibration: list[WorkerCalibration] = Field(default_factory=list, max_length=L.MAX_ROUTER_MODELS)
 
 
 def doc_key(model: str, kind: PolicyKind | str) -> str:
@@ -179,6 +199,38 @@ class MembershipOp(enum.StrEnum):
     LEAVE = "leave"
 
 
+class EngineTiming(BaseModel):
+    """The engine's own timing model, as its membership record advertises it (issue 9): the
+    router's prior for that worker until it has fitted one from what it observed.
+
+    Per engine step, in milliseconds: prefill ``p0 + p1·N + p2·N²`` for N uncached tokens computed
+    in the step (chunked at ``max_num_batched_tokens``), decode ``d0 + d1·u + d2·u²`` at KV usage
+    u ∈ [0, 1], at least ``decode_min_ms``. ``source`` says where the numbers come from
+    (``mock``: the mock's own formula divided by its speed-up ratio; ``vllm-default``: a generic
+    prior for a vLLM engine). ``version`` is this object's own schema version."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+    version: Literal[1] = 1
+    source: str = Field(default="mock", max_length=64)
+    prefill_ms: tuple[float, float, float]
+    decode_ms: tuple[float, float, float]
+    decode_min_ms: float = Field(default=0.0, ge=0)
+
+    @field_validator("prefill_ms", "decode_ms")
+    @classmethod
+    def _finite(cls, value: tuple[float, float, float]) -> tuple[float, float, float]:
+        if not all(math.isfinite(v) for v in value):
+            raise ValueError("coefficients must be finite")
+        return value
+
+
+# DESIGN §6's formula (the reference simulator's fit of vLLM on one GPU): the prior of an engine that
+# advertises nothing better (a vLLM worker), and of a schema 1 record (no timing at all).
+DEFAULT_PREFILL_MS = (16.50142, 1.518344e-2, 4.209989e-7)
+DEFAULT_DECODE_MS = (5.74, 54.01, -25.74)
+DEFAULT_DECODE_MIN_MS = 1.0
+
+
 class WorkerRecord(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
     instance_id: int = Field(gt=0, le=U64_MAX)
@@ -195,6 +247,8 @@ class WorkerRecord(BaseModel):
     )
     engine: str = Field(default="mock", max_length=L.MAX_ENGINE_CHARS)
     started_at: Timestamp
+    # Since membership schema 2; absent in schema 1 records (the router then uses its default).
+    timing: EngineTiming | None = None
 
 
 class RankLoad(BaseModel):
@@ -207,8 +261,16 @@ class RankLoad(BaseModel):
     waiting: Count = 0
 
 
+MEMBERSHIP_SCHEMA_VERSION = 2
+
+
 class MembershipEvent(_Event):
-    schema_version: Literal[1] = 1
+    """Schema 2 adds ``worker.timing`` (optional). A reader of schema 2 reads schema 1 events
+    unchanged (no timing); a schema 1 reader refuses schema 2 events, so upgrade routers (the
+    readers) before workers. An event without timing is written as schema 1, so a worker that
+    advertises no timing stays readable by old routers."""
+
+    schema_version: Literal[1, 2] = 1
     op: MembershipOp
     worker: WorkerRecord
     load: list[RankLoad] = Field(default_factory=list, max_length=L.MAX_DP_SIZE)
@@ -224,8 +286,15 @@ class MembershipEvent(_Event):
                 )
         return self
 
+    @model_validator(mode="after")
+    def _version(self) -> MembershipEvent:
+        if self.worker.timing is not None and self.schema_version < 2:
+            object.__setattr__(self, "schema_version", MEMBERSHIP_SCHEMA_VERSION)
+        return self
+
 
 def decode_membership_event(data: bytes | str | dict[str, Any]) -> MembershipEvent:
+    # Schema 1 → 2: ``worker.timing`` is absent (None); nothing to rewrite.
     event: MembershipEvent = _decode(MembershipEvent, data)
     return event
 

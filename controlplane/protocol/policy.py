@@ -71,6 +71,15 @@ SELECTION_PARAMETERS: dict[str, ParameterSpec] = {
         ParameterSpec("shared_cache_multiplier", 0.0, 0.0, 1.0, cache_input=CacheInput.SHARED),
         ParameterSpec("decode_active_request_weight", 0.0, 0.0, None),
         ParameterSpec("router_temperature", 0.0, 0.0, None),
+        # The predicted-time cost (router mode kv) and its per-worker calibration (issue 9).
+        ParameterSpec("decode_slowdown_weight", 0.0, 0.0, None),
+        ParameterSpec("prefill_interference_weight", 1.0, 0.0, None),
+        ParameterSpec("calibration_window", 256, 16.0, 4096.0, integer=True, unit="observations"),
+        ParameterSpec("calibration_min_samples", 16, 3.0, 1024.0, integer=True, unit="observations"),
+        ParameterSpec("ttft_slo_reject", 0, 0.0, 1.0, integer=True, unit="0 best effort, 1 refuse"),
+        # Changing it resets every router's calibration of the model (rudder routers
+        # reset-calibration): a revisioned, audited reset through the one write path.
+        ParameterSpec("calibration_epoch", 0, 0.0, None, integer=True),
     )
 }
 

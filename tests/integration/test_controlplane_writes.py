@@ -260,3 +260,25 @@ async def test_capability_check_refuses_weights_a_live_router_cannot_feed(nats_u
         r = await http.patch("/router_policy", json={"model": model, "expected_revision": 0,
                                                       "parameters": {"overlap_score_credit": 0.5}})
         assert r.status_code == 200, r.text
+
+
+async def test_calibration_reset_is_an_audited_epoch_patch(nats_url: str, db: str, tokens: Tokens,
+                                                           audit: AuditStore, policy_log: PolicyLog) -> None:
+    model = model_name()
+    async with controlplane(nats_url, db) as cp:
+        async with client(cp, tokens.operator) as http:
+            r = await http.patch("/router_policy", json={"model": model, "expected_revision": 0,
+                                                          "parameters": {"router_temperature": 0.5}})
+            assert r.status_code == 200, r.text
+            first = (await http.post("/router_policy/calibration/reset", json={"model": model})).json()
+            assert first["document"] == {"calibration_epoch": 1, "router_temperature": 0.5}, first
+            second = await http.post("/router_policy/calibration/reset", json={"model": model})
+            assert second.status_code == 200 and second.json()["document"]["calibration_epoch"] == 2
+            bad = await http.post("/router_policy/calibration/reset", json={"model": model, "x": 1})
+            assert bad.status_code == 422 and bad.json()["error"]["field"] == "x", bad.text
+        async with client(cp, tokens.viewer) as http:
+            refused = await http.post("/router_policy/calibration/reset", json={"model": model})
+            assert refused.status_code == 403
+    assert len(await events_of(policy_log, model)) == 3
+    rows, _ = await audit.query(model=model, decision="accepted", limit=100)
+    assert sum(1 for r in rows if (r.changes or {}).get("calibration_epoch")) == 2

@@ -33,3 +33,17 @@ def test_model_names_with_separators() -> None:
                          "applied": {"org/m:v1|selection": {"revision": 2}}}]}
     assert summarize(body) == [{"model": "org/m:v1", "kind": "selection", "head_revision": 2,
                                 "on_head": 1, "routers": 1}]
+
+
+def test_calibration_rows_show_each_workers_fit_and_error() -> None:
+    from cli.fleet import calibration_rows
+
+    routers = [{"router_id": "a", "calibration": [
+        {"model": "m", "instance_id": 7, "source": "fitted", "prefill_ms": [16.5, 0.0152, 4.2e-7],
+         "prefill_samples": 40, "decode_samples": 30, "ttft_mae_ms": 12.34, "ttft_p90_error_ms": 30.0},
+        {"model": "m", "instance_id": 8, "source": "mock", "prefill_ms": [33.0, 0.03, 8.4e-7]},
+    ]}, {"router_id": "b"}]
+    rows = calibration_rows(routers)
+    assert rows[0] == ("a", "m", 7, "fitted", "16.5 + 0.0152·N + 4.2e-07·N²", "40/30", "12.3", "30.0")
+    assert rows[1][3] == "mock" and rows[1][6:] == ("", "")
+    assert len(rows) == 2

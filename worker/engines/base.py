@@ -11,7 +11,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Protocol
 
-from controlplane.protocol.events import KvCleared, KvDumpRank, KvRemoved, KvStored, RankLoad
+from controlplane.protocol.events import (
+    EngineTiming,
+    KvCleared,
+    KvDumpRank,
+    KvRemoved,
+    KvStored,
+    RankLoad,
+)
 from controlplane.protocol.policy import CacheInput
 
 KvData = KvStored | KvRemoved | KvCleared
@@ -35,6 +42,7 @@ class EngineInfo:
     dp_size: int
     tokenizer: str
     engine: str
+    timing: EngineTiming | None = None  # the engine's own timing model (the router's prior)
 
 
 class Engine(Protocol):

@@ -29,7 +29,14 @@ import httpx
 import zmq
 import zmq.asyncio
 
-from controlplane.protocol.events import KvDumpRank, RankLoad
+from controlplane.protocol.events import (
+    DEFAULT_DECODE_MIN_MS,
+    DEFAULT_DECODE_MS,
+    DEFAULT_PREFILL_MS,
+    EngineTiming,
+    KvDumpRank,
+    RankLoad,
+)
 from controlplane.protocol.policy import CacheInput
 from worker.engines.base import EngineInfo, KvSink
 from worker.engines.vllm_events import (
@@ -180,6 +187,9 @@ class VllmEngine:
             url=self.url, block_size=block_size, kv_total_blocks=self._kv_total_blocks,
             max_num_batched_tokens=v.max_num_batched_tokens, dp_size=s.dp_size,
             tokenizer=tokenizer, engine="vllm",
+            # A generic prior (DESIGN §6's formula); each router fits this worker's own model.
+            timing=EngineTiming(source="vllm-default", prefill_ms=DEFAULT_PREFILL_MS,
+                                decode_ms=DEFAULT_DECODE_MS, decode_min_ms=DEFAULT_DECODE_MIN_MS),
         )
 
     async def stop(self) -> None:

@@ -23,8 +23,8 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from controlplane.protocol import tokenizer
 from worker.engines.mock.engine import EngineStopped, MockCore, RequestHandle, RequestRejected
+from worker.engines.mock.tokenizer import BYTES, MockTokenizer
 
 _U32 = 2**32
 
@@ -72,7 +72,7 @@ def _token_list(value: Any, name: str) -> list[int]:
     return list(value)
 
 
-def completion_prompt(body: Mapping[str, Any]) -> list[int]:
+def completion_prompt(body: Mapping[str, Any], tok: MockTokenizer = BYTES) -> list[int]:
     """Token ids of a completions ``prompt``: a string, token ids, or a batch of one of those."""
     prompt = body.get("prompt")
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
@@ -80,7 +80,7 @@ def completion_prompt(body: Mapping[str, Any]) -> list[int]:
     if isinstance(prompt, str):
         if not prompt:
             raise ApiError(400, "prompt must not be empty", param="prompt")
-        return tokenizer.encode(prompt)
+        return tok.encode(prompt)
     if isinstance(prompt, list):
         if prompt and isinstance(prompt[0], str | list):
             raise ApiError(400, "batched prompts are not supported; send one prompt per request",
@@ -89,14 +89,17 @@ def completion_prompt(body: Mapping[str, Any]) -> list[int]:
     raise ApiError(400, "prompt must be a string or a list of token ids", param="prompt")
 
 
-def chat_prompt(body: Mapping[str, Any]) -> list[int]:
+def chat_prompt(body: Mapping[str, Any], tok: MockTokenizer = BYTES) -> list[int]:
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages or not all(
         isinstance(m, dict) for m in messages
     ):
         raise ApiError(400, "messages must be a non-empty list of message objects",
                        param="messages")
-    return tokenizer.encode_chat(messages)
+    try:
+        return tok.encode_chat(messages)
+    except ValueError as exc:
+        raise ApiError(400, str(exc), param="messages") from None
 
 
 def requested_dp_rank(request: Request, body: Mapping[str, Any]) -> int | None:
@@ -124,8 +127,10 @@ def _usage(handle: RequestHandle) -> dict[str, Any]:
 
 
 class MockApi:
-    def __init__(self, core: MockCore, *, model: str, instance_id: int) -> None:
+    def __init__(self, core: MockCore, *, model: str, instance_id: int,
+                 tokenizer: MockTokenizer = BYTES) -> None:
         self.core = core
+        self.tokenizer = tokenizer
         self.model = model
         self.instance_id = instance_id
         self.stats = ApiStats()
@@ -205,7 +210,7 @@ class MockApi:
             if model is not None and model != self.model:
                 raise ApiError(404, f"The model `{model}` does not exist.", param="model",
                                type_="NotFoundError", code="model_not_found")
-            prompt = chat_prompt(body) if chat else completion_prompt(body)
+            prompt = chat_prompt(body, self.tokenizer) if chat else completion_prompt(body, self.tokenizer)
             max_tokens = body.get("max_completion_tokens") if chat else None
             if max_tokens is None:
                 max_tokens = body.get("max_tokens")
@@ -245,7 +250,7 @@ class MockApi:
             if not handle.finished:
                 self.core.abort(handle)
         self._account(handle)
-        text = tokenizer.decode(handle.tokens)
+        text = self.tokenizer.decode(handle.tokens)
         choice: dict[str, Any]
         if chat:
             choice = {"index": 0, "message": {"role": "assistant", "content": text},
@@ -289,7 +294,7 @@ class MockApi:
                     break
                 n = len(handle.tokens)
                 if n > sent or handle.finished:
-                    text = tokenizer.decode(handle.tokens[sent:n])
+                    text = self.tokenizer.decode(handle.tokens[sent:n])
                     sent = n
                     yield chunk(text, '"length"' if handle.finished else "null")
                     if handle.finished:

@@ -10,14 +10,14 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from controlplane.protocol.events import KvDumpRank, RankLoad, WorkerRole
 from controlplane.protocol.hashing import block_hashes
 from worker.engines.base import KvSink
 from worker.engines.mock.blocks import BlockPool
-from worker.engines.mock.scheduler import Scheduler, Seq
+from worker.engines.mock.scheduler import Scheduler, Seq, output_token
 from worker.engines.mock.timing import TimingModel
 from worker.settings import MockEngineSettings
 
@@ -63,13 +63,14 @@ class RankEngine:
     """One dp rank: a block pool, a scheduler and the loop that runs it."""
 
     def __init__(
-        self, rank: int, settings: MockEngineSettings, timing: TimingModel, kv_sink: KvSink
+        self, rank: int, settings: MockEngineSettings, timing: TimingModel, kv_sink: KvSink,
+        token_source: Callable[[int], int] = output_token,
     ) -> None:
         self.rank = rank
         self.pool = BlockPool(num_blocks=settings.num_blocks, block_size=settings.block_size)
         self.scheduler = Scheduler(
             pool=self.pool, timing=timing, max_num_seqs=settings.max_num_seqs,
-            max_num_batched_tokens=settings.max_num_batched_tokens,
+            max_num_batched_tokens=settings.max_num_batched_tokens, token_source=token_source,
         )
         self._kv_sink = kv_sink
         self._handles: dict[Seq, RequestHandle] = {}
@@ -166,11 +167,11 @@ class MockCore:
     """All dp ranks of one mock engine, and the role-specific request path."""
 
     def __init__(self, settings: MockEngineSettings, *, dp_size: int, role: WorkerRole,
-                 kv_sink: KvSink) -> None:
+                 kv_sink: KvSink, token_source: Callable[[int], int] = output_token) -> None:
         self.settings = settings
         self.role = role
         self.timing = TimingModel.from_settings(settings)
-        self.ranks = [RankEngine(r, settings, self.timing, kv_sink) for r in range(dp_size)]
+        self.ranks = [RankEngine(r, settings, self.timing, kv_sink, token_source) for r in range(dp_size)]
         self._ids = itertools.count(1)
         self._tasks: list[asyncio.Task[None]] = []
         self.stopped = False

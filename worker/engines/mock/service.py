@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
-from controlplane.protocol import tokenizer
+import asyncio
+
 from controlplane.protocol.events import KvDumpRank, RankLoad
 from worker.engines.base import EngineInfo, KvSink
 from worker.engines.mock.api import MockApi
 from worker.engines.mock.engine import MockCore
+from worker.engines.mock.timing import TimingModel
+from worker.engines.mock.tokenizer import load_tokenizer
 from worker.httpserver import HttpServer, advertised_url
 from worker.settings import WorkerSettings
 
@@ -20,8 +23,11 @@ class MockEngine:
 
     async def start(self, kv_sink: KvSink) -> EngineInfo:
         s = self.settings
-        self.core = MockCore(s.mock, dp_size=s.dp_size, role=s.role, kv_sink=kv_sink)
-        self.api = MockApi(self.core, model=s.model, instance_id=s.instance_id)
+        # A model folder's tokenizer reads files (and imports transformers): off the event loop.
+        tok = await asyncio.to_thread(load_tokenizer, s.mock.tokenizer)
+        self.core = MockCore(s.mock, dp_size=s.dp_size, role=s.role, kv_sink=kv_sink,
+                             token_source=tok.output_token)
+        self.api = MockApi(self.core, model=s.model, instance_id=s.instance_id, tokenizer=tok)
         self._http = HttpServer(self.api.app, host=s.host, port=s.port)
         self.core.start()
         try:
@@ -33,7 +39,8 @@ class MockEngine:
             url=advertised_url(host=s.host, port=self._http.port, advertise_host=s.advertise_host),
             block_size=s.mock.block_size, kv_total_blocks=s.mock.num_blocks,
             max_num_batched_tokens=s.mock.max_num_batched_tokens, dp_size=s.dp_size,
-            tokenizer=tokenizer.NAME, engine="mock",
+            tokenizer=tok.name, engine="mock",
+            timing=TimingModel.from_settings(s.mock).advertised(),
         )
 
     async def stop(self) -> None:

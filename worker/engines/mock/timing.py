@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from controlplane.protocol.events import EngineTiming
 from worker.settings import MockEngineSettings
 
 
@@ -32,6 +33,16 @@ class TimingModel:
             decode_min_ms=s.decode_min_ms, speedup_ratio=s.speedup_ratio,
             kv_transfer_base_ms=s.kv_transfer_base_ms,
             kv_transfer_ms_per_block=s.kv_transfer_ms_per_block,
+        )
+
+    def advertised(self) -> EngineTiming:
+        """This model as the membership record advertises it (per step, speed-up applied)."""
+        r = self.speedup_ratio
+        return EngineTiming(
+            source="mock",
+            prefill_ms=(self.prefill_c / r, self.prefill_b / r, self.prefill_a / r),
+            decode_ms=(self.decode_c / r, self.decode_b / r, self.decode_a / r),
+            decode_min_ms=self.decode_min_ms / r,
         )
 
     def prefill_ms(self, uncached_tokens: int) -> float:

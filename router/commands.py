@@ -1,0 +1,200 @@
+"""The scheduler actor's vocabulary: what a selection asks and answers, and the commands other
+tasks send it (imperative names; each carries the future its sender awaits, if any). Pure data.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from datetime import datetime
+from typing import TYPE_CHECKING, Any, Generic, TypeVar
+
+from controlplane.protocol.events import (
+    AppliedDocument,
+    KvDumpReply,
+    KvEvent,
+    MembershipEvent,
+    WorkerRole,
+)
+from controlplane.protocol.policy import PolicyKind
+from controlplane.protocol.signing import Keyring
+from router.discovery import Change
+from router.policy_state import ApplyResult
+from router.targets import Pin, Targets
+
+if TYPE_CHECKING:
+    from router.scheduler import Scheduler
+
+T = TypeVar("T")
+
+
+# ---------------------------------------------------------------------------------------------
+# Requests and answers
+
+PREFILL_BOOKING = ":prefill"  # suffix of the booking id of a disaggregated request's prefill phase
+
+
+class Phase(enum.Enum):
+    """What a selection is for. ``AUTO``: the whole request on a router of a prefill or decode
+    role or on an aggregated deployment, or its prefill phase when the model's snapshot holds
+    prefill and decode workers (the answer says so); ``DECODE``: the decode phase that follows."""
+
+    AUTO = "auto"
+    DECODE = "decode"
+
+
+@dataclass(frozen=True, slots=True)
+class RoutingRequest:
+    request_id: str
+    model: str
+    prompt_tokens: int
+    hashes: Mapping[int, Sequence[int]]  # block size → chain hashes of the prompt's full blocks
+    pin: Pin | None = None  # used when ``targets`` is None
+    exclude: frozenset[int] = frozenset()  # workers that already failed this request
+    targets: Targets | None = None  # both phases' explicit targets (parse_targets)
+    phase: Phase = Phase.AUTO
+    # The request's TTFT objective (x-rudder-ttft-slo-ms / nvext.ttft_slo_ms), if any.
+    ttft_slo_ms: float | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Selection:
+    request_id: str
+    model: str
+    instance_id: int
+    dp_rank: int
+    url: str
+    revisions: dict[str, int]  # kind → revision of the document it was scored with
+    seq: int  # position of the command in the queue
+    cost: float | None
+    overlap_blocks: int
+    cached_tokens: int
+    prompt_tokens: int
+    candidates: int
+    pinned: bool = False
+    pool: WorkerRole = WorkerRole.AGGREGATED
+    # Id its booking is kept under (send RequestFirstToken / RequestDone with it).
+    booking_id: str = ""
+    # True for the prefill phase of a disaggregated request: a decode phase must follow.
+    disaggregated: bool = False
+    # The chosen worker's predicted engine time to first token (router.cost), in ms.
+    predicted_ttft_ms: float | None = None
+    # With a TTFT objective: whether the chosen worker was predicted to meet it.
+    slo_predicted_met: bool | None = None
+
+    @property
+    def predicted_hit_rate(self) -> float:
+        return self.cached_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class PolicyApplied:
+    result: ApplyResult
+    seq: int
+
+
+@dataclass(frozen=True, slots=True)
+class RouterView:
+    """What the HTTP side may read without asking the actor (replaced, never mutated)."""
+
+    ready: bool = False
+    block_sizes: dict[str, frozenset[int]] = field(default_factory=dict)
+    tokenizers: dict[str, frozenset[str]] = field(default_factory=dict)
+    workers: dict[str, int] = field(default_factory=dict)
+    applied: dict[str, AppliedDocument] = field(default_factory=dict)
+
+
+# ---------------------------------------------------------------------------------------------
+# Commands (imperative names; each carries the future its sender awaits, if any)
+
+
+@dataclass(slots=True)
+class Command(Generic[T]):
+    future: asyncio.Future[T] | None = field(default=None, kw_only=True)
+    seq: int = field(default=0, kw_only=True)
+
+
+@dataclass(slots=True)
+class SelectWorker(Command[Selection]):
+    request: RoutingRequest
+
+
+@dataclass(slots=True)
+class ApplyPolicy(Command[PolicyApplied]):
+    model: str
+    kind: PolicyKind
+    revision: int
+    payload: bytes
+    headers: dict[str, str] | None  # the message's headers: the signature is among them
+
+
+@dataclass(slots=True)
+class UseVerifyKeys(Command[None]):
+    """The verify-keys file changed: check policy signatures against this keyring from now on."""
+
+    keyring: Keyring
+
+
+@dataclass(slots=True)
+class ResyncPolicy(Command[dict[str, int]]):
+    """The policy stream went backwards: forget applied revisions (answers them)."""
+
+    reason: str
+
+
+@dataclass(slots=True)
+class ApplyMembership(Command[Change]):
+    event: MembershipEvent
+    received_at: datetime | None = None  # when the bus stored it (liveness uses it, not event.at)
+
+
+@dataclass(slots=True)
+class ApplyKvEvents(Command[list[int]]):
+    """Answers the worker ids whose full state must be fetched (gap or new worker)."""
+
+    events: list[KvEvent]
+
+
+@dataclass(slots=True)
+class LoadKvDump(Command[None]):
+    instance_id: int
+    reply: KvDumpReply | None  # None: the dump failed; replay what was buffered
+
+
+@dataclass(slots=True)
+class DiscoveryComplete(Command[None]):
+    pass
+
+
+@dataclass(slots=True)
+class RequestFirstToken(Command[None]):
+    request_id: str
+    # Measured from sending the request to its worker to its first token (feeds the fit).
+    ttft_ms: float | None = None
+
+
+@dataclass(slots=True)
+class RequestDone(Command[None]):
+    request_id: str
+    # A streamed request that completed: its mean inter-token time and its decode tokens.
+    itl_ms: float | None = None
+    decode_tokens: int | None = None
+
+
+@dataclass(slots=True)
+class MarkUnavailable(Command[None]):
+    instance_id: int
+
+
+@dataclass(slots=True)
+class Tick(Command[list[int]]):
+    """Expire workers and approximate-index entries; answers the ids of workers gone."""
+
+
+@dataclass(slots=True)
+class Inspect(Command[Any]):
+    """Run a read-only function on the actor's state (status, tests)."""
+
+    fn: Callable[[Scheduler], Any]

@@ -1,0 +1,271 @@
+"""The predicted-time cost (selection mode ``kv``, issue 9). Pure: no I/O, no clock.
+
+Each candidate (one worker dp rank) is scored by the time the request would take to its first
+token there, in milliseconds of that worker's own timing model (:class:`Timing`, fitted per worker
+by :mod:`router.calibration`), plus the time its decode costs the requests already running there:
+
+    hit    = min(overlap_score_credit·decay·device + host_cache_hit_weight·host
+                 + disk_cache_hit_weight·disk + shared_cache_multiplier·shared, ⌊(P-1)/B⌋) · B
+    N      = P - hit                                  uncached tokens of this request
+    Q      = active prefill tokens ahead (the larger of this router's bookings and the worker's report)
+    TTFT   = prefill(Q + N) + steps(Q + N) · decode_step(u)      (decode pass only if it runs requests)
+    slow   = running · (prefill_interference_weight · (prefill(Q + N) - prefill(Q))
+                      + decode_slowdown_weight · (decode_step(u + R/K) - decode_step(u)) · L)
+    cost   = TTFT + slow
+
+``prefill(x)`` runs ``x`` tokens in engine steps of at most ``max_num_batched_tokens`` (M), each
+costing ``p0 + p1·n + p2·n²`` for its ``n`` tokens; ``steps(x) = ⌈x/M⌉``; ``u`` is the rank's
+active blocks over its KV blocks ``K``; ``R`` the request's blocks (less those already booked
+there); ``L`` the model's expected decode tokens per request (observed). ``slow`` is what this
+request costs the requests already running there: its prefill lengthens the steps they decode in,
+and its blocks lengthen every later decode step, for about ``L`` steps. A worker with nothing
+running pays no such cost; one with a long prefill to do for many running requests pays much,
+which is what keeps a session on the worker that holds its cache. The cache tiers are
+credits in the same unit: a block held in a tier removes its tokens (times the tier's weight)
+from the prefill, i.e. it is worth the prefill time it saves on that worker. ``decay`` is the
+block cost's (DESIGN §5): ``1 / (1 + overlap_score_credit_decay · excess / R)``.
+
+Temperature and ties are DESIGN §5's (:func:`router.selection.pick`) over these costs.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import numpy.typing as npt
+
+from controlplane.protocol.events import (
+    DEFAULT_DECODE_MIN_MS,
+    DEFAULT_DECODE_MS,
+    DEFAULT_PREFILL_MS,
+    EngineTiming,
+)
+from router.selection import NO_OVERLAP, Candidate, Overlap, SelectionParams
+
+# Decode tokens per request assumed until a model's requests have been observed.
+DEFAULT_DECODE_TOKENS = 32.0
+
+
+@dataclass(frozen=True, slots=True)
+class Timing:
+    """One worker's timing model, per engine step, in ms (see the module docstring)."""
+
+    p0: float
+    p1: float
+    p2: float
+    d0: float
+    d1: float
+    d2: float
+    decode_min_ms: float = 0.0
+    source: str = "default"
+
+    @classmethod
+    def from_engine(cls, timing: EngineTiming | None) -> Timing:
+        if timing is None:
+            return DEFAULT_TIMING
+        (p0, p1, p2), (d0, d1, d2) = timing.prefill_ms, timing.decode_ms
+        return cls(p0, p1, p2, d0, d1, d2, timing.decode_min_ms, timing.source)
+
+    def prefill_step_ms(self, n: float) -> float:
+        """One step computing ``n`` uncached tokens (0 → 0 ms)."""
+        if n <= 0:
+            return 0.0
+        return max(self.p0 + self.p1 * n + self.p2 * n * n, 0.0)
+
+    def decode_step_ms(self, usage: float) -> float:
+        u = min(max(usage, 0.0), 1.0)
+        return max(self.d0 + self.d1 * u + self.d2 * u * u, self.decode_min_ms)
+
+    def prefill_ms(self, tokens: float, budget: int) -> tuple[float, int]:
+        """(time, steps) to compute ``tokens`` in steps of at most ``budget`` tokens."""
+        if tokens <= 0:
+            return 0.0, 0
+        full = int(tokens // budget)
+        rem = tokens - full * budget
+        ms = full * self.prefill_step_ms(budget) if full else 0.0
+        if rem > 0:
+            ms += self.prefill_step_ms(rem)
+            full += 1
+        return ms, full
+
+    def as_dict(self) -> dict[str, float | str]:
+        return {"p0": self.p0, "p1": self.p1, "p2": self.p2, "d0": self.d0, "d1": self.d1,
+                "d2": self.d2, "decode_min_ms": self.decode_min_ms, "source": self.source}
+
+
+DEFAULT_TIMING = Timing(*DEFAULT_PREFILL_MS, *DEFAULT_DECODE_MS, DEFAULT_DECODE_MIN_MS, "default")
+
+
+@dataclass(frozen=True, slots=True)
+class Prediction:
+    """What the time cost predicts for one candidate (kept with its booking, for the fit)."""
+
+    ttft_ms: float
+    cost_ms: float
+    queued_tokens: int
+    uncached_tokens: float
+    steps: int
+    kv_usage: float
+    running: int
+
+
+def predict(
+    c: Candidate, params: SelectionParams, prompt_tokens: int, ov: Overlap, *,
+    least_prefill: int = 0, request_blocks: int | None = None, booked_shared: int = 0,
+    decode_tokens: float = DEFAULT_DECODE_TOKENS,
+) -> Prediction:
+    """The time cost of one candidate (the module docstring's formula)."""
+    timing = c.timing or DEFAULT_TIMING
+    b = c.block_size
+    p = prompt_tokens
+    r = -(-p // b) if request_blocks is None else request_blocks
+    credit = 0.0
+    if ov.total:
+        decay = 1.0
+        if params.overlap_score_credit_decay:
+            excess = (c.active_prefill_tokens - least_prefill) / b
+            decay = 1.0 / (1.0 + params.overlap_score_credit_decay * excess / max(1, r))
+        credit = (
+            params.overlap_score_credit * decay * ov.device + params.host_cache_hit_weight * ov.host
+            + params.disk_cache_hit_weight * ov.disk + params.shared_cache_multiplier * ov.shared
+        )
+        credit = min(credit, float(max(p - 1, 0) // b))
+    n = p - credit * b
+    q = c.active_prefill_tokens
+    prefill, steps = timing.prefill_ms(q + n, c.batch_tokens or 8192)
+    total = c.kv_total_blocks or 1
+    u = c.decode_blocks / total
+    ttft = prefill
+    slow = 0.0
+    if c.active_requests:
+        step = timing.decode_step_ms(u)
+        ttft += steps * step
+        if params.decode_slowdown_weight or params.prefill_interference_weight:
+            grown = timing.decode_step_ms((c.decode_blocks + max(r - booked_shared, 0)) / total)
+            ahead = timing.prefill_ms(q, c.batch_tokens or 8192)[0]
+            slow = c.active_requests * (
+                params.prefill_interference_weight * (prefill - ahead)
+                + params.decode_slowdown_weight * max(grown - step, 0.0) * decode_tokens)
+    return Prediction(ttft, ttft + slow, q, n, steps, u, c.active_requests)
+
+
+def time_costs(
+    candidates: Sequence[Candidate], params: SelectionParams, prompt_tokens: int, *,
+    overlaps: Mapping[tuple[int, int], Overlap],
+    request_blocks: Mapping[int, int] | None = None,
+    booked_shared: Mapping[tuple[int, int], int] | None = None,
+    decode_tokens: float = DEFAULT_DECODE_TOKENS,
+) -> tuple[list[float], list[float]]:
+    """(cost, predicted TTFT) of each candidate, in ms, same order.
+
+    The loop is :func:`predict` inlined for speed: it runs over every candidate of a selection."""
+    if not candidates:
+        return [], []
+    p = prompt_tokens
+    credit_w = params.overlap_score_credit
+    decay_w = params.overlap_score_credit_decay
+    host_w, disk_w = params.host_cache_hit_weight, params.disk_cache_hit_weight
+    shared_w = params.shared_cache_multiplier
+    slow_w = params.decode_slowdown_weight
+    inter_w = params.prefill_interference_weight
+    least_prefill = min(c.active_prefill_tokens for c in candidates) if decay_w else 0
+    ov_get = overlaps.get
+    rb_get = request_blocks.get if request_blocks else None
+    bs_get = booked_shared.get if booked_shared else None
+    costs: list[float] = []
+    ttfts: list[float] = []
+    limit = (p - 1) // 1 if p > 0 else 0
+    for c in candidates:
+        t = c.timing or DEFAULT_TIMING
+        m = c.batch_tokens or 8192
+        co = c.coef
+        if co is None or c.coef_of is not t:
+            co = c.coef = (t.p0, t.p1, t.p2, t.prefill_step_ms(m), t.d0, t.d1, t.d2, t.decode_min_ms)
+            c.coef_of = t
+        p0, p1, p2, step_full, d0, d1, d2, dmin = co
+        b = c.block_size
+        q = c.active_prefill_tokens
+        ov = ov_get(c.key, NO_OVERLAP)
+        if ov is NO_OVERLAP:
+            x = float(q + p)
+        else:
+            r = rb_get(b, -(-p // b)) if rb_get is not None else -(-p // b)
+            decay = 1.0
+            if decay_w:
+                decay = 1.0 / (1.0 + decay_w * ((q - least_prefill) / b) / (r if r > 1 else 1))
+            credit = (credit_w * decay * ov.device + host_w * ov.host + disk_w * ov.disk
+                      + shared_w * ov.shared)
+            cap = limit // b
+            x = q + p - (credit if credit < cap else cap) * b
+        if x <= 0:
+            prefill, steps = 0.0, 0
+        elif x <= m:
+            part = p0 + x * (p1 + p2 * x)
+            prefill, steps = (part if part > 0.0 else 0.0), 1
+        else:
+            full = int(x // m)
+            rem = x - full * m
+            prefill = full * step_full
+            steps = full
+            if rem > 0:
+                part = p0 + rem * (p1 + p2 * rem)
+                prefill += part if part > 0.0 else 0.0
+                steps += 1
+        ttft = prefill
+        cost = prefill
+        n_req = c.active_requests
+        if n_req:
+            total = c.kv_total_blocks or 1
+            u = c.decode_blocks / total
+            if u > 1.0:
+                u = 1.0
+            step = d0 + u * (d1 + d2 * u)
+            if step < dmin:
+                step = dmin
+            ttft = prefill + steps * step
+            cost = ttft
+            if inter_w or slow_w:
+                extra = 0.0
+                if inter_w:
+                    ahead = 0.0
+                    if q > 0:
+                        if q <= m:
+                            part = p0 + q * (p1 + p2 * q)
+                            ahead = part if part > 0.0 else 0.0
+                        else:
+                            qf = int(q // m)
+                            qr = q - qf * m
+                            ahead = qf * step_full
+                            if qr > 0:
+                                part = p0 + qr * (p1 + p2 * qr)
+                                ahead += part if part > 0.0 else 0.0
+                    extra = inter_w * (prefill - ahead)
+                if slow_w:
+                    r = rb_get(b, -(-p // b)) if rb_get is not None else -(-p // b)
+                    shared = bs_get(c.key, 0) if bs_get is not None else 0
+                    v = (c.decode_blocks + (r - shared if r > shared else 0)) / total
+                    if v > 1.0:
+                        v = 1.0
+                    grown = d0 + v * (d1 + d2 * v)
+                    if grown < dmin:
+                        grown = dmin
+                    if grown > step:
+                        extra += slow_w * (grown - step) * decode_tokens
+                cost = ttft + n_req * extra
+        costs.append(cost)
+        ttfts.append(ttft)
+    return costs, ttfts
+
+
+def consolidate(cost: npt.NDArray[np.float64], meet: npt.NDArray[np.bool_], hits: npt.NDArray[np.float64],
+                rng: random.Random) -> int:
+    """A TTFT objective's pick (issue 9): among the candidates predicted to meet it (``meet``, at
+    least one), those with the most cached blocks (``hits``), and among them the least cost, ties
+    uniformly at random (DESIGN §5's tie-break)."""
+    best_hit = hits[meet].max()
+    masked = np.where(meet & (hits >= best_hit), cost, np.inf)
+    ties = np.flatnonzero(masked - masked.min() <= 1e-9)
+    return int(ties[0]) if len(ties) == 1 else int(ties[rng.randrange(len(ties))])

@@ -1,0 +1,212 @@
+"""The scheduler with the predicted-time cost (mode kv-time): heterogeneous workers, TTFT
+objectives, calibration fed through the actor's commands. No network (DESIGN §5, issue 9)."""
+
+from __future__ import annotations
+
+import json
+import random
+import uuid
+from collections import Counter
+from datetime import UTC, datetime
+
+import pytest
+
+from controlplane.protocol.errors import Overloaded
+from controlplane.protocol.events import (
+    EngineTiming,
+    KvEvent,
+    KvStored,
+    MembershipEvent,
+    MembershipOp,
+    RankLoad,
+    RouterRole,
+    StoredBlock,
+    WorkerRecord,
+)
+from controlplane.protocol.hashing import block_hashes, chain_hashes
+from controlplane.protocol.policy import ALL_CACHE_INPUTS, PolicyKind, startup_values
+from router.calibration import Calibration
+from router.cost import DEFAULT_TIMING
+from router.scheduler import (
+    ApplyKvEvents,
+    ApplyMembership,
+    ApplyPolicy,
+    LoadKvDump,
+    RequestDone,
+    RequestFirstToken,
+    RoutingRequest,
+    Scheduler,
+    SelectWorker,
+)
+from router.settings import RoutingMode
+
+NOW = datetime.now(UTC)
+BLOCK = 64
+
+
+def timing(speedup: float) -> EngineTiming:
+    t = DEFAULT_TIMING
+    return EngineTiming(prefill_ms=(t.p0 / speedup, t.p1 / speedup, t.p2 / speedup),
+                        decode_ms=(t.d0 / speedup, t.d1 / speedup, t.d2 / speedup),
+                        decode_min_ms=t.decode_min_ms / speedup)
+
+
+def sched(mode: RoutingMode = RoutingMode.KV_TIME, **selection: float) -> Scheduler:
+    startup = {k: startup_values(k) for k in PolicyKind}
+    startup[PolicyKind.SELECTION].update(selection)
+    return Scheduler(
+        router_id="r-t", models=["m"], role=RouterRole.AGGREGATED, mode=mode, kv_events=True,
+        cache_inputs=ALL_CACHE_INPUTS, startup=startup, worker_ttl_s=1e9, worker_stale_s=1e9,
+        clock=lambda: 1000.0, wall=lambda: NOW, rng=random.Random(1),
+    )
+
+
+def join(s: Scheduler, wid: int, *, speedup: float | None = 1.0, prefill: int = 0, running: int = 0,
+         op: MembershipOp = MembershipOp.JOIN) -> None:
+    rec = WorkerRecord(instance_id=wid, model="m", url=f"http://w{wid}", block_size=BLOCK,
+                       kv_total_blocks=16384, max_num_batched_tokens=8192, started_at=NOW,
+                       timing=None if speedup is None else timing(speedup))
+    load = [RankLoad(active_prefill_tokens=prefill, running=running, active_decode_blocks=running * 50)]
+    s._dispatch(ApplyMembership(MembershipEvent(op=op, worker=rec, load=load, at=NOW)))
+    s._dispatch(LoadKvDump(wid, None))
+
+
+def req(i: int, tokens: list[int], **kw: object) -> RoutingRequest:
+    return RoutingRequest(request_id=f"q{i}", model="m", prompt_tokens=len(tokens),
+                          hashes={BLOCK: chain_hashes(tokens, BLOCK)}, **kw)  # type: ignore[arg-type]
+
+
+def policy(doc: dict[str, float], expected: int) -> bytes:
+    return json.dumps({
+        "event_id": str(uuid.uuid4()), "model": "m", "kind": "selection", "op": "patch",
+        "expected_revision": expected, "changes": doc, "document": doc, "actor": "t",
+        "request_id": "q", "at": NOW.isoformat(),
+    }).encode()
+
+
+def test_a_worker_twice_as_slow_gets_about_half_the_prefill_work() -> None:
+    """No setting: the advertised timing models alone split the work (each request holds its
+    prefill until its first token, so queued work builds up as it would under load)."""
+    s = sched()
+    for wid, speedup in ((1, 1.0), (2, 1.0), (3, 0.5), (4, 0.5)):
+        join(s, wid, speedup=speedup)
+    rng = random.Random(2)
+    work: Counter[int] = Counter()
+    open_ids: list[str] = []
+    for i in range(400):
+        tokens = [rng.randrange(256) for _ in range(rng.randrange(500, 3000))]
+        sel = s._dispatch(SelectWorker(req(i, tokens), seq=i))
+        work[sel.instance_id] += len(tokens)
+        open_ids.append(sel.request_id)
+        if len(open_ids) > 12:  # a bounded number in prefill at once
+            done = open_ids.pop(0)
+            s._dispatch(RequestFirstToken(done))
+            s._dispatch(RequestDone(done))
+    fast, slow = work[1] + work[2], work[3] + work[4]
+    assert 1.6 < fast / slow < 2.5, (fast, slow)
+
+
+def test_cached_prefix_wins_over_an_idle_worker_until_the_queue_costs_more() -> None:
+    s = sched()
+    join(s, 1)
+    join(s, 2)
+    tokens = list(range(256)) * 16  # 4096 tokens
+    chain = block_hashes(tokens, BLOCK)
+    s._dispatch(ApplyKvEvents([KvEvent(instance_id=1, event_id=0, data=KvStored(
+        blocks=[StoredBlock(block_hash=c, tokens_hash=b) for c, b in chain]))]))
+    sel = s._dispatch(SelectWorker(req(1, tokens), seq=1))
+    assert sel.instance_id == 1 and sel.cached_tokens == 4032
+    assert sel.predicted_ttft_ms == pytest.approx(DEFAULT_TIMING.prefill_step_ms(64))
+    s._dispatch(RequestDone("q1"))
+    # Worker 1 now has 30k tokens queued: recomputing 4096 on the idle one is quicker.
+    join(s, 1, prefill=30_000, op=MembershipOp.HEARTBEAT)
+    assert s._dispatch(SelectWorker(req(2, tokens), seq=2)).instance_id == 2
+
+
+def test_objective_only_the_least_loaded_meets_goes_there() -> None:
+    s = sched()
+    join(s, 1, prefill=20_000)
+    join(s, 2, prefill=4_000)
+    join(s, 3, prefill=12_000)
+    tokens = [7] * 1000
+    # Predicted: worker 2 ≈ 100 ms; the others ≥ 250 ms. An objective of 150 ms: only 2.
+    for i in range(20):
+        sel = s._dispatch(SelectWorker(req(i, tokens, ttft_slo_ms=150.0), seq=i))
+        assert sel.instance_id == 2 and sel.slo_predicted_met is True
+        s._dispatch(RequestDone(f"q{i}"))
+    assert s.slo["m"]["predicted_met"] == 20
+
+
+def test_objective_prefers_the_most_cache_reuse_among_those_that_meet_it() -> None:
+    s = sched()
+    join(s, 1)
+    join(s, 2, prefill=1000)
+    tokens = list(range(200)) * 10
+    chain = block_hashes(tokens, BLOCK)
+    s._dispatch(ApplyKvEvents([KvEvent(instance_id=2, event_id=0, data=KvStored(
+        blocks=[StoredBlock(block_hash=c, tokens_hash=b) for c, b in chain[:10]]))]))
+    # Both meet a loose objective; worker 2 holds 10 blocks: consolidate there.
+    assert s._dispatch(SelectWorker(req(1, tokens, ttft_slo_ms=10_000.0), seq=1)).instance_id == 2
+
+
+def test_impossible_objective_is_refused_or_best_effort_as_the_policy_says() -> None:
+    s = sched()
+    join(s, 1, prefill=5000)
+    join(s, 2)
+    tokens = [3] * 2000
+    best_effort = s._dispatch(SelectWorker(req(1, tokens, ttft_slo_ms=1.0), seq=1))
+    assert best_effort.instance_id == 2 and best_effort.slo_predicted_met is False
+    ack = s._dispatch(ApplyPolicy("m", PolicyKind.SELECTION, 5, policy({"ttft_slo_reject": 1}, 0)))
+    assert ack.result.outcome.value == "ACK"
+    with pytest.raises(Overloaded, match="TTFT objective of 1 ms"):
+        s._dispatch(SelectWorker(req(2, tokens, ttft_slo_ms=1.0), seq=2))
+    assert s.slo["m"]["rejected"] == 1
+    # Without an objective nothing changes.
+    assert s._dispatch(SelectWorker(req(3, tokens), seq=3)).instance_id == 2
+
+
+def test_first_tokens_feed_the_workers_fit_and_the_epoch_resets_it() -> None:
+    s = sched(calibration_min_samples=8)
+    join(s, 1, speedup=1.0)  # advertises the default; really runs 3x slower
+    rng = random.Random(4)
+    for i in range(40):
+        tokens = [rng.randrange(256) for _ in range(rng.randrange(200, 6000))]
+        sel = s._dispatch(SelectWorker(req(i, tokens), seq=i))
+        measured = 3 * DEFAULT_TIMING.prefill_ms(len(tokens), 8192)[0]
+        s._dispatch(RequestFirstToken(sel.booking_id, ttft_ms=measured))
+        s._dispatch(RequestDone(sel.booking_id))
+    cal: Calibration = s.calibration[1]
+    assert cal.prefill_fitted
+    assert cal.timing.prefill_ms(3000, 8192)[0] == pytest.approx(3 * DEFAULT_TIMING.prefill_ms(3000, 8192)[0], rel=0.05)
+    # The slots score with the fitted model.
+    assert s._slots["m"][(1, 0)].timing == cal.timing
+    (status,) = s.calibration_status()
+    assert status.prefill_fitted and status.prefill_samples == 40 and status.ttft_mae_ms is not None
+    ack = s._dispatch(ApplyPolicy("m", PolicyKind.SELECTION, 9, policy({"calibration_epoch": 1}, 0)))
+    assert ack.result.outcome.value == "ACK"
+    assert not s.calibration[1].prefill_fitted and s._slots["m"][(1, 0)].timing == cal.prior
+
+
+def test_a_worker_without_timing_gets_the_default_prior() -> None:
+    s = sched()
+    join(s, 1, speedup=None)
+    assert s.calibration[1].prior == DEFAULT_TIMING
+    join(s, 2, speedup=0.5)
+    assert s.calibration[2].prior.p1 == pytest.approx(2 * DEFAULT_TIMING.p1)
+
+
+def test_objective_parsing_names_the_field() -> None:
+    from controlplane.protocol.errors import InvalidRequest
+    from router.targets import parse_ttft_slo
+
+    assert parse_ttft_slo(None, {}) is None
+    assert parse_ttft_slo({"ttft_slo_ms": 250}, {}) == 250.0
+    assert parse_ttft_slo({"ttft_slo_ms": 250}, {"x-rudder-ttft-slo-ms": "90.5"}) == 90.5
+    for nvext, headers, field in (({"ttft_slo_ms": "fast"}, {}, "nvext.ttft_slo_ms"),
+                                  ({"ttft_slo_ms": 0}, {}, "nvext.ttft_slo_ms"),
+                                  ({"ttft_slo_ms": True}, {}, "nvext.ttft_slo_ms"),
+                                  (None, {"x-rudder-ttft-slo-ms": "nan"}, "x-rudder-ttft-slo-ms"),
+                                  (None, {"x-rudder-ttft-slo-ms": "soon"}, "x-rudder-ttft-slo-ms")):
+        with pytest.raises(InvalidRequest) as err:
+            parse_ttft_slo(nvext, headers)
+        assert err.value.field == field
