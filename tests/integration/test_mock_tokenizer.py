@@ -16,6 +16,7 @@ import pytest
 from controlplane.protocol.tokenizer import hf_chat_ids
 from router.targets import HDR_PREDICTED_CACHED
 from router.tokenize import HfTokenizer
+from tests import buskit
 from tests.support_router.hf_tokenizer import build_tokenizer_folder
 from tests.support_router.workers import InProcessRouter, router_settings, wait_for
 
@@ -35,7 +36,7 @@ async def setup(nats_url: str, tmp_path_factory: pytest.TempPathFactory) -> Asyn
     folder = str(build_tokenizer_folder(Path(tmp_path_factory.mktemp("model"))))
     stop = asyncio.Event()
     ready: list[Any] = []
-    tasks = [asyncio.create_task(worker_agent.serve(worker_settings.WorkerSettings(
+    tasks = [asyncio.create_task(worker_agent.serve(buskit.worker_settings(
         nats_url=nats_url, model=MODEL, heartbeat_s=0.25,
         mock=worker_settings.MockEngineSettings(speedup_ratio=50.0, block_size=BLOCK, tokenizer=folder),
     ), stop=stop, on_ready=ready.append)) for _ in range(2)]

@@ -17,6 +17,7 @@ from typing import Any
 import httpx
 import pytest
 
+from tests import buskit
 from tests.support_router.workers import InProcessRouter, router_settings, wait_for
 
 pytestmark = [pytest.mark.timeout(180), pytest.mark.slow]
@@ -34,7 +35,7 @@ async def fleet(nats_url: str) -> AsyncIterator[dict[int, tuple[float, str]]]:
     ready: list[Any] = []
     tasks = []
     for speedup in (SPEEDUP, SPEEDUP, SPEEDUP / 2, SPEEDUP / 2):
-        settings = worker_settings.WorkerSettings(
+        settings = buskit.worker_settings(
             nats_url=nats_url, model=MODEL, heartbeat_s=0.25,
             mock=worker_settings.MockEngineSettings(speedup_ratio=speedup),
         )

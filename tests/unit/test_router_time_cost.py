@@ -39,6 +39,7 @@ from router.scheduler import (
     SelectWorker,
 )
 from router.settings import RoutingMode
+from tests.policy_keys import session_keys
 
 NOW = datetime.now(UTC)
 BLOCK = 64
@@ -57,8 +58,13 @@ def sched(mode: RoutingMode = RoutingMode.KV_TIME, **selection: float) -> Schedu
     return Scheduler(
         router_id="r-t", models=["m"], role=RouterRole.AGGREGATED, mode=mode, kv_events=True,
         cache_inputs=ALL_CACHE_INPUTS, startup=startup, worker_ttl_s=1e9, worker_stale_s=1e9,
-        clock=lambda: 1000.0, wall=lambda: NOW, rng=random.Random(1),
+        clock=lambda: 1000.0, wall=lambda: NOW, rng=random.Random(1), keyring=session_keys().keyring,
     )
+
+
+def signed(payload: bytes) -> tuple[bytes, dict[str, str]]:
+    """A policy event as the control plane publishes it: signed (routers verify every event)."""
+    return payload, session_keys().headers_for("m", PolicyKind.SELECTION, payload)
 
 
 def join(s: Scheduler, wid: int, *, speedup: float | None = 1.0, prefill: int = 0, running: int = 0,
@@ -156,7 +162,7 @@ def test_impossible_objective_is_refused_or_best_effort_as_the_policy_says() -> 
     tokens = [3] * 2000
     best_effort = s._dispatch(SelectWorker(req(1, tokens, ttft_slo_ms=1.0), seq=1))
     assert best_effort.instance_id == 2 and best_effort.slo_predicted_met is False
-    ack = s._dispatch(ApplyPolicy("m", PolicyKind.SELECTION, 5, policy({"ttft_slo_reject": 1}, 0)))
+    ack = s._dispatch(ApplyPolicy("m", PolicyKind.SELECTION, 5, *signed(policy({"ttft_slo_reject": 1}, 0))))
     assert ack.result.outcome.value == "ACK"
     with pytest.raises(Overloaded, match="TTFT objective of 1 ms"):
         s._dispatch(SelectWorker(req(2, tokens, ttft_slo_ms=1.0), seq=2))
@@ -182,7 +188,7 @@ def test_first_tokens_feed_the_workers_fit_and_the_epoch_resets_it() -> None:
     assert s._slots["m"][(1, 0)].timing == cal.timing
     (status,) = s.calibration_status()
     assert status.prefill_fitted and status.prefill_samples == 40 and status.ttft_mae_ms is not None
-    ack = s._dispatch(ApplyPolicy("m", PolicyKind.SELECTION, 9, policy({"calibration_epoch": 1}, 0)))
+    ack = s._dispatch(ApplyPolicy("m", PolicyKind.SELECTION, 9, *signed(policy({"calibration_epoch": 1}, 0))))
     assert ack.result.outcome.value == "ACK"
     assert not s.calibration[1].prefill_fitted and s._slots["m"][(1, 0)].timing == cal.prior
 
