@@ -143,6 +143,8 @@ async def test_acks_redelivered_to_another_replica_while_the_first_is_stuck_are_
     consumers = [AckConsumer(js, s, durable=durable, ack_wait_s=0.5, batch=50) for s in stores]
     blocker = await asyncpg.connect(db.replace("postgresql+asyncpg://", "postgresql://", 1))
     n = 50
+    # Only this test's ACKs on the stream (earlier tests' would be fetched first by a new durable).
+    await js.purge_stream(STREAM_ACKS)
     try:
         await blocker.execute("SELECT pg_advisory_lock($1)", ACK_CHAIN_LOCK_KEY)
         for i in range(n):

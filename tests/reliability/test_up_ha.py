@@ -12,7 +12,6 @@ import json
 import os
 import signal
 import time
-from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -112,28 +111,23 @@ class Chats:
                 await asyncio.sleep(0.02)
 
 
-async def _converged(planes: list[str], token: str, head: int, within: float) -> float:
-    """Seconds until every live router applied ``head`` of the selection document."""
+async def _converged(routers: list[str], head: int, within: float) -> float:
+    """Seconds until every live router (one that answers) applied ``head`` of the selection
+    document, as each router itself reports it (``/health``'s applied revisions)."""
     t0 = time.monotonic()
-    last: Any = None
-    async with httpx.AsyncClient(timeout=2, headers={"authorization": f"Bearer {token}"}) as http:
+    last: dict[str, Any] = {}
+    async with httpx.AsyncClient(timeout=1) as http:
         while time.monotonic() - t0 < within:
-            for plane in planes:
+            applied: dict[str, int] = {}
+            for url in routers:
                 try:
-                    r = await http.get(f"{plane}/routers")
-                except httpx.HTTPError:
-                    continue
-                if r.status_code != 200:
-                    continue
-                last = r.json()
-                # Live = heartbeating now (a killed router's entry lingers until its key's TTL).
-                now = datetime.now(UTC)
-                applied = [(rt["router_id"], rt["applied"].get(f"{MODEL}|selection", {}).get("revision", 0))
-                           for rt in last["routers"]
-                           if (now - datetime.fromisoformat(rt["heartbeat_at"])).total_seconds() < 1.5]
-                if applied and all(rev >= head for _, rev in applied):
-                    return time.monotonic() - t0
-                break
+                    body = (await http.get(f"{url}/health")).json()
+                except (httpx.HTTPError, ValueError):
+                    continue  # killed (and not yet restarted): not live
+                applied[url] = int(body["applied"].get(f"{MODEL}|selection", 0))
+            last = applied
+            if applied and all(rev >= head for rev in applied.values()):
+                return time.monotonic() - t0
             await asyncio.sleep(0.05)
     raise AssertionError(f"routers not at head {head} within {within}s: {last}")
 
@@ -164,7 +158,7 @@ async def test_up_ha_survives_a_nats_node_a_control_plane_and_a_router(tmp_path:
                 writers.running.clear()
                 await asyncio.sleep(0.3)  # let in-flight PATCHes finish
                 print(f"converging after {victim}", flush=True)
-                took = await _converged(planes, token, writers.head, within=2.0)
+                took = await _converged([r["url"] for r in routers.values()], writers.head, within=2.0)
                 print(f"{victim}: routers at head {writers.head} after {took:.2f}s")
                 writers.running.set()
         finally:
