@@ -103,8 +103,10 @@ class Reconciler:
         events: dict[str, tuple[int, str]] = {}
         documents: dict[str, dict[str, Any]] = {}
         first_retained: dict[str, int] = {}
+        scanned_upto = 0  # the newest revision the scan saw: later writes are checked next time
         async for stored in self.log.all_events():
             report.checked_events += 1
+            scanned_upto = max(scanned_upto, stored.revision)
             first_retained.setdefault(stored.subject, stored.revision)
             if stored.signature_error is not None:
                 report.bad_signatures.append(
@@ -146,6 +148,8 @@ class Reconciler:
                 continue
             row = rows[0]
             subject = policy_subject(row.model, row.kind)
+            if row.new_revision is not None and row.new_revision > scanned_upto:
+                continue  # accepted while the stream was being read: not a missing event
             if row.new_revision is not None and row.new_revision < first_retained.get(subject, 0):
                 report.retired += 1
                 continue
