@@ -39,7 +39,9 @@ async def test_sigkilled_worker_leaves_discovery_and_no_unstarted_request_fails(
         nats_url: str, tmp_path: Path) -> None:
     ttl = 3.0
     procs = [start_worker(nats_url, tmp_path / f"w{i}.log") for i in range(3)]
-    router = await InProcessRouter(router_settings(nats_url, MODEL, worker_ttl_s=ttl, worker_stale_s=1.0)).start()
+    # Round robin: requests keep reaching the killed worker until it is noticed, so retries happen.
+    router = await InProcessRouter(router_settings(nats_url, MODEL, worker_ttl_s=ttl, worker_stale_s=1.0,
+                                                   mode="round_robin")).start()
     sched = router.runtime.scheduler  # its ``view`` is a new snapshot after each change: read it each time
     unstarted_failures: list[str] = []
     started_broken = 0
