@@ -32,6 +32,7 @@ from controlplane.protocol.errors import InvalidRequest, RudderError, SubjectMis
 from controlplane.protocol.events import check_ack_subject, decode_apply_ack
 from controlplane.protocol.guard import Drops
 from controlplane.protocol.subjects import ACKS_SUBJECTS, STREAM_ACKS
+from controlplane.tasks import cancel_all
 
 log = logging.getLogger(__name__)
 
@@ -58,9 +59,7 @@ class AckConsumer:
 
     async def stop(self) -> None:
         if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await self._task
+            await cancel_all([self._task])
             self._task = None
         await self._unsubscribe()
 

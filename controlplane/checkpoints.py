@@ -65,6 +65,7 @@ from controlplane.protocol.subjects import (
     JS_ERR_WRONG_LAST_SEQUENCE,
     STREAM_AUDIT_CHECKPOINTS,
 )
+from controlplane.tasks import cancel_all
 
 log = logging.getLogger(__name__)
 
@@ -307,9 +308,7 @@ class Checkpointer:
 
     async def stop(self) -> None:
         if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await self._task
+            await cancel_all([self._task])
             self._task = None
 
     async def run(self) -> None:

@@ -43,6 +43,7 @@ from controlplane.protocol.subjects import (
     BUCKET_ROUTERS,
     MEMBERSHIP_SUBJECTS,
 )
+from controlplane.tasks import cancel_all
 
 log = logging.getLogger(__name__)
 
@@ -52,16 +53,6 @@ def _reason(exc: InvalidRequest) -> str:
 
 def _stored_at(value: Any) -> datetime | None:
     return value if isinstance(value, datetime) and value.tzinfo is not None else None
-
-
-async def cancel_all(tasks: list[asyncio.Task[None]]) -> None:
-    """Cancel background tasks and wait for them to end (their errors were logged where they ran)."""
-    for task in tasks:
-        task.cancel()
-    for task in tasks:
-        with contextlib.suppress(asyncio.CancelledError, Exception):
-            await task
-    tasks.clear()
 
 
 class FleetView:

@@ -29,12 +29,13 @@ from controlplane.checkpoints import (
 )
 from controlplane.eventlog import PolicyLog
 from controlplane.failpoints import Failpoints
-from controlplane.fleet import FleetView, cancel_all
+from controlplane.fleet import FleetView
 from controlplane.protocol.errors import ConfigurationError, KeyFileInvalid, RudderError
 from controlplane.protocol.signing import Keyring, KeyringFile, SigningKeyFile
 from controlplane.queries import Queries
 from controlplane.reconcile import Reconciler
 from controlplane.settings import ControlPlaneSettings
+from controlplane.tasks import cancel_all
 from controlplane.writepath import WritePath
 
 log = logging.getLogger(__name__)
