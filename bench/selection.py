@@ -28,8 +28,6 @@ from typing import Any
 
 import numpy as np
 
-from controlplane.protocol.signing import Keyring
-
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from controlplane.protocol.events import (
@@ -44,6 +42,7 @@ from controlplane.protocol.events import (
 )
 from controlplane.protocol.hashing import block_hashes, chain_hashes
 from controlplane.protocol.policy import ALL_CACHE_INPUTS, PolicyKind, startup_values
+from controlplane.protocol.signing import Keyring
 from router.loadvec import VECTOR_MIN_CANDIDATES
 from router.scheduler import (
     ApplyKvEvents,

@@ -31,8 +31,9 @@ Temperature and ties are DESIGN §5's (:func:`router.selection.pick`) over these
 from __future__ import annotations
 
 import random
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 import numpy.typing as npt
@@ -43,7 +44,7 @@ from controlplane.protocol.events import (
     DEFAULT_PREFILL_MS,
     EngineTiming,
 )
-from router.selection import NO_OVERLAP, Candidate, Overlap, SelectionParams
+from router.selection import Candidate, Overlap, SelectionParams
 
 # Decode tokens per request assumed until a model's requests have been observed.
 DEFAULT_DECODE_TOKENS = 32.0
@@ -152,6 +153,44 @@ def predict(
     return Prediction(ttft, ttft + slow, q, n, steps, u, c.active_requests)
 
 
+class TimeRest(NamedTuple):
+    """A row's figures only the cache credit and the decode-growth term need."""
+
+    decode_blocks: int
+    kv_blocks: int
+    timing: Timing
+
+
+class TimeRow(NamedTuple):
+    """What the time cost needs of one candidate, computed when its load or timing model changes
+    rather than at every selection (a :class:`router.loadvec.LoadTable` keeps one per row): the
+    request-independent parts of the module docstring's formula."""
+
+    key: tuple[int, int]
+    block_size: int
+    queued: int  # Q: active prefill tokens ahead
+    budget: int  # M: tokens per engine step
+    p0: float
+    p1: float
+    p2: float
+    full_step_ms: float  # prefill(M)
+    running: int
+    decode_step_ms: float  # decode_step(u), 0 when nothing runs there
+    ahead_ms: float  # prefill(Q)
+    rest: TimeRest
+
+
+def time_row(c: Candidate) -> TimeRow:
+    t = c.timing or DEFAULT_TIMING
+    m = c.batch_tokens or 8192
+    kv = c.kv_total_blocks or 1
+    q = c.active_prefill_tokens
+    step = t.decode_step_ms(c.decode_blocks / kv) if c.active_requests else 0.0
+    return TimeRow(c.key, c.block_size, q, m, t.p0, t.p1, t.p2, t.prefill_step_ms(m), c.active_requests,
+                   step, t.prefill_ms(q, m)[0],
+                   TimeRest(c.decode_blocks, kv, t))
+
+
 def time_costs(
     candidates: Sequence[Candidate], params: SelectionParams, prompt_tokens: int, *,
     overlaps: Mapping[tuple[int, int], Overlap],
@@ -159,105 +198,103 @@ def time_costs(
     booked_shared: Mapping[tuple[int, int], int] | None = None,
     decode_tokens: float = DEFAULT_DECODE_TOKENS,
 ) -> tuple[list[float], list[float]]:
-    """(cost, predicted TTFT) of each candidate, in ms, same order.
+    """(cost, predicted TTFT) of each candidate, in ms, same order."""
+    return row_costs([time_row(c) for c in candidates], params, prompt_tokens, overlaps=overlaps,
+                     request_blocks=request_blocks, booked_shared=booked_shared, decode_tokens=decode_tokens)
 
-    The loop is :func:`predict` inlined for speed: it runs over every candidate of a selection."""
-    if not candidates:
+
+def row_costs(
+    rows: Sequence[TimeRow], params: SelectionParams, prompt_tokens: int, *,
+    overlaps: Mapping[tuple[int, int], Overlap],
+    request_blocks: Mapping[int, int] | None = None,
+    booked_shared: Mapping[tuple[int, int], int] | None = None,
+    decode_tokens: float = DEFAULT_DECODE_TOKENS,
+    positions: Mapping[tuple[int, int], int] | None = None,
+) -> tuple[list[float], list[float]]:
+    """:func:`time_costs` over precomputed rows (``positions``: each row's index by key, if the
+    caller keeps one). The loop is :func:`predict` inlined for speed: it
+    runs over every candidate of a selection."""
+    if not rows:
         return [], []
     p = prompt_tokens
-    credit_w = params.overlap_score_credit
-    decay_w = params.overlap_score_credit_decay
-    host_w, disk_w = params.host_cache_hit_weight, params.disk_cache_hit_weight
-    shared_w = params.shared_cache_multiplier
-    slow_w = params.decode_slowdown_weight
+    if p <= 0:
+        zeros = [0.0] * len(rows)
+        return zeros, list(zeros)
     inter_w = params.prefill_interference_weight
-    least_prefill = min(c.active_prefill_tokens for c in candidates) if decay_w else 0
-    ov_get = overlaps.get
-    rb_get = request_blocks.get if request_blocks else None
-    bs_get = booked_shared.get if booked_shared else None
     costs: list[float] = []
     ttfts: list[float] = []
-    limit = (p - 1) // 1 if p > 0 else 0
-    for c in candidates:
-        t = c.timing or DEFAULT_TIMING
-        m = c.batch_tokens or 8192
-        co = c.coef
-        if co is None or c.coef_of is not t:
-            co = c.coef = (t.p0, t.p1, t.p2, t.prefill_step_ms(m), t.d0, t.d1, t.d2, t.decode_min_ms)
-            c.coef_of = t
-        p0, p1, p2, step_full, d0, d1, d2, dmin = co
-        b = c.block_size
-        q = c.active_prefill_tokens
-        ov = ov_get(c.key, NO_OVERLAP)
-        if ov is NO_OVERLAP:
-            x = float(q + p)
-        else:
-            r = rb_get(b, -(-p // b)) if rb_get is not None else -(-p // b)
-            decay = 1.0
-            if decay_w:
-                decay = 1.0 / (1.0 + decay_w * ((q - least_prefill) / b) / (r if r > 1 else 1))
-            credit = (credit_w * decay * ov.device + host_w * ov.host + disk_w * ov.disk
-                      + shared_w * ov.shared)
-            cap = limit // b
-            x = q + p - (credit if credit < cap else cap) * b
-        if x <= 0:
-            prefill, steps = 0.0, 0
-        elif x <= m:
+    add_cost, add_ttft = costs.append, ttfts.append
+    # Every row as if it held nothing of the prompt (most rows of a large pool), in integer token
+    # counts; the few rows that hold part of it, and every row when the decode-growth term is on,
+    # are scored again below.
+    for _key, _b, q, m, p0, p1, p2, step_full, n_req, step, ahead, _rest in rows:
+        x = q + p
+        if x <= m:
             part = p0 + x * (p1 + p2 * x)
-            prefill, steps = (part if part > 0.0 else 0.0), 1
+            prefill = part if part > 0.0 else 0.0
+            steps = 1
         else:
-            full = int(x // m)
-            rem = x - full * m
-            prefill = full * step_full
-            steps = full
-            if rem > 0:
+            steps = x // m
+            rem = x - steps * m
+            prefill = steps * step_full
+            if rem:
                 part = p0 + rem * (p1 + p2 * rem)
-                prefill += part if part > 0.0 else 0.0
+                if part > 0.0:
+                    prefill += part
                 steps += 1
-        ttft = prefill
-        cost = prefill
-        n_req = c.active_requests
         if n_req:
-            total = c.kv_total_blocks or 1
-            u = c.decode_blocks / total
-            if u > 1.0:
-                u = 1.0
-            step = d0 + u * (d1 + d2 * u)
-            if step < dmin:
-                step = dmin
             ttft = prefill + steps * step
-            cost = ttft
-            if inter_w or slow_w:
-                extra = 0.0
-                if inter_w:
-                    ahead = 0.0
-                    if q > 0:
-                        if q <= m:
-                            part = p0 + q * (p1 + p2 * q)
-                            ahead = part if part > 0.0 else 0.0
-                        else:
-                            qf = int(q // m)
-                            qr = q - qf * m
-                            ahead = qf * step_full
-                            if qr > 0:
-                                part = p0 + qr * (p1 + p2 * qr)
-                                ahead += part if part > 0.0 else 0.0
-                    extra = inter_w * (prefill - ahead)
-                if slow_w:
-                    r = rb_get(b, -(-p // b)) if rb_get is not None else -(-p // b)
-                    shared = bs_get(c.key, 0) if bs_get is not None else 0
-                    v = (c.decode_blocks + (r - shared if r > shared else 0)) / total
-                    if v > 1.0:
-                        v = 1.0
-                    grown = d0 + v * (d1 + d2 * v)
-                    if grown < dmin:
-                        grown = dmin
-                    if grown > step:
-                        extra += slow_w * (grown - step) * decode_tokens
-                cost = ttft + n_req * extra
-        costs.append(cost)
-        ttfts.append(ttft)
+            add_ttft(ttft)
+            add_cost(ttft + n_req * inter_w * (prefill - ahead))
+        else:
+            add_ttft(prefill)
+            add_cost(prefill)
+    again: Iterable[int]
+    if params.decode_slowdown_weight:
+        again = range(len(rows))
+    elif overlaps:
+        at = positions if positions is not None else {r.key: i for i, r in enumerate(rows)}
+        again = [i for i in map(at.get, overlaps) if i is not None]
+    else:
+        return costs, ttfts
+    least_prefill = min(r.queued for r in rows) if params.overlap_score_credit_decay else 0
+    for i in again:
+        row = rows[i]
+        costs[i], ttfts[i] = _row_predict(
+            row, params, p, overlaps.get(row.key), least_prefill=least_prefill,
+            request_blocks=request_blocks, booked_shared=booked_shared, decode_tokens=decode_tokens)
     return costs, ttfts
+
+
+def _row_predict(
+    row: TimeRow, params: SelectionParams, p: int, ov: Overlap | None, *, least_prefill: int,
+    request_blocks: Mapping[int, int] | None, booked_shared: Mapping[tuple[int, int], int] | None,
+    decode_tokens: float,
+) -> tuple[float, float]:
+    """(cost, TTFT) of one row with its cache credit and the decode-growth term."""
+    key, b, q, m, _p0, _p1, _p2, _full, n_req, step, ahead, rest = row
+    r = request_blocks.get(b, -(-p // b)) if request_blocks else -(-p // b)
+    x: float = q + p
+    if ov is not None:
+        credit = params.overlap_score_credit * ov.device
+        if params.overlap_score_credit_decay:
+            credit = credit / (1.0 + params.overlap_score_credit_decay * ((q - least_prefill) / b) / max(r, 1))
+        credit += (params.host_cache_hit_weight * ov.host + params.disk_cache_hit_weight * ov.disk
+                   + params.shared_cache_multiplier * ov.shared)
+        cap = (p - 1 if p > 0 else 0) // b
+        x = q + p - (credit if credit < cap else cap) * b
+    timing = rest.timing
+    prefill, steps = timing.prefill_ms(x, m)
+    if not n_req:
+        return prefill, prefill
+    ttft = prefill + steps * step
+    extra = params.prefill_interference_weight * (prefill - ahead)
+    if params.decode_slowdown_weight:
+        shared = booked_shared.get(key, 0) if booked_shared else 0
+        grown = timing.decode_step_ms((rest.decode_blocks + max(r - shared, 0)) / rest.kv_blocks)
+        if grown > step:
+            extra += params.decode_slowdown_weight * (grown - step) * decode_tokens
+    return ttft + n_req * extra, ttft
 
 
 def consolidate(cost: npt.NDArray[np.float64], meet: npt.NDArray[np.bool_], hits: npt.NDArray[np.float64],

@@ -23,12 +23,12 @@ from __future__ import annotations
 import itertools
 import random
 from collections.abc import Callable, Collection, Mapping
-from typing import Any, TypeVar
+from typing import Any, Generic, NamedTuple, TypeVar
 
 import numpy as np
 import numpy.typing as npt
 
-from router.cost import DEFAULT_DECODE_TOKENS, DEFAULT_TIMING
+from router.cost import DEFAULT_DECODE_TOKENS, TimeRow, time_row
 from router.selection import Candidate, Overlap, SelectionParams
 
 WorkerKey = tuple[int, int]
@@ -42,6 +42,14 @@ Rows = npt.NDArray[np.intp]
 VECTOR_MIN_CANDIDATES = 96
 
 _TIE_EPS = 1e-9  # as router.selection
+
+
+class Selectable(NamedTuple, Generic[C]):
+    """A pool's eligible candidates in row order, their time rows, and positions by key."""
+
+    candidates: list[C]
+    time_rows: list[TimeRow]
+    positions: dict[WorkerKey, int]
 
 
 class LoadTable(dict[WorkerKey, C]):
@@ -63,6 +71,14 @@ class LoadTable(dict[WorkerKey, C]):
         self._rows: list[C] = []
         self._row_of: dict[WorkerKey, int] = {}
         self._dirty: dict[int, C] = {}
+        self._time_rows: list[TimeRow] = []  # router.cost's figures of each row, same order
+        self._oks: list[bool] = []  # each row's eligibility (the numpy column's source)
+        self._stale: set[int] = set()  # rows re-read since their numpy columns were written
+        # (eligible candidates, their time rows) until a row is written, added or removed.
+        # The eligible candidates until a row is added, removed or changes eligibility (a changed
+        # row's time row is replaced in place, found by its row).
+        self._selectable: Selectable[C] | None = None
+        self._pos_of_row: dict[int, int] = {}
         self._alloc(16)
 
     def _alloc(self, cap: int) -> None:
@@ -96,20 +112,27 @@ class LoadTable(dict[WorkerKey, C]):
                 for new_col, old_col in zip(self._columns(), old, strict=True):
                     new_col[:row] = old_col
             self._rows.append(cand)
+            self._time_rows.append(time_row(cand))
+            self._oks.append(False)
             self._row_of[key] = row
         else:
             self._forget(self._rows[row])
             self._rows[row] = cand
         super().__setitem__(key, cand)
         cand.table = self
+        self._selectable = None
         self._block[row] = cand.block_size
         self._instance[row] = cand.instance_id
         self._write(row, cand)
 
     def __delitem__(self, key: WorkerKey) -> None:
         super().__delitem__(key)  # KeyError first, like a dict
+        self._sync()  # before the rows below move up
         row = self._row_of.pop(key)
         self._forget(self._rows.pop(row))
+        del self._time_rows[row]
+        del self._oks[row]
+        self._selectable = None
         n = len(self._rows)
         for col in self._columns():
             col[row:n] = col[row + 1:n + 1]
@@ -147,8 +170,12 @@ class LoadTable(dict[WorkerKey, C]):
             self._forget(cand)
         super().clear()
         self._rows.clear()
+        self._time_rows.clear()
+        self._oks.clear()
+        self._stale.clear()
         self._row_of.clear()
         self._dirty.clear()
+        self._selectable = None
 
     def __ior__(self, other: Any) -> LoadTable[C]:  # type: ignore[override,misc]
         self.update(other)
@@ -178,25 +205,63 @@ class LoadTable(dict[WorkerKey, C]):
         self._dirty.clear()
 
     def _write(self, row: int, cand: C) -> None:
-        self._prefill[row] = cand.active_prefill_tokens
-        self._decode[row] = cand.decode_blocks
-        self._requests[row] = cand.active_requests
-        self._ok[row] = self._eligible(cand)
+        """Re-read one row for the scalar path now; its numpy columns at the next :meth:`_sync`
+        (a small pool never reads them)."""
+        ok = self._eligible(cand)
+        was = self._oks[row]
+        self._oks[row] = ok
         # The time cost's figures that depend on this row alone, computed when it changes rather
         # than at every selection: a full step's prefill, the prefill queued ahead, the decode step.
-        t = cand.timing or DEFAULT_TIMING
-        kv = cand.kv_total_blocks or 1
-        budget = cand.batch_tokens or 8192
-        self._timing[row] = (kv, budget, t.p0, t.p1, t.p2, t.d0, t.d1, t.d2, t.decode_min_ms,
-                             t.prefill_step_ms(budget), t.prefill_ms(cand.active_prefill_tokens, budget)[0],
-                             t.decode_step_ms(cand.decode_blocks / kv) if cand.active_requests else 0.0)
+        tr = self._time_rows[row] = time_row(cand)
+        self._stale.add(row)
+        cached = self._selectable
+        if cached is not None:
+            if ok != was:
+                self._selectable = None
+            elif ok:
+                cached.time_rows[self._pos_of_row[row]] = tr
+
+    def _sync(self) -> None:
+        """Bring the numpy columns of re-read rows up to date."""
+        rows, time_rows = self._rows, self._time_rows
+        for row in self._stale:
+            cand, tr = rows[row], time_rows[row]
+            self._prefill[row] = cand.active_prefill_tokens
+            self._decode[row] = cand.decode_blocks
+            self._requests[row] = cand.active_requests
+            self._ok[row] = self._oks[row]
+            t = tr.rest.timing
+            self._timing[row] = (tr.rest.kv_blocks, tr.budget, tr.p0, tr.p1, tr.p2, t.d0, t.d1, t.d2,
+                                 t.decode_min_ms, tr.full_step_ms, tr.ahead_ms, tr.decode_step_ms)
+        self._stale.clear()
 
     # -- selection -----------------------------------------------------------------------------
+
+    def selectable(self, exclude: Collection[int] = ()) -> Selectable[C]:
+        """The candidates that may be chosen, in row order, with their time rows (the scalar
+        path's input) and positions by key; kept between selections until a row is added,
+        removed or changes eligibility. Brings touched rows up to date first. Shared: not to be
+        modified."""
+        self.flush()
+        cached = self._selectable
+        if cached is None:
+            picked = [i for i, flag in enumerate(self._oks) if flag]
+            rows, time_rows = self._rows, self._time_rows
+            cached = self._selectable = Selectable(
+                [rows[i] for i in picked], [time_rows[i] for i in picked],
+                {rows[i].key: pos for pos, i in enumerate(picked)})
+            self._pos_of_row = {i: pos for pos, i in enumerate(picked)}
+        if not exclude:
+            return cached
+        keep = [i for i, c in enumerate(cached.candidates) if c.instance_id not in exclude]
+        cands = [cached.candidates[i] for i in keep]
+        return Selectable(cands, [cached.time_rows[i] for i in keep], {c.key: i for i, c in enumerate(cands)})
 
     def eligible_rows(self, exclude: Collection[int] = ()) -> Rows | None:
         """Rows that may be chosen, ascending; ``None`` means every row (the usual case).
         Brings touched rows up to date first."""
         self.flush()
+        self._sync()
         n = len(self._rows)
         ok = self._ok[:n]
         if exclude:
@@ -214,7 +279,7 @@ class LoadTable(dict[WorkerKey, C]):
     ) -> Floats:
         """Cost of each row in ``rows`` (``None``: every row), in that order; the same numbers
         :func:`router.selection.costs` gives for those candidates with the same arguments.
-        Call :meth:`eligible_rows` (or :meth:`flush`) first."""
+        Call :meth:`eligible_rows` first."""
         n = len(self._rows)
         if rows is None:
             b, a = self._block[:n], self._prefill[:n]

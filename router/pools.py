@@ -168,9 +168,9 @@ class Pools:
 
     def eligible(self, model: str, table: LoadTable[Slot], pool: WorkerRole,
                  exclude: frozenset[int]) -> list[Slot]:
-        """The slots a selection without a target may choose, in row order. Raises as
-        :meth:`none_eligible` when there is none."""
-        eligible = [s for s in table.values() if selectable(s) and (not exclude or s.instance_id not in exclude)]
+        """The slots a selection without a target may choose, in row order (a list shared with
+        the table: not to be modified). Raises as :meth:`none_eligible` when there is none."""
+        eligible = table.selectable(exclude).candidates
         if not eligible:
             self.none_eligible(model, table, pool, exclude)
         return eligible

@@ -74,7 +74,7 @@ from router.commands import (
     Tick,
     UseVerifyKeys,
 )
-from router.cost import Prediction, Timing, consolidate, predict, time_costs
+from router.cost import Prediction, Timing, consolidate, predict, row_costs
 from router.discovery import Change, Discovery
 from router.index import KvApplied, PrefixIndex, WorkerKey
 from router.loadvec import VECTOR_MIN_CANDIDATES, LoadTable, pick_index
@@ -580,7 +580,10 @@ class Scheduler:
                 self.tables.none_eligible(req.model, table, pool, req.exclude)
             slots = table.row(0 if rows is None else int(rows[0])),  # only its block size is read
         else:
-            slots = self.tables.eligible(req.model, table, pool, req.exclude)
+            chosen_from = table.selectable(req.exclude)
+            slots = chosen_from.candidates
+            if not slots:
+                self.tables.none_eligible(req.model, table, pool, req.exclude)
         overlaps: dict[WorkerKey, Overlap] = {}
         if self.use_index:
             for hashes in req.hashes.values():
@@ -602,8 +605,9 @@ class Scheduler:
                 rows, params, p, overlaps=overlaps, request_blocks=request_blocks, booked_shared=shared)
             return _Scored((), rows, table, overlaps, cost, ttft)
         if timed:
-            tcost, ttft = time_costs(slots, params, p, overlaps=overlaps, request_blocks=request_blocks,
-                                     booked_shared=shared, decode_tokens=decode_tokens)
+            tcost, ttft = row_costs(chosen_from.time_rows, params, p, overlaps=overlaps,
+                                    request_blocks=request_blocks, booked_shared=shared,
+                                    decode_tokens=decode_tokens, positions=chosen_from.positions)
         cost = tcost if self.cost_mode is RoutingMode.KV_TIME else costs(
             slots, params, p, overlaps=overlaps, request_blocks=request_blocks, booked_shared=shared)
         return _Scored(slots, None, None, overlaps, cost, ttft)
@@ -703,11 +707,12 @@ class Scheduler:
             self.index.record(slot.key, hashes, now=self.clock(), ttl=self.approx_ttl_s)
         self.tables.refresh_slot(req.model, slot.key)
         self.stats["selections"] += 1
-        log.debug(
-            "request %s → %s worker %s rank %d (cost %s, overlap %d blocks, predicted TTFT %.1f ms, "
-            "revisions %s)", req.request_id, slot.role.value, slot.instance_id, slot.dp_rank, cost,
-            overlap.total, pred.ttft_ms, revisions,
-        )
+        if log.isEnabledFor(logging.DEBUG):
+            log.debug(
+                "request %s → %s worker %s rank %d (cost %s, overlap %d blocks, predicted TTFT %.1f "
+                "ms, revisions %s)", req.request_id, slot.role.value, slot.instance_id, slot.dp_rank,
+                cost, overlap.total, pred.ttft_ms, revisions,
+            )
         return Selection(
             request_id=req.request_id, model=req.model, instance_id=slot.instance_id,
             dp_rank=slot.dp_rank, url=slot.url, revisions=revisions, seq=seq, cost=cost,

@@ -96,10 +96,6 @@ class Candidate:
     batch_tokens: int = 0
     timing: Timing | None = None
     key: tuple[int, int] = field(init=False)
-    # router.cost's per-candidate cache: (p0, p1, p2, full step prefill, d0, d1, d2, decode min)
-    # of ``coef_of`` (the timing object they came from: a replaced timing is noticed).
-    coef: tuple[float, ...] | None = field(default=None, init=False, repr=False, compare=False)
-    coef_of: object = field(default=None, init=False, repr=False, compare=False)
     # The router.loadvec.LoadTable mirroring this candidate, if any (it sets this).
     table: Touchable | None = field(default=None, init=False, repr=False, compare=False)
 
