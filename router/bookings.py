@@ -76,10 +76,14 @@ class Bookings:
         if not booking.prefill_released:
             rank.prefill_tokens -= booking.prefill_tokens
         rank.requests -= 1
-        rank.blocks.subtract(booking.hashes)
-        for h in booking.hashes:
-            if rank.blocks[h] <= 0:
-                del rank.blocks[h]
+        blocks = rank.blocks
+        pop = blocks.pop
+        for h in booking.hashes:  # one pass (Counter.subtract and its __delitem__ are Python)
+            n = blocks.get(h, 0) - 1
+            if n > 0:
+                blocks[h] = n
+            else:
+                pop(h, None)
         if rank.requests == 0:
             del self._by_key[booking.key]
         return booking

@@ -29,7 +29,7 @@ import math
 from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import numpy.typing as npt
@@ -256,8 +256,7 @@ class RunningMean:
         return self._sum / len(self._values) if self._values else self.initial
 
 
-@dataclass(frozen=True, slots=True)
-class Pending:
+class Pending(NamedTuple):
     """What the router predicted for a booked request, kept until its first token and its end."""
 
     instance_id: int

@@ -9,7 +9,7 @@ import enum
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
-from typing import TYPE_CHECKING, Any, Generic, TypeVar
+from typing import TYPE_CHECKING, Any, Generic, NamedTuple, TypeVar
 
 from controlplane.protocol.events import (
     AppliedDocument,
@@ -59,14 +59,15 @@ class RoutingRequest:
     ttft_slo_ms: float | None = None
 
 
-@dataclass(frozen=True, slots=True)
-class Selection:
+class Selection(NamedTuple):
+    """The scheduler's answer to a :class:`SelectWorker` (a named tuple: built on every request)."""
+
     request_id: str
     model: str
     instance_id: int
     dp_rank: int
     url: str
-    revisions: dict[str, int]  # kind → revision of the document it was scored with
+    revisions: Mapping[str, int]  # kind → revision of the document it was scored with (shared)
     seq: int  # position of the command in the queue
     cost: float | None
     overlap_blocks: int

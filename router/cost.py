@@ -30,8 +30,9 @@ Temperature and ties are DESIGN §5's (:func:`router.selection.pick`) over these
 
 from __future__ import annotations
 
+import math
 import random
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -44,7 +45,7 @@ from controlplane.protocol.events import (
     DEFAULT_PREFILL_MS,
     EngineTiming,
 )
-from router.selection import Candidate, Overlap, SelectionParams
+from router.selection import TIE_EPS, Candidate, Overlap, SelectionParams
 
 # Decode tokens per request assumed until a model's requests have been observed.
 DEFAULT_DECODE_TOKENS = 32.0
@@ -100,8 +101,7 @@ class Timing:
 DEFAULT_TIMING = Timing(*DEFAULT_PREFILL_MS, *DEFAULT_DECODE_MS, DEFAULT_DECODE_MIN_MS, "default")
 
 
-@dataclass(frozen=True, slots=True)
-class Prediction:
+class Prediction(NamedTuple):
     """What the time cost predicts for one candidate (kept with its booking, for the fit)."""
 
     ttft_ms: float
@@ -111,46 +111,6 @@ class Prediction:
     steps: int
     kv_usage: float
     running: int
-
-
-def predict(
-    c: Candidate, params: SelectionParams, prompt_tokens: int, ov: Overlap, *,
-    least_prefill: int = 0, request_blocks: int | None = None, booked_shared: int = 0,
-    decode_tokens: float = DEFAULT_DECODE_TOKENS,
-) -> Prediction:
-    """The time cost of one candidate (the module docstring's formula)."""
-    timing = c.timing or DEFAULT_TIMING
-    b = c.block_size
-    p = prompt_tokens
-    r = -(-p // b) if request_blocks is None else request_blocks
-    credit = 0.0
-    if ov.total:
-        decay = 1.0
-        if params.overlap_score_credit_decay:
-            excess = (c.active_prefill_tokens - least_prefill) / b
-            decay = 1.0 / (1.0 + params.overlap_score_credit_decay * excess / max(1, r))
-        credit = (
-            params.overlap_score_credit * decay * ov.device + params.host_cache_hit_weight * ov.host
-            + params.disk_cache_hit_weight * ov.disk + params.shared_cache_multiplier * ov.shared
-        )
-        credit = min(credit, float(max(p - 1, 0) // b))
-    n = p - credit * b
-    q = c.active_prefill_tokens
-    prefill, steps = timing.prefill_ms(q + n, c.batch_tokens or 8192)
-    total = c.kv_total_blocks or 1
-    u = c.decode_blocks / total
-    ttft = prefill
-    slow = 0.0
-    if c.active_requests:
-        step = timing.decode_step_ms(u)
-        ttft += steps * step
-        if params.decode_slowdown_weight or params.prefill_interference_weight:
-            grown = timing.decode_step_ms((c.decode_blocks + max(r - booked_shared, 0)) / total)
-            ahead = timing.prefill_ms(q, c.batch_tokens or 8192)[0]
-            slow = c.active_requests * (
-                params.prefill_interference_weight * (prefill - ahead)
-                + params.decode_slowdown_weight * max(grown - step, 0.0) * decode_tokens)
-    return Prediction(ttft, ttft + slow, q, n, steps, u, c.active_requests)
 
 
 class TimeRest(NamedTuple):
@@ -177,6 +137,12 @@ class TimeRow(NamedTuple):
     running: int
     decode_step_ms: float  # decode_step(u), 0 when nothing runs there
     ahead_ms: float  # prefill(Q)
+    # A lower bound of this row's cost for a request of P uncached tokens, when every prefill token
+    # costs at least p1 (p0, p1, p2 ≥ 0: every fitted model, the defaults):
+    # floor_ms + floor_slope · P · (1 + prefill_interference_weight · running), with
+    # floor_ms = prefill(Q) + decode_step(u) and floor_slope = p1; else -inf and 0.
+    floor_ms: float
+    floor_slope: float
     rest: TimeRest
 
 
@@ -186,8 +152,16 @@ def time_row(c: Candidate) -> TimeRow:
     kv = c.kv_total_blocks or 1
     q = c.active_prefill_tokens
     step = t.decode_step_ms(c.decode_blocks / kv) if c.active_requests else 0.0
-    return TimeRow(c.key, c.block_size, q, m, t.p0, t.p1, t.p2, t.prefill_step_ms(m), c.active_requests,
-                   step, t.prefill_ms(q, m)[0],
+    full = t.prefill_step_ms(m)
+    if q <= 0:
+        ahead = 0.0
+    elif q <= m:
+        ahead = t.prefill_step_ms(q)
+    else:
+        ahead = (q // m) * full + t.prefill_step_ms(q % m)
+    grows = t.p0 >= 0.0 and t.p1 >= 0.0 and t.p2 >= 0.0
+    return TimeRow(c.key, c.block_size, q, m, t.p0, t.p1, t.p2, full, c.active_requests,
+                   step, ahead, ahead + step if grows else -math.inf, t.p1 if grows else 0.0,
                    TimeRest(c.decode_blocks, kv, t))
 
 
@@ -210,91 +184,141 @@ def row_costs(
     booked_shared: Mapping[tuple[int, int], int] | None = None,
     decode_tokens: float = DEFAULT_DECODE_TOKENS,
     positions: Mapping[tuple[int, int], int] | None = None,
+    argmin_only: bool = False, order: Sequence[int] | None = None,
 ) -> tuple[list[float], list[float]]:
-    """:func:`time_costs` over precomputed rows (``positions``: each row's index by key, if the
-    caller keeps one). The loop is :func:`predict` inlined for speed: it
-    runs over every candidate of a selection."""
+    """:func:`time_costs` over precomputed rows; ``positions`` is each row's index by key and
+    ``order`` the row indexes by ascending ``floor_ms``, if the caller keeps them.
+
+    ``argmin_only`` is for a pick at temperature 0 without an objective, which reads only the
+    least cost and its ties: a row whose lower bound (``floor_ms``, ``floor_slope``) is above the
+    least cost found so far is not scored (its cost is +inf), and the TTFT list is left empty.
+
+    The rows that hold part of the prompt (and every row when the decode-growth term is on) are
+    scored by :func:`predict_row`, first; every other row by :func:`_plain_cost`."""
     if not rows:
         return [], []
     p = prompt_tokens
     if p <= 0:
         zeros = [0.0] * len(rows)
-        return zeros, list(zeros)
-    inter_w = params.prefill_interference_weight
-    costs: list[float] = []
-    ttfts: list[float] = []
-    add_cost, add_ttft = costs.append, ttfts.append
-    # Every row as if it held nothing of the prompt (most rows of a large pool), in integer token
-    # counts; the few rows that hold part of it, and every row when the decode-growth term is on,
-    # are scored again below.
-    for _key, _b, q, m, p0, p1, p2, step_full, n_req, step, ahead, _rest in rows:
-        x = q + p
-        if x <= m:
-            part = p0 + x * (p1 + p2 * x)
-            prefill = part if part > 0.0 else 0.0
-            steps = 1
-        else:
-            steps = x // m
-            rem = x - steps * m
-            prefill = steps * step_full
-            if rem:
-                part = p0 + rem * (p1 + p2 * rem)
-                if part > 0.0:
-                    prefill += part
-                steps += 1
-        if n_req:
-            ttft = prefill + steps * step
-            add_ttft(ttft)
-            add_cost(ttft + n_req * inter_w * (prefill - ahead))
-        else:
-            add_ttft(prefill)
-            add_cost(prefill)
-    again: Iterable[int]
+        return zeros, [] if argmin_only else list(zeros)
+    least_prefill = min(r.queued for r in rows) if params.overlap_score_credit_decay else 0
+    again: Sequence[int] = ()
     if params.decode_slowdown_weight:
         again = range(len(rows))
+        argmin_only = False  # (a row's decode-growth term is not under its floor)
     elif overlaps:
         at = positions if positions is not None else {r.key: i for i, r in enumerate(rows)}
         again = [i for i in map(at.get, overlaps) if i is not None]
-    else:
-        return costs, ttfts
-    least_prefill = min(r.queued for r in rows) if params.overlap_score_credit_decay else 0
+    exact = []
     for i in again:
         row = rows[i]
-        costs[i], ttfts[i] = _row_predict(
+        pred = predict_row(
             row, params, p, overlaps.get(row.key), least_prefill=least_prefill,
-            request_blocks=request_blocks, booked_shared=booked_shared, decode_tokens=decode_tokens)
+            request_blocks=request_blocks.get(row.block_size) if request_blocks else None,
+            booked_shared=booked_shared.get(row.key, 0) if booked_shared else 0, decode_tokens=decode_tokens)
+        exact.append((pred.cost_ms, pred.ttft_ms))
+    inter_w = params.prefill_interference_weight
+    costs: list[float]
+    ttfts: list[float] = []
+    if argmin_only:
+        # Rows in ascending floor (``order``, if the caller keeps it): past the first floor above
+        # the least cost so far, no row can be the least or tie with it.
+        bound = min(c for c, _ in exact) + TIE_EPS if exact else math.inf
+        costs = [math.inf] * len(rows)
+        pw = p * inter_w
+        for i in (range(len(rows)) if order is None else order):
+            row = rows[i]
+            floor = row.floor_ms
+            if floor > bound and order is not None:
+                break
+            if floor + row.floor_slope * (p + pw * row.running) > bound:
+                continue
+            cost = costs[i] = _plain_cost(row, p, inter_w)[0]
+            if cost + TIE_EPS < bound:
+                bound = cost + TIE_EPS
+        for i, (cost, _) in zip(again, exact, strict=True):
+            costs[i] = cost
+        return costs, ttfts
+    costs = []
+    add_cost, add_ttft = costs.append, ttfts.append
+    for row in rows:
+        cost, ttft = _plain_cost(row, p, inter_w)
+        add_cost(cost)
+        add_ttft(ttft)
+    for i, (cost, ttft) in zip(again, exact, strict=True):
+        costs[i], ttfts[i] = cost, ttft
     return costs, ttfts
 
 
-def _row_predict(
-    row: TimeRow, params: SelectionParams, p: int, ov: Overlap | None, *, least_prefill: int,
-    request_blocks: Mapping[int, int] | None, booked_shared: Mapping[tuple[int, int], int] | None,
-    decode_tokens: float,
-) -> tuple[float, float]:
-    """(cost, TTFT) of one row with its cache credit and the decode-growth term."""
-    key, b, q, m, _p0, _p1, _p2, _full, n_req, step, ahead, rest = row
-    r = request_blocks.get(b, -(-p // b)) if request_blocks else -(-p // b)
-    x: float = q + p
-    if ov is not None:
+def _plain_cost(row: TimeRow, p: int, inter_w: float) -> tuple[float, float]:
+    """(cost, TTFT) of a row that holds nothing of a prompt of ``p`` ≥ 1 tokens: :func:`predict`
+    without the cache credit, in integer token counts (written for speed)."""
+    _key, _b, q, m, p0, p1, p2, step_full, n_req, step, ahead, _floor, _slope, _rest = row
+    x = q + p
+    if x <= m:
+        part = p0 + x * (p1 + p2 * x)
+        prefill = part if part > 0.0 else 0.0
+        steps = 1
+    else:
+        steps = x // m
+        rem = x - steps * m
+        prefill = steps * step_full
+        if rem:
+            part = p0 + rem * (p1 + p2 * rem)
+            if part > 0.0:
+                prefill += part
+            steps += 1
+    if not n_req:
+        return prefill, prefill
+    ttft = prefill + steps * step
+    return ttft + n_req * inter_w * (prefill - ahead), ttft
+
+
+def predict_row(
+    row: TimeRow, params: SelectionParams, prompt_tokens: int, ov: Overlap | None, *,
+    least_prefill: int = 0, request_blocks: int | None = None, booked_shared: int = 0,
+    decode_tokens: float = DEFAULT_DECODE_TOKENS, uncached_tokens: float | None = None,
+) -> Prediction:
+    """The time cost of one candidate's row (the module docstring's formula): ``request_blocks``
+    is R at its block size, ``booked_shared`` the blocks of the request already booked there.
+    ``uncached_tokens`` replaces the prediction's own count of tokens to compute (``P - hit``) in
+    the result only."""
+    _key, b, q, m, _p0, _p1, _p2, _full, n_req, step, ahead, _floor, _slope, rest = row
+    p = prompt_tokens
+    r = -(-p // b) if request_blocks is None else request_blocks
+    n: float = p
+    if ov is not None and ov.total:
         credit = params.overlap_score_credit * ov.device
         if params.overlap_score_credit_decay:
             credit = credit / (1.0 + params.overlap_score_credit_decay * ((q - least_prefill) / b) / max(r, 1))
         credit += (params.host_cache_hit_weight * ov.host + params.disk_cache_hit_weight * ov.disk
                    + params.shared_cache_multiplier * ov.shared)
         cap = (p - 1 if p > 0 else 0) // b
-        x = q + p - (credit if credit < cap else cap) * b
+        n = p - (credit if credit < cap else cap) * b
     timing = rest.timing
-    prefill, steps = timing.prefill_ms(x, m)
-    if not n_req:
-        return prefill, prefill
-    ttft = prefill + steps * step
-    extra = params.prefill_interference_weight * (prefill - ahead)
-    if params.decode_slowdown_weight:
-        shared = booked_shared.get(key, 0) if booked_shared else 0
-        grown = timing.decode_step_ms((rest.decode_blocks + max(r - shared, 0)) / rest.kv_blocks)
-        if grown > step:
-            extra += params.decode_slowdown_weight * (grown - step) * decode_tokens
-    return ttft + n_req * extra, ttft
+    prefill, steps = timing.prefill_ms(q + n, m)
+    u = rest.decode_blocks / rest.kv_blocks
+    ttft = cost = prefill
+    if n_req:
+        ttft = cost = prefill + steps * step
+        extra = params.prefill_interference_weight * (prefill - ahead)
+        if params.decode_slowdown_weight:
+            grown = timing.decode_step_ms((rest.decode_blocks + max(r - booked_shared, 0)) / rest.kv_blocks)
+            if grown > step:
+                extra += params.decode_slowdown_weight * (grown - step) * decode_tokens
+        cost = ttft + n_req * extra
+    return Prediction(ttft, cost, q, n if uncached_tokens is None else uncached_tokens, steps, u, n_req)
+
+
+def predict(
+    c: Candidate, params: SelectionParams, prompt_tokens: int, ov: Overlap, *,
+    least_prefill: int = 0, request_blocks: int | None = None, booked_shared: int = 0,
+    decode_tokens: float = DEFAULT_DECODE_TOKENS, uncached_tokens: float | None = None,
+) -> Prediction:
+    """:func:`predict_row` of a candidate."""
+    return predict_row(time_row(c), params, prompt_tokens, ov, least_prefill=least_prefill,
+                       request_blocks=request_blocks, booked_shared=booked_shared,
+                       decode_tokens=decode_tokens, uncached_tokens=uncached_tokens)
 
 
 def consolidate(cost: npt.NDArray[np.float64], meet: npt.NDArray[np.bool_], hits: npt.NDArray[np.float64],

@@ -13,7 +13,10 @@ Events arriving while a dump is pending are buffered and replayed after it.
 from __future__ import annotations
 
 import enum
+import itertools
+import operator
 from collections.abc import Iterable, Sequence
+from typing import cast
 
 from controlplane.protocol.events import KvCleared, KvDumpReply, KvEvent, KvRemoved, KvStored
 from controlplane.protocol.policy import CacheInput
@@ -58,43 +61,54 @@ class PrefixIndex:
     def overlaps(self, hashes: Sequence[int]) -> dict[WorkerKey, Overlap]:
         """Leading blocks of ``hashes`` each worker rank holds, by tier (ranks holding the first).
 
-        Block by block, the ranks still in the run are intersected with the block's holders in C
-        (a set against a dict: stored hashes, no tuple re-hashing), which keeps this fast with
+        The blocks' holders are looked up in C, and the run is scanned in C (map/compress) for
+        the next block some rank of it lacks, where the ranks still in the run are intersected
+        with that block's holders (a set against a dict: stored hashes, no tuple re-hashing): the
+        Python loop turns once per block where ranks leave the run, which keeps this fast with
         hundreds of holders. Tiers are counted one by one only past the leading blocks whose every
         holder has them on the device alone (all of them, if no other tier was ever stored)."""
         holders_of = self._holders
-        first = holders_of.get(hashes[0]) if hashes else None
+        held = list(map(holders_of.get, hashes))  # each block's holders (None: nobody), in C
+        first = held[0] if held else None
         if not first:
             return {}
-        active = set(first)
-        alive = len(active)
-        run: dict[WorkerKey, int] = {}
-        device_only = -1  # leading blocks held on the device alone by every holder
-        end = len(hashes)
-        for i, h in enumerate(hashes):
-            holders = holders_of.get(h)
-            if not holders:
-                end = i
-                break
-            if i:
-                still = active.intersection(holders)
-                if len(still) != alive:
-                    for k in active.difference(still):
-                        run[k] = i
-                    active, alive = still, len(still)
-                    if not alive:
-                        end = i
-                        break
-            if device_only < 0 and self._other_tiers and max(holders.values()) != _DEVICE_ONLY:
-                device_only = i
-        for k in active:
-            run[k] = end
-        if device_only < 0:
-            device_only = end
-        out: dict[WorkerKey, Overlap] = {}
+        try:
+            end = held.index(None)  # the run ends at the first block nobody holds
+        except ValueError:
+            end = len(held)
+        blocks = cast(list[dict[WorkerKey, int]], held[:end])
+        tiers = self._other_tiers
         device_runs = _DEVICE_RUNS
         while len(device_runs) <= end:
             device_runs.append(Overlap(len(device_runs)))
+        active = set(first)
+        run: dict[WorkerKey, int] = {}
+        if tiers:
+            device_only = next(itertools.compress(itertools.count(), (
+                max(holders.values()) != _DEVICE_ONLY for holders in blocks)), end)
+        else:
+            device_only = end  # leading blocks held on the device alone by every holder
+        if len(active) <= 2:
+            # One or two ranks (the usual case): each one's run is the first block it lacks, found
+            # by a membership scan in C.
+            for k in active:
+                lacking = map(operator.not_, map(operator.contains, blocks[1:], itertools.repeat(k)))
+                run[k] = next(itertools.compress(itertools.count(1), lacking), end)
+            active = set()
+        i = 1
+        while active and i < end:
+            lacking = map(operator.not_, map(operator.ge, map(dict.keys, blocks[i:end]), itertools.repeat(active)))
+            i = next(itertools.compress(itertools.count(i), lacking), end)
+            if i == end:
+                break
+            still = active.intersection(blocks[i])
+            for k in active.difference(still):
+                run[k] = i
+            active = still
+            i += 1
+        for k in active:
+            run[k] = end
+        out: dict[WorkerKey, Overlap] = {}
         for k in first:
             n = run[k]
             if n <= device_only:

@@ -20,6 +20,7 @@ Pure: no I/O, no clock.
 
 from __future__ import annotations
 
+import bisect
 import itertools
 import random
 from collections.abc import Callable, Collection, Mapping
@@ -29,7 +30,7 @@ import numpy as np
 import numpy.typing as npt
 
 from router.cost import DEFAULT_DECODE_TOKENS, TimeRow, time_row
-from router.selection import Candidate, Overlap, SelectionParams
+from router.selection import TIE_EPS, Candidate, Overlap, SelectionParams
 
 WorkerKey = tuple[int, int]
 C = TypeVar("C", bound=Candidate)
@@ -41,15 +42,17 @@ Rows = npt.NDArray[np.intp]
 # bench/selection.py on 2 cores: equal at ~100, numpy ahead from 128, 4x ahead at 4096).
 VECTOR_MIN_CANDIDATES = 96
 
-_TIE_EPS = 1e-9  # as router.selection
+
 
 
 class Selectable(NamedTuple, Generic[C]):
-    """A pool's eligible candidates in row order, their time rows, and positions by key."""
+    """A pool's eligible candidates in row order, their time rows, positions by key and the order
+    of their cost floors."""
 
     candidates: list[C]
     time_rows: list[TimeRow]
     positions: dict[WorkerKey, int]
+    order: list[int] | None  # positions by ascending floor_ms (router.cost.row_costs), if kept
 
 
 class LoadTable(dict[WorkerKey, C]):
@@ -79,6 +82,7 @@ class LoadTable(dict[WorkerKey, C]):
         # row's time row is replaced in place, found by its row).
         self._selectable: Selectable[C] | None = None
         self._pos_of_row: dict[int, int] = {}
+        self._floors: list[float] = []  # the floors of self._selectable.order, in that order
         self._alloc(16)
 
     def _alloc(self, cap: int) -> None:
@@ -219,7 +223,24 @@ class LoadTable(dict[WorkerKey, C]):
             if ok != was:
                 self._selectable = None
             elif ok:
-                cached.time_rows[self._pos_of_row[row]] = tr
+                pos = self._pos_of_row[row]
+                trows = cached.time_rows
+                old_floor = trows[pos].floor_ms
+                trows[pos] = tr
+                order = cached.order
+                if order is not None and tr.floor_ms != old_floor:
+                    floors = self._floors  # order's floors, ascending
+                    at = order.index(pos)
+                    del order[at], floors[at]
+                    at = bisect.bisect_right(floors, tr.floor_ms)
+                    order.insert(at, pos)
+                    floors.insert(at, tr.floor_ms)
+
+    def time_row(self, cand: C) -> TimeRow:
+        """A candidate's current time row (brings touched rows up to date first)."""
+        self.flush()
+        row = self._row_of.get(cand.key)
+        return self._time_rows[row] if row is not None and self._rows[row] is cand else time_row(cand)
 
     def _sync(self) -> None:
         """Bring the numpy columns of re-read rows up to date."""
@@ -246,16 +267,19 @@ class LoadTable(dict[WorkerKey, C]):
         cached = self._selectable
         if cached is None:
             picked = [i for i, flag in enumerate(self._oks) if flag]
-            rows, time_rows = self._rows, self._time_rows
+            rows = self._rows
+            trows = [self._time_rows[i] for i in picked]
+            order = sorted(range(len(picked)), key=lambda i: trows[i].floor_ms)
+            self._floors = [trows[i].floor_ms for i in order]
             cached = self._selectable = Selectable(
-                [rows[i] for i in picked], [time_rows[i] for i in picked],
-                {rows[i].key: pos for pos, i in enumerate(picked)})
+                [rows[i] for i in picked], trows, {rows[i].key: pos for pos, i in enumerate(picked)}, order)
             self._pos_of_row = {i: pos for pos, i in enumerate(picked)}
         if not exclude:
             return cached
         keep = [i for i, c in enumerate(cached.candidates) if c.instance_id not in exclude]
         cands = [cached.candidates[i] for i in keep]
-        return Selectable(cands, [cached.time_rows[i] for i in keep], {c.key: i for i, c in enumerate(cands)})
+        return Selectable(cands, [cached.time_rows[i] for i in keep], {c.key: i for i, c in enumerate(cands)},
+                          None)
 
     def eligible_rows(self, exclude: Collection[int] = ()) -> Rows | None:
         """Rows that may be chosen, ascending; ``None`` means every row (the usual case).
@@ -441,10 +465,10 @@ def pick_index(cost: Floats, temperature: float, rng: random.Random) -> int:
         raise ValueError("no candidates")
     c_min = cost.min()
     if temperature <= 0.0:
-        ties = np.flatnonzero(cost - c_min <= _TIE_EPS)
+        ties = np.flatnonzero(cost - c_min <= TIE_EPS)
         return int(ties[0]) if len(ties) == 1 else int(ties[rng.randrange(len(ties))])
     span = float(cost.max() - c_min)
-    if span <= _TIE_EPS:
+    if span <= TIE_EPS:
         return rng.randrange(n)
     acc = np.cumsum(np.exp(-(cost - c_min) / (span * temperature)))
     x = rng.random() * float(acc[-1])

@@ -24,7 +24,7 @@ import itertools
 import logging
 import random
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any, TypeVar
@@ -74,7 +74,7 @@ from router.commands import (
     Tick,
     UseVerifyKeys,
 )
-from router.cost import Prediction, Timing, consolidate, predict, row_costs
+from router.cost import Timing, consolidate, predict_row, row_costs, time_row
 from router.discovery import Change, Discovery
 from router.index import KvApplied, PrefixIndex, WorkerKey
 from router.loadvec import VECTOR_MIN_CANDIDATES, LoadTable, pick_index
@@ -183,6 +183,7 @@ class Scheduler:
             clock=clock, timing=self.timings.timing,
         )
         self._params: dict[str, SelectionParams] = {}
+        self._revisions: dict[str, dict[str, int]] = {}  # model → revisions (Scheduler.revisions)
         for m in models:
             self._refresh_policy(m)
         self.view = RouterView(applied=self.policy.applied())
@@ -329,6 +330,7 @@ class Scheduler:
                 return None
             case ResyncPolicy():
                 forgotten = self.policy.resync()
+                self._revisions.clear()
                 log.warning("policy re-sync (%s): revisions %s forgotten", cmd.reason, forgotten)
                 self._publish_view()
                 return forgotten
@@ -385,6 +387,7 @@ class Scheduler:
 
     def _apply_policy(self, cmd: ApplyPolicy) -> PolicyApplied:
         result = self.policy.apply(cmd.model, cmd.kind, cmd.revision, cmd.payload, cmd.headers)
+        self._revisions.pop(cmd.model, None)
         if result.outcome is Outcome.ACK:
             self.stats["applied"] += 1
             self._refresh_policy(cmd.model)
@@ -401,8 +404,13 @@ class Scheduler:
             self._publish_view()
         return PolicyApplied(result, cmd.seq)
 
-    def revisions(self, model: str) -> dict[str, int]:
-        return {k.value: self.policy.get(model, k).revision for k in PolicyKind}
+    def revisions(self, model: str) -> Mapping[str, int]:
+        """Revision of each document kind the model's selections run with (one shared mapping
+        until a policy event or a re-sync changes one)."""
+        revs = self._revisions.get(model)
+        if revs is None:
+            revs = self._revisions[model] = {k.value: self.policy.get(model, k).revision for k in PolicyKind}
+        return revs
 
     def params(self, model: str) -> SelectionParams:
         return self._params[model]
@@ -607,7 +615,9 @@ class Scheduler:
         if timed:
             tcost, ttft = row_costs(chosen_from.time_rows, params, p, overlaps=overlaps,
                                     request_blocks=request_blocks, booked_shared=shared,
-                                    decode_tokens=decode_tokens, positions=chosen_from.positions)
+                                    decode_tokens=decode_tokens, positions=chosen_from.positions,
+                                    argmin_only=req.ttft_slo_ms is None and params.router_temperature <= 0.0,
+                                    order=chosen_from.order)
         cost = tcost if self.cost_mode is RoutingMode.KV_TIME else costs(
             slots, params, p, overlaps=overlaps, request_blocks=request_blocks, booked_shared=shared)
         return _Scored(slots, None, None, overlaps, cost, ttft)
@@ -655,7 +665,7 @@ class Scheduler:
         return consolidate(cost, meet, hits, self.rng), True
 
     def _select_pinned(
-        self, req: RoutingRequest, seq: int, revisions: dict[str, int], pool: WorkerRole, pin: Pin,
+        self, req: RoutingRequest, seq: int, revisions: Mapping[str, int], pool: WorkerRole, pin: Pin,
         then_decode: bool,
     ) -> Selection:
         model = req.model
@@ -679,27 +689,26 @@ class Scheduler:
         )
 
     def _book(
-        self, req: RoutingRequest, seq: int, revisions: dict[str, int], slot: Slot,
+        self, req: RoutingRequest, seq: int, revisions: Mapping[str, int], slot: Slot,
         overlap: Overlap, cost: float | None, candidates: int, *, pinned: bool = False,
         disaggregated: bool = False, slo_met: bool | None = None,
     ) -> Selection:
         p = req.prompt_tokens
+        hit = overlap.total
         # As vLLM does (and the mock engine), the last prompt token is always computed, so a hit
         # covers at most the full blocks before it: a prompt of exactly k blocks hits k - 1.
-        cached = min(overlap.total, max(p - 1, 0) // slot.block_size) * slot.block_size
+        cached = min(hit, max(p - 1, 0) // slot.block_size) * slot.block_size
         hashes = req.hashes.get(slot.block_size, ())
         booking_id = req.request_id + PREFILL_BOOKING if disaggregated else req.request_id
         # What the chosen worker's timing model predicts (before this request is booked there),
         # kept until the first token and the end to feed its calibration.
         params = self._params[req.model]
-        pred = predict(slot, params, p, overlap, least_prefill=slot.active_prefill_tokens,
-                       decode_tokens=self.timings.decode_tokens[req.model].value)
-        self.timings.expect(booking_id, Pending(
-            slot.instance_id, req.model,
-            Prediction(pred.ttft_ms, pred.cost_ms, pred.queued_tokens, float(p - cached), pred.steps,
-                       pred.kv_usage, pred.running),
-            slot.batch_tokens or 8192,
-        ))
+        table = self.tables.tables.get((req.model, slot.role))
+        row = table.time_row(slot) if table is not None else time_row(slot)
+        pred = predict_row(row, params, p, overlap, least_prefill=slot.active_prefill_tokens,
+                           decode_tokens=self.timings.decode_tokens[req.model].value,
+                           uncached_tokens=float(p - cached))
+        self.timings.expect(booking_id, Pending(slot.instance_id, req.model, pred, slot.batch_tokens or 8192))
         self.bookings.book(
             booking_id, slot.key, model=req.model, prefill_tokens=p - cached, hashes=hashes
         )
@@ -711,12 +720,12 @@ class Scheduler:
             log.debug(
                 "request %s → %s worker %s rank %d (cost %s, overlap %d blocks, predicted TTFT %.1f "
                 "ms, revisions %s)", req.request_id, slot.role.value, slot.instance_id, slot.dp_rank,
-                cost, overlap.total, pred.ttft_ms, revisions,
+                cost, hit, pred.ttft_ms, revisions,
             )
         return Selection(
             request_id=req.request_id, model=req.model, instance_id=slot.instance_id,
             dp_rank=slot.dp_rank, url=slot.url, revisions=revisions, seq=seq, cost=cost,
-            overlap_blocks=overlap.total, cached_tokens=cached, prompt_tokens=p,
+            overlap_blocks=hit, cached_tokens=cached, prompt_tokens=p,
             candidates=candidates, pinned=pinned, pool=slot.role, booking_id=booking_id,
             disaggregated=disaggregated, predicted_ttft_ms=pred.ttft_ms, slo_predicted_met=slo_met,
         )

@@ -27,7 +27,7 @@ from controlplane.protocol.policy import SELECTION_PARAMETERS, Number
 if TYPE_CHECKING:
     from router.cost import Timing
 
-_TIE_EPS = 1e-9
+TIE_EPS = 1e-9  # costs closer than this are a tie (every pick)
 
 
 class Overlap(NamedTuple):
@@ -194,11 +194,14 @@ def pick(cost: Sequence[float], temperature: float, rng: random.Random) -> int:
         raise ValueError("no candidates")
     c_min = min(cost)
     if temperature <= 0.0:
-        ties = [i for i, c in enumerate(cost) if c - c_min <= _TIE_EPS]
-        return ties[0] if len(ties) == 1 else ties[rng.randrange(len(ties))]
+        first = cost.index(c_min)
+        if min(min(cost[:first], default=math.inf), min(cost[first + 1:], default=math.inf)) - c_min > TIE_EPS:
+            return first  # (the usual case, found in C)
+        ties = [i for i, c in enumerate(cost) if c - c_min <= TIE_EPS]
+        return ties[rng.randrange(len(ties))]
     c_max = max(cost)
     span = c_max - c_min
-    if span <= _TIE_EPS:
+    if span <= TIE_EPS:
         return rng.randrange(len(cost))
     denom = span * temperature
     weights = [math.exp(-(c - c_min) / denom) for c in cost]
@@ -209,7 +212,7 @@ def probabilities(cost: Sequence[float], temperature: float) -> list[float]:
     """The distribution :func:`pick` samples from when T > 0 (for tests and docs)."""
     c_min, c_max = min(cost), max(cost)
     span = c_max - c_min
-    if span <= _TIE_EPS:
+    if span <= TIE_EPS:
         return [1.0 / len(cost)] * len(cost)
     weights = [math.exp(-(c - c_min) / (span * temperature)) for c in cost]
     total = sum(weights)

@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import math
 import random
 
 import pytest
 
 from router.calibration import Calibration, PrefillObservation, RunningMean
-from router.cost import DEFAULT_TIMING, Timing, predict, time_costs
-from router.selection import NO_OVERLAP, Candidate, Overlap, SelectionParams
+from router.cost import DEFAULT_TIMING, Timing, predict, row_costs, time_costs, time_row
+from router.loadvec import LoadTable
+from router.selection import NO_OVERLAP, Candidate, Overlap, SelectionParams, pick
 
 TRUE = Timing(p0=33.0, p1=0.03, p2=8.4e-7, d0=11.5, d1=108.0, d2=-51.5, decode_min_ms=2.0)
 BUDGET = 8192
@@ -185,3 +187,90 @@ def test_prefill_interference_is_the_running_requests_delay() -> None:
     # A cached prefix makes the interference small: the session stays where its cache is.
     cached, _ = time_costs([busy], params, 4096, overlaps={(1, 0): Overlap(device=60)})
     assert cached[0] < cost[0] / 2
+
+
+# -- the time cost over kept rows: the argmin shortcut and the load table's cache -----------------
+
+
+def _random_timing(rng: random.Random) -> Timing:
+    if rng.random() < 0.15:  # an advertised model whose prefill does not grow: never pruned
+        return Timing(rng.uniform(-5, 5), rng.uniform(-0.01, 0.02), rng.uniform(-1e-6, 1e-6), 5.0, 50.0, -20.0, 1.0)
+    k = rng.choice((0.5, 1.0, 2.0))
+    return Timing(*(k * v for v in (DEFAULT_TIMING.p0, DEFAULT_TIMING.p1, DEFAULT_TIMING.p2)),
+                  DEFAULT_TIMING.d0, DEFAULT_TIMING.d1, DEFAULT_TIMING.d2, 1.0)
+
+
+@pytest.mark.parametrize("seed", range(30))
+def test_argmin_shortcut_finds_the_same_least_cost_and_ties(seed: int) -> None:
+    """Rows pruned by their floor could not have been the least cost or tied with it: the
+    shortcut's finite costs hold the same minimum and the same tie set as the full costs, with
+    or without the rows kept in floor order."""
+    rng = random.Random(seed)
+    params = SelectionParams(prefill_interference_weight=rng.choice((0.0, 1.0, 2.5)),
+                             overlap_score_credit_decay=rng.choice((0.0, 0.5)))
+    timings = [_random_timing(rng) for _ in range(3)]
+    cands = []
+    for i in range(1, rng.randrange(2, 80)):
+        # Copies of a few load figures make exact ties likely.
+        cands.append(cand(i, prefill=rng.choice((0, 500, 3000, rng.randrange(20000))),
+                          blocks=rng.choice((0, 400, rng.randrange(8000))),
+                          requests=rng.choice((0, 2, rng.randrange(30))), timing=rng.choice(timings)))
+    rows = [time_row(c) for c in cands]
+    order = sorted(range(len(rows)), key=lambda i: rows[i].floor_ms)
+    overlaps = {c.key: Overlap(device=rng.randrange(1, 60)) for c in rng.sample(cands, min(3, len(cands)))}
+    p = rng.choice((1, 64, 4096, 9000))
+    full, _ = row_costs(rows, params, p, overlaps=overlaps)
+    least = min(full)
+    ties = {i for i, x in enumerate(full) if x - least <= 1e-9}
+    for kept_order in (order, None):
+        short, ttfts = row_costs(rows, params, p, overlaps=overlaps, argmin_only=True, order=kept_order)
+        assert ttfts == []
+        assert min(short) == least
+        assert {i for i, x in enumerate(short) if x - least <= 1e-9} == ties
+        assert all(s == f or s == math.inf for s, f in zip(short, full, strict=True))
+    assert pick(short, 0.0, random.Random(seed)) == pick(full, 0.0, random.Random(seed))
+
+
+def test_plain_rows_cost_what_predict_says() -> None:
+    rng = random.Random(3)
+    params = SelectionParams(prefill_interference_weight=1.5)
+    cands = [cand(i, prefill=rng.randrange(20000), blocks=rng.randrange(8000), requests=rng.randrange(5),
+                  timing=_random_timing(rng)) for i in range(1, 40)]
+    cost, ttft = row_costs([time_row(c) for c in cands], params, 3000, overlaps={})
+    for c, want_cost, want_ttft in zip(cands, cost, ttft, strict=True):
+        pred = predict(c, params, 3000, NO_OVERLAP)
+        assert pred.cost_ms == pytest.approx(want_cost) and pred.ttft_ms == pytest.approx(want_ttft)
+
+
+def test_load_table_keeps_its_selectable_rows_and_floor_order_current() -> None:
+    rng = random.Random(11)
+    table: LoadTable[Candidate] = LoadTable(lambda c: c.active_requests < 25)
+    plain: dict[tuple[int, int], Candidate] = {}
+    for step in range(2000):
+        op = rng.random()
+        key = (rng.randrange(1, 40), 0)
+        if op < 0.2:
+            table[key] = plain[key] = cand(key[0], prefill=rng.randrange(9000), requests=rng.randrange(30),
+                                           timing=_random_timing(rng))
+        elif op < 0.3 and plain:
+            key = rng.choice(list(plain))
+            del table[key], plain[key]
+        elif plain:
+            c = plain[rng.choice(list(plain))]
+            c.active_prefill_tokens = rng.randrange(9000)
+            c.decode_blocks = rng.randrange(4000)
+            c.active_requests = rng.randrange(30)
+            if rng.random() < 0.1:
+                c.timing = _random_timing(rng)
+            c.touch()
+        if step % 7 == 0:
+            exclude = frozenset({rng.randrange(1, 40)}) if step % 21 == 0 else frozenset()
+            got = table.selectable(exclude)
+            want = [c for c in plain.values() if c.active_requests < 25 and c.instance_id not in exclude]
+            assert got.candidates == want
+            assert got.time_rows == [time_row(c) for c in want]
+            assert got.positions == {c.key: i for i, c in enumerate(want)}
+            if got.order is not None:
+                assert sorted(got.order) == list(range(len(want)))
+                floors = [got.time_rows[i].floor_ms for i in got.order]
+                assert floors == sorted(floors)
