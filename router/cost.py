@@ -9,9 +9,11 @@ by :mod:`router.calibration`), plus the time its decode costs the requests alrea
     N      = P - hit                                  uncached tokens of this request
     Q      = active prefill tokens ahead (the larger of this router's bookings and the worker's report)
     TTFT   = prefill(Q + N) + steps(Q + N) · decode_step(u)      (decode pass only if it runs requests)
-    slow   = running · (prefill_interference_weight · (prefill(Q + N) - prefill(Q))
+    D      = prefill(Q + N) - prefill(Q)                  the time this request adds to the rank's work
+    slow   = running · (prefill_interference_weight · D
                       + decode_slowdown_weight · (decode_step(u + R/K) - decode_step(u)) · L)
-    cost   = TTFT + slow
+    wait   = arrival_wait_weight · λ · D · D/2
+    cost   = TTFT + slow + wait
 
 ``prefill(x)`` runs ``x`` tokens in engine steps of at most ``max_num_batched_tokens`` (M), each
 costing ``p0 + p1·n + p2·n²`` for its ``n`` tokens; ``steps(x) = ⌈x/M⌉``; ``u`` is the rank's
@@ -20,7 +22,12 @@ there); ``L`` the model's expected decode tokens per request (observed). ``slow`
 request costs the requests already running there: its prefill lengthens the steps they decode in,
 and its blocks lengthen every later decode step, for about ``L`` steps. A worker with nothing
 running pays no such cost; one with a long prefill to do for many running requests pays much,
-which is what keeps a session on the worker that holds its cache. The cache tiers are
+which is what keeps a session on the worker that holds its cache. ``wait`` is what it costs the
+requests that will arrive there meanwhile: ``λ`` is the rank's recent arrival rate (requests this
+router sent it, an exponentially weighted rate), so about ``λ·D`` of them arrive while it
+computes, and each waits ``D/2`` on average. Those are mostly the later turns of the sessions
+whose cache the rank holds: they cannot go elsewhere without recomputing it. A long prefill is
+therefore placed where few requests are expected, and a short one anywhere. The cache tiers are
 credits in the same unit: a block held in a tier removes its tokens (times the tier's weight)
 from the prefill, i.e. it is worth the prefill time it saves on that worker. ``decay`` is the
 block cost's (DESIGN §5): ``1 / (1 + overlap_score_credit_decay · excess / R)``.
@@ -135,6 +142,7 @@ class TimeRow(NamedTuple):
     p2: float
     full_step_ms: float  # prefill(M)
     running: int
+    wait_rate: float  # λ/2, λ the rank's arrival rate (requests per ms)
     decode_step_ms: float  # decode_step(u), 0 when nothing runs there
     ahead_ms: float  # prefill(Q)
     # A lower bound of this row's cost for a request of P uncached tokens, when every prefill token
@@ -161,7 +169,7 @@ def time_row(c: Candidate) -> TimeRow:
         ahead = (q // m) * full + t.prefill_step_ms(q % m)
     grows = t.p0 >= 0.0 and t.p1 >= 0.0 and t.p2 >= 0.0
     return TimeRow(c.key, c.block_size, q, m, t.p0, t.p1, t.p2, full, c.active_requests,
-                   step, ahead, ahead + step if grows else -math.inf, t.p1 if grows else 0.0,
+                   c.arrival_rate / 2, step, ahead, ahead + step if grows else -math.inf, t.p1 if grows else 0.0,
                    TimeRest(c.decode_blocks, kv, t))
 
 
@@ -218,6 +226,7 @@ def row_costs(
             booked_shared=booked_shared.get(row.key, 0) if booked_shared else 0, decode_tokens=decode_tokens)
         exact.append((pred.cost_ms, pred.ttft_ms))
     inter_w = params.prefill_interference_weight
+    wait_w = params.arrival_wait_weight
     costs: list[float]
     ttfts: list[float] = []
     if argmin_only:
@@ -233,7 +242,7 @@ def row_costs(
                 break
             if floor + row.floor_slope * (p + pw * row.running) > bound:
                 continue
-            cost = costs[i] = _plain_cost(row, p, inter_w)[0]
+            cost = costs[i] = _plain_cost(row, p, inter_w, wait_w)[0]
             if cost + TIE_EPS < bound:
                 bound = cost + TIE_EPS
         for i, (cost, _) in zip(again, exact, strict=True):
@@ -242,7 +251,7 @@ def row_costs(
     costs = []
     add_cost, add_ttft = costs.append, ttfts.append
     for row in rows:
-        cost, ttft = _plain_cost(row, p, inter_w)
+        cost, ttft = _plain_cost(row, p, inter_w, wait_w)
         add_cost(cost)
         add_ttft(ttft)
     for i, (cost, ttft) in zip(again, exact, strict=True):
@@ -250,10 +259,10 @@ def row_costs(
     return costs, ttfts
 
 
-def _plain_cost(row: TimeRow, p: int, inter_w: float) -> tuple[float, float]:
+def _plain_cost(row: TimeRow, p: int, inter_w: float, wait_w: float) -> tuple[float, float]:
     """(cost, TTFT) of a row that holds nothing of a prompt of ``p`` ≥ 1 tokens: :func:`predict`
     without the cache credit, in integer token counts (written for speed)."""
-    _key, _b, q, m, p0, p1, p2, step_full, n_req, step, ahead, _floor, _slope, _rest = row
+    _key, _b, q, m, p0, p1, p2, step_full, n_req, wait_rate, step, ahead, _floor, _slope, _rest = row
     x = q + p
     if x <= m:
         part = p0 + x * (p1 + p2 * x)
@@ -268,10 +277,12 @@ def _plain_cost(row: TimeRow, p: int, inter_w: float) -> tuple[float, float]:
             if part > 0.0:
                 prefill += part
             steps += 1
+    added = prefill - ahead
+    wait = wait_w * wait_rate * added * added
     if not n_req:
-        return prefill, prefill
+        return prefill + wait, prefill
     ttft = prefill + steps * step
-    return ttft + n_req * inter_w * (prefill - ahead), ttft
+    return ttft + n_req * inter_w * added + wait, ttft
 
 
 def predict_row(
@@ -283,7 +294,7 @@ def predict_row(
     is R at its block size, ``booked_shared`` the blocks of the request already booked there.
     ``uncached_tokens`` replaces the prediction's own count of tokens to compute (``P - hit``) in
     the result only."""
-    _key, b, q, m, _p0, _p1, _p2, _full, n_req, step, ahead, _floor, _slope, rest = row
+    _key, b, q, m, _p0, _p1, _p2, _full, n_req, wait_rate, step, ahead, _floor, _slope, rest = row
     p = prompt_tokens
     r = -(-p // b) if request_blocks is None else request_blocks
     n: float = p
@@ -298,15 +309,17 @@ def predict_row(
     timing = rest.timing
     prefill, steps = timing.prefill_ms(q + n, m)
     u = rest.decode_blocks / rest.kv_blocks
+    added = prefill - ahead
     ttft = cost = prefill
     if n_req:
         ttft = cost = prefill + steps * step
-        extra = params.prefill_interference_weight * (prefill - ahead)
+        extra = params.prefill_interference_weight * added
         if params.decode_slowdown_weight:
             grown = timing.decode_step_ms((rest.decode_blocks + max(r - booked_shared, 0)) / rest.kv_blocks)
             if grown > step:
                 extra += params.decode_slowdown_weight * (grown - step) * decode_tokens
         cost = ttft + n_req * extra
+    cost += params.arrival_wait_weight * wait_rate * added * added
     return Prediction(ttft, cost, q, n if uncached_tokens is None else uncached_tokens, steps, u, n_req)
 
 

@@ -93,7 +93,7 @@ class LoadTable(dict[WorkerKey, C]):
         self._instance = np.zeros(cap, dtype=np.uint64)
         self._ok = np.zeros(cap, dtype=np.bool_)
         # The time cost's (router.cost): KV blocks, step budget, timing coefficients per row.
-        self._timing = np.zeros((cap, 12), dtype=np.float64)
+        self._timing = np.zeros((cap, 13), dtype=np.float64)
 
     def _columns(self) -> tuple[npt.NDArray[Any], ...]:
         return (self._block, self._prefill, self._decode, self._requests, self._instance, self._ok,
@@ -253,7 +253,7 @@ class LoadTable(dict[WorkerKey, C]):
             self._ok[row] = self._oks[row]
             t = tr.rest.timing
             self._timing[row] = (tr.rest.kv_blocks, tr.budget, tr.p0, tr.p1, tr.p2, t.d0, t.d1, t.d2,
-                                 t.decode_min_ms, tr.full_step_ms, tr.ahead_ms, tr.decode_step_ms)
+                                 t.decode_min_ms, tr.full_step_ms, tr.ahead_ms, tr.decode_step_ms, tr.wait_rate)
         self._stale.clear()
 
     # -- selection -----------------------------------------------------------------------------
@@ -405,6 +405,9 @@ class LoadTable(dict[WorkerKey, C]):
         steps = full + has_rem
         ttft = prefill + steps * step  # step is 0 on a rank that runs nothing
         cost = ttft
+        if params.arrival_wait_weight:
+            added = prefill - ahead
+            cost = cost + params.arrival_wait_weight * t[:, 12] * added * added
         slow_w = params.decode_slowdown_weight
         inter_w = params.prefill_interference_weight
         if inter_w or slow_w:
@@ -432,7 +435,7 @@ class LoadTable(dict[WorkerKey, C]):
                 v = np.minimum((decode + np.maximum(r_all, 0)) / kv, 1.0)
                 grown = np.maximum(d0 + d1 * v + d2 * v * v, dmin)
                 extra = extra + np.where(grown > step, slow_w * (grown - step) * decode_tokens, 0.0)
-            cost = ttft + requests * extra  # requests = 0: no one to slow down
+            cost = cost + requests * extra  # requests = 0: no one to slow down
         return cost, ttft
 
     def locate(self, rows: Rows | None, keys: list[WorkerKey]) -> tuple[Rows, npt.NDArray[np.bool_]]:

@@ -10,6 +10,7 @@ Owned by the scheduler actor (never touched from another task). Pure: the clock 
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import NoReturn
 
@@ -23,11 +24,15 @@ from router.index import WorkerKey
 from router.loadvec import LoadTable
 from router.selection import Candidate
 
+# Time constant of a rank's arrival rate (router.cost's λ): about the gap between two turns of a
+# chat session, so a rank's rate follows the sessions it holds.
+ARRIVAL_TIME_CONSTANT_S = 10.0
+
 
 class Slot(Candidate):
     """A candidate kept between selections, with what eligibility needs."""
 
-    __slots__ = ("busy", "healthy", "role", "url")
+    __slots__ = ("arrivals", "arrivals_at", "busy", "healthy", "role", "url")
 
     def __init__(self, state: WorkerState, dp_rank: int, timing: Timing | None = None) -> None:
         rec = state.record
@@ -38,6 +43,22 @@ class Slot(Candidate):
         self.healthy = True
         self.url = rec.url
         self.role = rec.role
+        self.arrivals = 0.0  # requests sent here, exponentially decayed to ``arrivals_at``
+        self.arrivals_at = 0.0
+
+    def arrival(self, now: float) -> None:
+        """Count a request sent here at ``now`` (monotonic seconds)."""
+        self.arrivals = self._decayed(now) + 1.0
+        self.arrivals_at = now
+
+    def _decayed(self, now: float) -> float:
+        if not self.arrivals:
+            return 0.0
+        return self.arrivals * math.exp(-max(now - self.arrivals_at, 0.0) / ARRIVAL_TIME_CONSTANT_S)
+
+    def rate_at(self, now: float) -> float:
+        """Requests per ms recently sent here (an exponentially weighted rate)."""
+        return self._decayed(now) / (ARRIVAL_TIME_CONSTANT_S * 1000.0)
 
 
 def selectable(slot: Slot) -> bool:
@@ -137,7 +158,9 @@ class Pools:
             booked.requests if booked else 0,
             (reported.running + reported.waiting) if reported else 0,
         )
-        slot.healthy = self.discovery.health(state, self.clock()) is Health.LIVE
+        now = self.clock()
+        slot.healthy = self.discovery.health(state, now) is Health.LIVE
+        slot.arrival_rate = slot.rate_at(now)
         self.refresh_busy(model, slot, state)
 
     def refresh_busy(self, model: str, slot: Slot, state: WorkerState | None = None) -> None:
@@ -162,6 +185,7 @@ class Pools:
                 state = self.discovery.get(slot.instance_id)
                 if state is not None:
                     slot.healthy = self.discovery.health(state, now) is Health.LIVE
+                    slot.arrival_rate = slot.rate_at(now)
                     slot.touch()
 
     # -- what a selection asks of the pools --------------------------------------------------

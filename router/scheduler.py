@@ -712,8 +712,10 @@ class Scheduler:
         self.bookings.book(
             booking_id, slot.key, model=req.model, prefill_tokens=p - cached, hashes=hashes
         )
+        now = self.clock()
         if self.approximate and hashes:
-            self.index.record(slot.key, hashes, now=self.clock(), ttl=self.approx_ttl_s)
+            self.index.record(slot.key, hashes, now=now, ttl=self.approx_ttl_s)
+        slot.arrival(now)
         self.tables.refresh_slot(req.model, slot.key)
         self.stats["selections"] += 1
         if log.isEnabledFor(logging.DEBUG):

@@ -59,6 +59,7 @@ class SelectionParams:
     # The time cost's (router.cost) and its calibration's (router.calibration).
     decode_slowdown_weight: float = 0.0
     prefill_interference_weight: float = 1.0
+    arrival_wait_weight: float = 1.0
     calibration_window: int = 256
     calibration_min_samples: int = 16
     ttft_slo_reject: bool = False
@@ -95,6 +96,7 @@ class Candidate:
     kv_total_blocks: int = 0
     batch_tokens: int = 0
     timing: Timing | None = None
+    arrival_rate: float = 0.0  # requests per ms recently sent to this rank (the time cost's λ)
     key: tuple[int, int] = field(init=False)
     # The router.loadvec.LoadTable mirroring this candidate, if any (it sets this).
     table: Touchable | None = field(default=None, init=False, repr=False, compare=False)

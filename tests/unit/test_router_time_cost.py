@@ -4,6 +4,7 @@ objectives, calibration fed through the actor's commands. No network (DESIGN §5
 from __future__ import annotations
 
 import json
+import math
 import random
 import uuid
 from collections import Counter
@@ -27,6 +28,7 @@ from controlplane.protocol.hashing import block_hashes, chain_hashes
 from controlplane.protocol.policy import ALL_CACHE_INPUTS, PolicyKind, startup_values
 from router.calibration import Calibration
 from router.cost import DEFAULT_TIMING
+from router.pools import ARRIVAL_TIME_CONSTANT_S
 from router.scheduler import (
     ApplyKvEvents,
     ApplyMembership,
@@ -216,3 +218,51 @@ def test_objective_parsing_names_the_field() -> None:
         with pytest.raises(InvalidRequest) as err:
             parse_ttft_slo(nvext, headers)
         assert err.value.field == field
+
+
+def test_a_long_prefill_goes_where_fewer_requests_are_expected_a_short_one_stays_on_its_cache() -> None:
+    """Two idle workers; requests kept arriving at worker 1 (its sessions). A long uncached prompt
+    would hold up those arrivals for its whole prefill (λ·D·D/2), so it goes to worker 2; with the
+    term off it is a tie. A short later turn still goes to the cache holder."""
+    clock = [1000.0]
+    s = sched()
+    s.clock = s.tables.clock = lambda: clock[0]
+    join(s, 1)
+    join(s, 2)
+    rng = random.Random(4)
+    history = [rng.randrange(256) for _ in range(BLOCK * 20)]
+    s._dispatch(ApplyKvEvents([KvEvent(instance_id=1, event_id=0, data=KvStored(blocks=[
+        StoredBlock(block_hash=c, tokens_hash=b) for c, b in block_hashes(history, BLOCK)]))]))
+    for i in range(20):  # a later turn every 0.5 s, each on its cache (worker 1), each finished
+        sel = s._dispatch(SelectWorker(req(i, [*history, *range(i + 1)]), seq=i))
+        assert sel.instance_id == 1
+        s._dispatch(RequestDone(sel.booking_id))
+        clock[0] += 0.5
+    slot1 = s._slots["m"][(1, 0)]
+    assert slot1.rate_at(clock[0]) * 1000 == pytest.approx(1.0, rel=0.35)  # ≈ 2 s⁻¹ · (1 - e^-1)
+    long_prompt = [rng.randrange(256) for _ in range(6000)]
+    costs = s._score(req(100, long_prompt), s.tables.table("m", s.pool), s.pool).cost
+    assert costs[0] > costs[1]  # the wait it would cause at worker 1
+    assert s._dispatch(SelectWorker(req(100, long_prompt), seq=100)).instance_id == 2
+    s._dispatch(RequestDone("q100"))
+    assert s._dispatch(SelectWorker(req(101, [*history, 7, 7]), seq=101)).instance_id == 1
+    # Without the term the two idle workers cost the same for the long prompt.
+    off = sched(arrival_wait_weight=0.0)
+    off.clock = off.tables.clock = lambda: clock[0]
+    join(off, 1)
+    join(off, 2)
+    for i in range(20):
+        off._slots["m"][(1, 0)].arrival(clock[0] - 10 + i * 0.5)
+    off.tables.refresh_slot("m", (1, 0))
+    a, b = off._score(req(102, long_prompt), off.tables.table("m", off.pool), off.pool).cost
+    assert a == b
+
+
+def test_arrival_rate_decays_with_its_time_constant() -> None:
+    s = sched()
+    join(s, 1)
+    slot = s._slots["m"][(1, 0)]
+    slot.arrival(10.0)
+    slot.arrival(10.0)
+    assert slot.rate_at(10.0) == pytest.approx(2 / (ARRIVAL_TIME_CONSTANT_S * 1000))
+    assert slot.rate_at(10.0 + ARRIVAL_TIME_CONSTANT_S) == pytest.approx(2 / math.e / (ARRIVAL_TIME_CONSTANT_S * 1000))
