@@ -9,7 +9,8 @@ separately. No network: the pure core is driven through the actor's dispatch dir
 
 Pools of ``VECTOR_MIN_CANDIDATES`` ranks or more take the numpy path (router.loadvec), smaller ones
 the Python loop (router.selection); each case records which (``path``). Each request is freed
-before the next, so the booked-shared-blocks scan (one pass over booked ranks) stays empty here.
+before the next (the booked-shared-blocks scan then has nothing to scan), except in the cases
+with requests in flight (4 per worker), which keep their bookings while later requests select.
 
     python bench/selection.py            # prints a table, writes bench/results/selection.json
 """
@@ -95,11 +96,12 @@ def build(n_workers: int, temperature: float, rng: random.Random,
 
 
 def run_case(n_workers: int, temperature: float, iters: int,
-             mode: RoutingMode = RoutingMode.KV_BLOCKS) -> dict[str, Any]:
+             mode: RoutingMode = RoutingMode.KV_BLOCKS, in_flight: int = 0) -> dict[str, Any]:
     rng = random.Random(n_workers * 10 + int(temperature * 10))
     s, prefixes = build(n_workers, temperature, rng, mode)
     times: list[float] = []
     hash_times: list[float] = []
+    open_ids: list[str] = []
     for i in range(iters):
         base = prefixes[rng.randrange(PREFIXES)]
         cut = rng.randrange(PROMPT // 2, PROMPT)
@@ -112,9 +114,12 @@ def run_case(n_workers: int, temperature: float, iters: int,
         t2 = time.perf_counter()
         s._dispatch(SelectWorker(req, seq=i))
         times.append(time.perf_counter() - t2)
-        s._dispatch(RequestDone(f"r{i}"))
+        open_ids.append(f"r{i}")
+        while len(open_ids) > in_flight:  # the oldest request finishes
+            s._dispatch(RequestDone(open_ids.pop(0)))
     return {
         "mode": mode.value, "workers": n_workers, "temperature": temperature, "iterations": iters,
+        "in_flight": in_flight,
         "path": "numpy" if n_workers >= VECTOR_MIN_CANDIDATES else "loop",
         "select_p50_us": pct(times, 0.5) * 1e6, "select_p99_us": pct(times, 0.99) * 1e6,
         "select_mean_us": statistics.fmean(times) * 1e6,
@@ -129,10 +134,12 @@ def main() -> None:
         for n, iters in ((8, 3000), (64, 3000), (512, 1500), (4096, 400)):
             for t in (0.0, 0.7):
                 cases.append(run_case(n, t, iters, mode))
-    print(f"{'mode':>10} {'workers':>8} {'T':>4} {'path':>6} {'p50 µs':>9} {'p99 µs':>9} "
+        # Under load: 4 requests in flight per worker (their bookings stay while others select).
+        cases.append(run_case(64, 0.0, 3000, mode, in_flight=256))
+    print(f"{'mode':>10} {'workers':>8} {'T':>4} {'path':>6} {'in flight':>9} {'p50 µs':>9} {'p99 µs':>9} "
           f"{'hash p50 µs':>12} {'hash p99 µs':>12} {'blocks':>8}")
     for c in cases:
-        print(f"{c['mode']:>10} {c['workers']:>8} {c['temperature']:>4} {c['path']:>6} "
+        print(f"{c['mode']:>10} {c['workers']:>8} {c['temperature']:>4} {c['path']:>6} {c['in_flight']:>9} "
               f"{c['select_p50_us']:>9.1f} "
               f"{c['select_p99_us']:>9.1f} {c['hash_p50_us']:>12.1f} {c['hash_p99_us']:>12.1f} "
               f"{c['index_blocks']:>8}")

@@ -176,14 +176,10 @@ def _start(
     # start and reused after; `rudder keys rotate` replaces it without a restart.
     seed, verify_keys, made = ensure_keys(data_dir / "keys")
     say(f"policy keys   {'made' if made else 'reused'}: {seed} (signing), {verify_keys} (verify)")
-    ha_env = {
-        # A stream-leader election on the cluster holds heartbeats back for about 5 s: a worker is
-        # stale for routers only after longer than that (a dead one is still skipped at once when
-        # a connection to it fails).
-        "RUDDER_WORKER_STALE_S": "8", "RUDDER_WORKER_TTL_S": "20",
-    } if ha else {}
+    # (A stream-leader election on the cluster holds every heartbeat back for about 5 s; routers
+    # measure ages against the newest heartbeat heard, so the election stales no worker.)
     env = child_env({"RUDDER_DATABASE_URL": database_url, "RUDDER_POLICY_VERIFY_KEYS": str(verify_keys),
-                     "RUDDER_STREAM_REPLICAS": "3" if ha else "1", **ha_env,
+                     "RUDDER_STREAM_REPLICAS": "3" if ha else "1",
                      "RUDDER_AUDIT_SIGNING_KEY": str(signing_key)})
     env.pop("RUDDER_DATABASE_OWNER_URL", None)  # no child needs the owner's password
     logs = data_dir / "logs"

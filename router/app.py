@@ -72,7 +72,8 @@ class RouterRuntime:
             router_id=settings.router_id, models=settings.models, role=settings.role,
             mode=settings.mode, kv_events=settings.kv_events, cache_inputs=self.cache_inputs,
             startup=self.startup, worker_ttl_s=settings.worker_ttl_s,
-            worker_stale_s=settings.worker_stale_s, approx_ttl_s=settings.approx_ttl_s,
+            worker_stale_s=settings.worker_stale_s, bus_outage_grace_s=settings.bus_outage_grace_s,
+            approx_ttl_s=settings.approx_ttl_s,
             keyring=self.verify_keys.keyring, rng=rng,
             max_queued_selections=settings.max_queued_selections,
         )

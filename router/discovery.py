@@ -4,6 +4,13 @@ A worker is *live* while its last heartbeat is younger than ``stale_s``, *stale*
 candidate; a pin to it is 503), and *gone* after ``ttl_s`` or a ``leave`` event (removed; a pin to
 it is 400). A connection failure marks it *unreachable* until its next heartbeat.
 
+Ages run on a *bus clock* that stops while the bus is silent for everyone (a broker restart, a
+stream-leader election on a cluster): of any gap between two membership events, only the first
+``stale_s / 2`` counts, so such a silence stales no worker and the pools do not empty while every
+worker is fine; a worker that stops while others go on ages as before. A silence longer than
+``outage_grace_s`` is not taken for an outage any more: past the grace the bus clock runs with the
+wall clock again, so a fleet that is really gone still goes stale and expires.
+
 Liveness uses the receiver's clock, never the worker's ``at`` stamp (a future ``at`` could
 otherwise keep a dead worker alive or, as "newer than anything", hide a real worker's later
 heartbeats). An event's age is ``wall_now - received_at``, where ``received_at`` is when the bus
@@ -42,7 +49,7 @@ class Change(enum.Enum):
 @dataclass(slots=True)
 class WorkerState:
     record: WorkerRecord
-    last_seen: float  # monotonic seconds
+    last_seen: float  # on the discovery's bus clock (monotonic seconds less bus silences)
     at: datetime  # the worker's stamp on its last event
     load: dict[int, RankLoad] = field(default_factory=dict)
     unreachable: bool = False
@@ -53,11 +60,32 @@ class WorkerState:
 
 
 class Discovery:
-    def __init__(self, *, ttl_s: float, stale_s: float, models: frozenset[str] | None = None) -> None:
+    def __init__(self, *, ttl_s: float, stale_s: float, models: frozenset[str] | None = None,
+                 outage_grace_s: float = 30.0) -> None:
         self.ttl_s = ttl_s
         self.stale_s = min(stale_s, ttl_s)
         self.models = models
+        self.outage_grace_s = max(outage_grace_s, self.stale_s / 2)
         self.workers: dict[int, WorkerState] = {}
+        self._heard: float | None = None  # when the newest membership event arrived (monotonic)
+        self._suspended = 0.0  # silence not counted by the bus clock up to then, in seconds
+
+    def _uncounted(self, gap: float) -> float:
+        """The part of a silence of ``gap`` seconds the bus clock does not count."""
+        return max(0.0, min(gap, self.outage_grace_s) - self.stale_s / 2)
+
+    def bus_clock(self, now: float) -> float:
+        """Monotonic seconds less the bus silences (what liveness ages are measured in)."""
+        if self._heard is None:
+            return now
+        return now - self._suspended - self._uncounted(now - self._heard)
+
+    def _heard_at(self, now: float) -> float:
+        if self._heard is not None and now > self._heard:
+            self._suspended += self._uncounted(now - self._heard)
+        if self._heard is None or now > self._heard:
+            self._heard = now
+        return self.bus_clock(now)
 
     def apply(
         self, event: MembershipEvent, *, now: float, wall_now: datetime,
@@ -78,7 +106,7 @@ class Discovery:
         age = 0.0 if received_at is None else max(0.0, (wall_now - received_at).total_seconds())
         if age >= self.ttl_s:
             return Change.IGNORED  # a replayed record of a worker that is already gone
-        last_seen = now - age
+        last_seen = self._heard_at(now) - age
         load = {r.dp_rank: r for r in event.load}
         if state is None:
             self.workers[wid] = WorkerState(rec, last_seen, event.at, load)
@@ -93,7 +121,8 @@ class Discovery:
 
     def expire(self, now: float) -> list[int]:
         """Remove workers whose heartbeat is older than the TTL; return their ids."""
-        gone = [wid for wid, s in self.workers.items() if now - s.last_seen >= self.ttl_s]
+        ref = self.bus_clock(now)
+        gone = [wid for wid, s in self.workers.items() if ref - s.last_seen >= self.ttl_s]
         for wid in gone:
             del self.workers[wid]
         return gone
@@ -107,7 +136,7 @@ class Discovery:
     def health(self, state: WorkerState, now: float) -> Health:
         if state.unreachable:
             return Health.UNREACHABLE
-        if now - state.last_seen >= self.stale_s:
+        if self.bus_clock(now) - state.last_seen >= self.stale_s:
             return Health.STALE
         return Health.LIVE
 

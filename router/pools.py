@@ -211,13 +211,20 @@ class Pools:
     def booked_shared(self, hashes: Mapping[int, Sequence[int]],
                       slots: Mapping[WorkerKey, Slot]) -> dict[WorkerKey, int]:
         """Blocks of the request (its chain hashes by block size) already booked on each rank for
-        other requests."""
+        other requests. Bookings hold whole prompts' chain hashes, and a chain hash names its whole
+        prefix, so the request's booked blocks on a rank are a leading run: counted up to the
+        first one that is not there."""
         shared: dict[WorkerKey, int] = {}
         for key in self.bookings.keys():
             rank = self.bookings.rank(key)
             slot = slots.get(key)
             if rank is None or slot is None:
                 continue
-            mine = hashes.get(slot.block_size, ())
-            shared[key] = sum(1 for h in mine if h in rank.blocks)
+            blocks = rank.blocks
+            n = 0
+            for h in hashes.get(slot.block_size, ()):
+                if h not in blocks:
+                    break
+                n += 1
+            shared[key] = n
         return shared

@@ -141,7 +141,7 @@ class Scheduler:
         self, *, router_id: str, models: Sequence[str], role: RouterRole, mode: RoutingMode,
         kv_events: bool, cache_inputs: frozenset[CacheInput],
         startup: dict[PolicyKind, dict[str, Number | None]],
-        worker_ttl_s: float, worker_stale_s: float, approx_ttl_s: float = 120.0,
+        worker_ttl_s: float, worker_stale_s: float, bus_outage_grace_s: float = 30.0, approx_ttl_s: float = 120.0,
         clock: Callable[[], float] = time.monotonic, wall: Callable[[], datetime] = utcnow,
         keyring: Keyring, rng: random.Random | None = None, max_queued_selections: int | None = None,
     ) -> None:
@@ -170,7 +170,8 @@ class Scheduler:
             router_id=router_id, models=models, startup=startup, cache_inputs=cache_inputs,
             keyring=keyring,
         )
-        self.discovery = Discovery(ttl_s=worker_ttl_s, stale_s=worker_stale_s, models=frozenset(models))
+        self.discovery = Discovery(ttl_s=worker_ttl_s, stale_s=worker_stale_s, models=frozenset(models),
+                                   outage_grace_s=bus_outage_grace_s)
         self.index = PrefixIndex()
         self.bookings = Bookings()
         self.round_robin = {m: RoundRobin() for m in models}
@@ -599,8 +600,11 @@ class Scheduler:
                     overlaps.update(self.index.overlaps(hashes))
         size = slots[0].block_size
         request_blocks = {bs: -(-p // bs) for bs in req.hashes} or {size: -(-p // size)}
-        shared = self.tables.booked_shared(req.hashes, table)
         timed = self.cost_mode is RoutingMode.KV_TIME or req.ttft_slo_ms is not None
+        # Blocks of the request already booked on each rank: the block cost's distinct decode
+        # blocks, and the time cost's decode-growth term only.
+        shared = (self.tables.booked_shared(req.hashes, table)
+                  if self.cost_mode is not RoutingMode.KV_TIME or params.decode_slowdown_weight else {})
         decode_tokens = self.timings.decode_tokens[model].value
         cost: Any
         tcost: Any = None

@@ -111,16 +111,26 @@ def _mem(op: MembershipOp, wid: int, at: datetime, **kw: object) -> MembershipEv
     return MembershipEvent(op=op, worker=_rec(wid), at=at, **kw)  # type: ignore[arg-type]
 
 
+def _beat(d: Discovery, wid: int, now: float) -> Change:
+    return d.apply(_mem(MembershipOp.HEARTBEAT, wid, T0 + timedelta(seconds=now)), now=now,
+                   wall_now=T0 + timedelta(seconds=now))
+
+
 def test_discovery_join_stale_expire_and_leave() -> None:
+    """Worker 1 stops while worker 2 goes on heartbeating: 1 goes stale, then expires."""
     d = Discovery(ttl_s=10, stale_s=3, models=frozenset({"m"}))
     assert d.apply(_mem(MembershipOp.JOIN, 1, T0), now=100.0, wall_now=T0) is Change.JOINED
-    assert d.apply(_mem(MembershipOp.HEARTBEAT, 1, T0 + timedelta(seconds=1)), now=101.0,
-                   wall_now=T0 + timedelta(seconds=1)) is Change.UPDATED
+    assert _beat(d, 1, 101.0) is Change.UPDATED
     s = d.get(1)
     assert s is not None
-    assert d.health(s, 102.0) is Health.LIVE
-    assert d.health(s, 104.5) is Health.STALE
-    assert d.expire(110.9) == []
+    for t in range(101, 112):
+        _beat(d, 2, float(t))
+        if t == 102:
+            assert d.health(s, 102.0) is Health.LIVE
+        if t == 104:
+            assert d.health(s, 104.5) is Health.STALE
+        if t == 110:
+            assert d.expire(110.9) == []
     assert d.expire(111.0) == [1]
     assert d.get(1) is None
     d.apply(_mem(MembershipOp.JOIN, 2, T0), now=0.0, wall_now=T0)
@@ -148,7 +158,11 @@ def test_discovery_liveness_uses_the_receivers_clock_not_the_payloads_at() -> No
     assert d.apply(_mem(MembershipOp.JOIN, 1, future), now=0.0, wall_now=T0) is Change.JOINED
     s = d.get(1)
     assert s is not None and s.last_seen == 0.0
+    for t in (1.0, 2.0, 3.0):  # (another worker's heartbeats keep the bus clock running)
+        _beat(d, 9, t)
     assert d.health(s, 3.0) is Health.STALE
+    for t in range(4, 11):
+        _beat(d, 9, float(t))
     assert d.expire(10.0) == [1]  # ... so it cannot keep the worker alive
     # ... and it does not hide the worker's later, honestly stamped heartbeats.
     d.apply(_mem(MembershipOp.JOIN, 2, future), now=0.0, wall_now=T0)
@@ -160,6 +174,35 @@ def test_discovery_liveness_uses_the_receivers_clock_not_the_payloads_at() -> No
     d.apply(_mem(MembershipOp.HEARTBEAT, 2, T0), now=6.0, wall_now=T0,
             received_at=T0 + timedelta(hours=1))
     assert s2.last_seen == 6.0
+
+
+def test_a_silent_bus_stales_no_worker_until_the_outage_grace() -> None:
+    """Every heartbeat stops at once (a broker restart, a leader election): nobody ages, so the
+    pools stay; heartbeats again and all is as before. Silence beyond the grace: ages grow with the
+    clock less the grace, so a fleet that is really gone still goes stale and expires."""
+    d = Discovery(ttl_s=10, stale_s=3, outage_grace_s=30)
+    for wid in (1, 2, 3):
+        _beat(d, wid, 100.0)
+    states = [d.get(w) for w in (1, 2, 3)]
+    assert all(s is not None for s in states)
+    for now in (104.0, 115.0, 129.9):
+        assert [d.health(s, now) for s in states if s] == [Health.LIVE] * 3
+        assert d.expire(now) == []
+    for wid in (1, 2):  # the bus is back; worker 3 does not come back
+        _beat(d, wid, 131.0)
+    assert d.health(states[2], 131.0) is Health.LIVE  # 2.5 s old: 1.5 s of the silence counted, then 1 s
+    for t in (132.0, 133.0, 134.0):
+        for wid in (1, 2):
+            _beat(d, wid, t)
+    assert [d.health(s, 134.0) for s in states if s] == [Health.LIVE, Health.LIVE, Health.STALE]
+    # A silence longer than the grace: past it the clock counts again (after the 1.5 s that
+    # any silence counts), so the fleet is stale at 30 + 1.5 s and gone at 30 + 8.5 s.
+    assert d.health(states[0], 134.0 + 31.4) is Health.LIVE
+    assert d.health(states[0], 134.0 + 31.5) is Health.STALE
+    assert d.expire(134.0 + 32.9) == []
+    assert d.expire(134.0 + 33.0) == [3]  # 5.5 s old when the silence began
+    assert d.expire(134.0 + 38.4) == []
+    assert sorted(d.expire(134.0 + 38.5)) == [1, 2]
 
 
 def test_discovery_unreachable_until_next_heartbeat() -> None:

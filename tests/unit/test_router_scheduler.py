@@ -159,11 +159,17 @@ async def test_all_busy_is_overloaded_and_stale_is_unavailable() -> None:
                                 session_keys().headers_for("m", PolicyKind.BUSY_THRESHOLD, payload)))
         with pytest.raises(Overloaded):
             await s.select(_req(1))
-        clock.t += 5
+        # The only worker falls silent: as long as that could be a bus outage (30 s of grace)
+        # it is not stale; past the grace it is (1.5 s of the silence counted, then the clock).
+        clock.t += 31.4
+        await s.call(Tick())
+        with pytest.raises(Overloaded):
+            await s.select(_req(2))
+        clock.t += 0.2
         await s.call(Tick())
         with pytest.raises(ServiceUnavailable):
-            await s.select(_req(2))
-        clock.t += 6
+            await s.select(_req(3))
+        clock.t += 7
         assert await s.call(Tick()) == [1]
     finally:
         await s.stop()

@@ -266,3 +266,36 @@ def test_arrival_rate_decays_with_its_time_constant() -> None:
     slot.arrival(10.0)
     assert slot.rate_at(10.0) == pytest.approx(2 / (ARRIVAL_TIME_CONSTANT_S * 1000))
     assert slot.rate_at(10.0 + ARRIVAL_TIME_CONSTANT_S) == pytest.approx(2 / math.e / (ARRIVAL_TIME_CONSTANT_S * 1000))
+
+
+def test_booked_shared_blocks_are_counted_as_the_naive_count() -> None:
+    """The leading-run count of a request's blocks booked on each rank equals counting every one
+    (bookings hold whole prompts' chain hashes: a booked block implies its whole prefix)."""
+    s = sched(mode=RoutingMode.KV_BLOCKS)
+    for wid in (1, 2, 3):
+        join(s, wid)
+    rng = random.Random(8)
+    stems = [[rng.randrange(256) for _ in range(BLOCK * 12)] for _ in range(3)]
+
+    def prompt() -> list[int]:
+        stem = rng.choice(stems)
+        tail = [rng.randrange(256) for _ in range(rng.randrange(1, 3 * BLOCK))]
+        return [*stem[: BLOCK * rng.randrange(0, 13)], *tail]
+
+    for i in range(60):
+        s._dispatch(SelectWorker(req(i, prompt()), seq=i))
+        if i % 5 == 4:
+            s._dispatch(RequestDone(f"q{rng.randrange(i)}"))
+    table = s.tables.table("m", s.pool)
+    shared_seen = 0
+    for j in range(40):
+        r = req(1000 + j, prompt())
+        got = s.tables.booked_shared(r.hashes, table)
+        want = {}
+        for key in s.bookings.keys():
+            rank = s.bookings.rank(key)
+            assert rank is not None
+            want[key] = sum(1 for h in r.hashes[BLOCK] if h in rank.blocks)
+        assert got == want
+        shared_seen += sum(got.values())
+    assert shared_seen > 0
