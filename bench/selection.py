@@ -13,10 +13,12 @@ before the next (the booked-shared-blocks scan then has nothing to scan), except
 with requests in flight (4 per worker), which keep their bookings while later requests select.
 
     python bench/selection.py            # prints a table, writes bench/results/selection.json
+    python bench/selection.py --rounds 5 # more rounds (each case: its median round by p50)
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import platform
 import random
@@ -129,13 +131,29 @@ def run_case(n_workers: int, temperature: float, iters: int,
 
 
 def main() -> None:
-    cases = []
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--rounds", type=int, default=3,
+                    help="runs of every case, interleaved; each case reports its median round by p50")
+    args = ap.parse_args()
+    specs: list[tuple[RoutingMode, int, float, int, int]] = []
     for mode in (RoutingMode.KV_BLOCKS, RoutingMode.KV_TIME):
         for n, iters in ((8, 3000), (64, 3000), (512, 1500), (4096, 400)):
             for t in (0.0, 0.7):
-                cases.append(run_case(n, t, iters, mode))
+                specs.append((mode, n, t, iters, 0))
         # Under load: 4 requests in flight per worker (their bookings stay while others select).
-        cases.append(run_case(64, 0.0, 3000, mode, in_flight=256))
+        specs.append((mode, 64, 0.0, 3000, 256))
+    runs: dict[tuple[RoutingMode, int, float, int, int], list[dict[str, Any]]] = {spec: [] for spec in specs}
+    for r in range(args.rounds):
+        print(f"round {r + 1}/{args.rounds}", file=sys.stderr, flush=True)
+        for spec in specs:
+            mode, n, t, iters, in_flight = spec
+            runs[spec].append(run_case(n, t, iters, mode, in_flight=in_flight))
+    cases = []
+    for spec in specs:
+        ordered = sorted(runs[spec], key=lambda c: c["select_p50_us"])
+        case = dict(ordered[len(ordered) // 2])
+        case["rounds_p50_us"] = [c["select_p50_us"] for c in runs[spec]]
+        cases.append(case)
     print(f"{'mode':>10} {'workers':>8} {'T':>4} {'path':>6} {'in flight':>9} {'p50 µs':>9} {'p99 µs':>9} "
           f"{'hash p50 µs':>12} {'hash p99 µs':>12} {'blocks':>8}")
     for c in cases:
@@ -146,7 +164,7 @@ def main() -> None:
     out = {
         "benchmark": "selection", "prompt_tokens": PROMPT, "block_size": BLOCK,
         "python": platform.python_version(), "numpy": np.__version__, "machine": platform.machine(),
-        "vector_min_candidates": VECTOR_MIN_CANDIDATES,
+        "vector_min_candidates": VECTOR_MIN_CANDIDATES, "rounds": args.rounds,
         "at": datetime.now(UTC).isoformat(), "cases": cases,
     }
     path = Path(__file__).parent / "results" / "selection.json"

@@ -54,7 +54,9 @@ class Bookings:
             raise ValueError(f"request {request_id} is already booked")
         booking = Booking(request_id, key, model, prefill_tokens, tuple(hashes))
         self._by_request[request_id] = booking
-        rank = self._by_key.setdefault(key, RankBookings())
+        rank = self._by_key.get(key)
+        if rank is None:
+            rank = self._by_key[key] = RankBookings()
         rank.prefill_tokens += prefill_tokens
         rank.requests += 1
         rank.blocks.update(booking.hashes)

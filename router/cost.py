@@ -201,8 +201,9 @@ def row_costs(
     least cost and its ties: a row whose lower bound (``floor_ms``, ``floor_slope``) is above the
     least cost found so far is not scored (its cost is +inf), and the TTFT list is left empty.
 
-    The rows that hold part of the prompt (and every row when the decode-growth term is on) are
-    scored by :func:`predict_row`, first; every other row by :func:`_plain_cost`."""
+    The rows that hold part of the prompt are scored first, with their credit (by
+    :func:`predict_row` for every row when the decode-growth term is on); every other row by
+    :func:`_plain_cost`."""
     if not rows:
         return [], []
     p = prompt_tokens
@@ -217,16 +218,21 @@ def row_costs(
     elif overlaps:
         at = positions if positions is not None else {r.key: i for i, r in enumerate(rows)}
         again = [i for i in map(at.get, overlaps) if i is not None]
+    inter_w = params.prefill_interference_weight
+    wait_w = params.arrival_wait_weight
     exact = []
     for i in again:
         row = rows[i]
-        pred = predict_row(
-            row, params, p, overlaps.get(row.key), least_prefill=least_prefill,
-            request_blocks=request_blocks.get(row.block_size) if request_blocks else None,
-            booked_shared=booked_shared.get(row.key, 0) if booked_shared else 0, decode_tokens=decode_tokens)
-        exact.append((pred.cost_ms, pred.ttft_ms))
-    inter_w = params.prefill_interference_weight
-    wait_w = params.arrival_wait_weight
+        if params.decode_slowdown_weight:
+            pred = predict_row(
+                row, params, p, overlaps.get(row.key), least_prefill=least_prefill,
+                request_blocks=request_blocks.get(row.block_size) if request_blocks else None,
+                booked_shared=booked_shared.get(row.key, 0) if booked_shared else 0, decode_tokens=decode_tokens)
+            exact.append((pred.cost_ms, pred.ttft_ms))
+        else:
+            n = _uncached(row, params, p, overlaps[row.key], least_prefill,
+                          request_blocks.get(row.block_size) if request_blocks else None)
+            exact.append(_plain_cost(row, n, inter_w, wait_w))
     costs: list[float]
     ttfts: list[float] = []
     if argmin_only:
@@ -259,11 +265,28 @@ def row_costs(
     return costs, ttfts
 
 
-def _plain_cost(row: TimeRow, p: int, inter_w: float, wait_w: float) -> tuple[float, float]:
-    """(cost, TTFT) of a row that holds nothing of a prompt of ``p`` ≥ 1 tokens: :func:`predict`
-    without the cache credit, in integer token counts (written for speed)."""
+def _uncached(row: TimeRow, params: SelectionParams, p: int, ov: Overlap, least_prefill: int,
+              request_blocks: int | None) -> float:
+    """N: the tokens of a prompt of ``p`` a row still computes, less its cache credit."""
+    b, q = row.block_size, row.queued
+    credit = params.overlap_score_credit * ov.device
+    if params.overlap_score_credit_decay:
+        r = -(-p // b) if request_blocks is None else request_blocks
+        credit = credit / (1.0 + params.overlap_score_credit_decay * ((q - least_prefill) / b) / max(r, 1))
+    if ov.host or ov.disk or ov.shared:
+        credit += (params.host_cache_hit_weight * ov.host + params.disk_cache_hit_weight * ov.disk
+                   + params.shared_cache_multiplier * ov.shared)
+    cap = (p - 1 if p > 0 else 0) // b
+    return p - (credit if credit < cap else cap) * b
+
+
+def _plain_cost(row: TimeRow, p: float, inter_w: float, wait_w: float) -> tuple[float, float]:
+    """(cost, TTFT) of a row computing ``p`` ≥ 1 of the request's tokens (all of them where it
+    holds nothing of the prompt): :func:`predict_row` without the decode-growth term, written for
+    speed (integer token counts where it holds nothing)."""
     _key, _b, q, m, p0, p1, p2, step_full, n_req, wait_rate, step, ahead, _floor, _slope, _rest = row
     x = q + p
+    steps: float
     if x <= m:
         part = p0 + x * (p1 + p2 * x)
         prefill = part if part > 0.0 else 0.0
@@ -299,13 +322,7 @@ def predict_row(
     r = -(-p // b) if request_blocks is None else request_blocks
     n: float = p
     if ov is not None and ov.total:
-        credit = params.overlap_score_credit * ov.device
-        if params.overlap_score_credit_decay:
-            credit = credit / (1.0 + params.overlap_score_credit_decay * ((q - least_prefill) / b) / max(r, 1))
-        credit += (params.host_cache_hit_weight * ov.host + params.disk_cache_hit_weight * ov.disk
-                   + params.shared_cache_multiplier * ov.shared)
-        cap = (p - 1 if p > 0 else 0) // b
-        n = p - (credit if credit < cap else cap) * b
+        n = _uncached(row, params, p, ov, least_prefill, request_blocks)
     timing = rest.timing
     prefill, steps = timing.prefill_ms(q + n, m)
     u = rest.decode_blocks / rest.kv_blocks

@@ -88,7 +88,7 @@ class PrefixIndex:
                 max(holders.values()) != _DEVICE_ONLY for holders in blocks)), end)
         else:
             device_only = end  # leading blocks held on the device alone by every holder
-        if len(active) <= 2:
+        if len(active) <= 8:
             # One or two ranks (the usual case): each one's run is the first block it lacks, found
             # by a membership scan in C.
             for k in active:

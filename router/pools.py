@@ -48,17 +48,17 @@ class Slot(Candidate):
 
     def arrival(self, now: float) -> None:
         """Count a request sent here at ``now`` (monotonic seconds)."""
-        self.arrivals = self._decayed(now) + 1.0
+        self.arrivals = self.rate_at(now) * (ARRIVAL_TIME_CONSTANT_S * 1000.0) + 1.0
         self.arrivals_at = now
-
-    def _decayed(self, now: float) -> float:
-        if not self.arrivals:
-            return 0.0
-        return self.arrivals * math.exp(-max(now - self.arrivals_at, 0.0) / ARRIVAL_TIME_CONSTANT_S)
 
     def rate_at(self, now: float) -> float:
         """Requests per ms recently sent here (an exponentially weighted rate)."""
-        return self._decayed(now) / (ARRIVAL_TIME_CONSTANT_S * 1000.0)
+        n = self.arrivals
+        if not n:
+            return 0.0
+        age = now - self.arrivals_at
+        return n * math.exp(-age / ARRIVAL_TIME_CONSTANT_S) / (ARRIVAL_TIME_CONSTANT_S * 1000.0) if age > 0 else \
+            n / (ARRIVAL_TIME_CONSTANT_S * 1000.0)
 
 
 def selectable(slot: Slot) -> bool:
@@ -148,16 +148,13 @@ class Pools:
                 return
         reported = state.load.get(key[1])
         booked = self.bookings.rank(key)
-        slot.active_prefill_tokens = max(
-            booked.prefill_tokens if booked else 0, reported.active_prefill_tokens if reported else 0
-        )
-        slot.decode_blocks = max(
-            booked.active_blocks if booked else 0, reported.active_decode_blocks if reported else 0
-        )
-        slot.active_requests = max(
-            booked.requests if booked else 0,
-            (reported.running + reported.waiting) if reported else 0,
-        )
+        prefill, blocks, requests = (
+            (booked.prefill_tokens, len(booked.blocks), booked.requests) if booked else (0, 0, 0))
+        if reported is not None:
+            prefill = max(prefill, reported.active_prefill_tokens)
+            blocks = max(blocks, reported.active_decode_blocks)
+            requests = max(requests, reported.running + reported.waiting)
+        slot.active_prefill_tokens, slot.decode_blocks, slot.active_requests = prefill, blocks, requests
         now = self.clock()
         slot.healthy = self.discovery.health(state, now) is Health.LIVE
         slot.arrival_rate = slot.rate_at(now)
