@@ -317,26 +317,21 @@ def predict_row(
     is R at its block size, ``booked_shared`` the blocks of the request already booked there.
     ``uncached_tokens`` replaces the prediction's own count of tokens to compute (``P - hit``) in
     the result only."""
-    _key, b, q, m, _p0, _p1, _p2, _full, n_req, wait_rate, step, ahead, _floor, _slope, rest = row
+    _key, b, q, m, _p0, _p1, _p2, _full, n_req, _wait, step, _ahead, _floor, _slope, rest = row
     p = prompt_tokens
-    r = -(-p // b) if request_blocks is None else request_blocks
+    u = rest.decode_blocks / rest.kv_blocks
+    if p <= 0:
+        return Prediction(0.0, 0.0, q, 0.0 if uncached_tokens is None else uncached_tokens, 0, u, n_req)
     n: float = p
     if ov is not None and ov.total:
         n = _uncached(row, params, p, ov, least_prefill, request_blocks)
-    timing = rest.timing
-    prefill, steps = timing.prefill_ms(q + n, m)
-    u = rest.decode_blocks / rest.kv_blocks
-    added = prefill - ahead
-    ttft = cost = prefill
-    if n_req:
-        ttft = cost = prefill + steps * step
-        extra = params.prefill_interference_weight * added
-        if params.decode_slowdown_weight:
-            grown = timing.decode_step_ms((rest.decode_blocks + max(r - booked_shared, 0)) / rest.kv_blocks)
-            if grown > step:
-                extra += params.decode_slowdown_weight * (grown - step) * decode_tokens
-        cost = ttft + n_req * extra
-    cost += params.arrival_wait_weight * wait_rate * added * added
+    cost, ttft = _plain_cost(row, n, params.prefill_interference_weight, params.arrival_wait_weight)
+    if n_req and params.decode_slowdown_weight:
+        r = -(-p // b) if request_blocks is None else request_blocks
+        grown = rest.timing.decode_step_ms((rest.decode_blocks + max(r - booked_shared, 0)) / rest.kv_blocks)
+        if grown > step:
+            cost += n_req * params.decode_slowdown_weight * (grown - step) * decode_tokens
+    steps = -int(-(q + n) // m)
     return Prediction(ttft, cost, q, n if uncached_tokens is None else uncached_tokens, steps, u, n_req)
 
 

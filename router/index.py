@@ -68,17 +68,28 @@ class PrefixIndex:
         hundreds of holders. Tiers are counted one by one only past the leading blocks whose every
         holder has them on the device alone (all of them, if no other tier was ever stored)."""
         holders_of = self._holders
-        held = list(map(holders_of.get, hashes))  # each block's holders (None: nobody), in C
-        first = held[0] if held else None
+        first = holders_of.get(hashes[0]) if hashes else None
         if not first:
             return {}
+        device_runs = _DEVICE_RUNS
+        if len(first) <= 8 and not self._other_tiers:
+            # A few ranks, device blocks only (the usual case): each one's run is the leading
+            # hashes in its own block set, taken in C.
+            by_key = self._by_key
+            out: dict[WorkerKey, Overlap] = {}
+            for k in first:
+                n = len(list(itertools.takewhile(by_key[k].__contains__, hashes)))
+                while len(device_runs) <= n:
+                    device_runs.append(Overlap(len(device_runs)))
+                out[k] = device_runs[n]
+            return out
+        held = list(map(holders_of.get, hashes))  # each block's holders (None: nobody), in C
         try:
             end = held.index(None)  # the run ends at the first block nobody holds
         except ValueError:
             end = len(held)
         blocks = cast(list[dict[WorkerKey, int]], held[:end])
         tiers = self._other_tiers
-        device_runs = _DEVICE_RUNS
         while len(device_runs) <= end:
             device_runs.append(Overlap(len(device_runs)))
         active = set(first)
@@ -108,7 +119,7 @@ class PrefixIndex:
             i += 1
         for k in active:
             run[k] = end
-        out: dict[WorkerKey, Overlap] = {}
+        out = {}
         for k in first:
             n = run[k]
             if n <= device_only:
