@@ -93,7 +93,7 @@ class LoadTable(dict[WorkerKey, C]):
         self._instance = np.zeros(cap, dtype=np.uint64)
         self._ok = np.zeros(cap, dtype=np.bool_)
         # The time cost's (router.cost): KV blocks, step budget, timing coefficients per row.
-        self._timing = np.zeros((cap, 13), dtype=np.float64)
+        self._timing = np.zeros((13, cap), dtype=np.float64)  # one contiguous row per figure
 
     def _columns(self) -> tuple[npt.NDArray[Any], ...]:
         return (self._block, self._prefill, self._decode, self._requests, self._instance, self._ok,
@@ -114,7 +114,7 @@ class LoadTable(dict[WorkerKey, C]):
                 old = self._columns()
                 self._alloc(2 * row)
                 for new_col, old_col in zip(self._columns(), old, strict=True):
-                    new_col[:row] = old_col
+                    new_col[..., :row] = old_col
             self._rows.append(cand)
             self._time_rows.append(time_row(cand))
             self._oks.append(False)
@@ -139,7 +139,7 @@ class LoadTable(dict[WorkerKey, C]):
         self._selectable = None
         n = len(self._rows)
         for col in self._columns():
-            col[row:n] = col[row + 1:n + 1]
+            col[..., row:n] = col[..., row + 1:n + 1]
         for i in range(row, n):
             self._row_of[self._rows[i].key] = i
 
@@ -252,7 +252,7 @@ class LoadTable(dict[WorkerKey, C]):
             self._requests[row] = cand.active_requests
             self._ok[row] = self._oks[row]
             t = tr.rest.timing
-            self._timing[row] = (tr.rest.kv_blocks, tr.budget, tr.p0, tr.p1, tr.p2, t.d0, t.d1, t.d2,
+            self._timing[:, row] = (tr.rest.kv_blocks, tr.budget, tr.p0, tr.p1, tr.p2, t.d0, t.d1, t.d2,
                                  t.decode_min_ms, tr.full_step_ms, tr.ahead_ms, tr.decode_step_ms, tr.wait_rate)
         self._stale.clear()
 
@@ -376,12 +376,12 @@ class LoadTable(dict[WorkerKey, C]):
             empty = np.zeros(0, dtype=np.float64)
             return empty, empty
         a, decode, requests = self._prefill[sel], self._decode[sel], self._requests[sel]
-        t = self._timing[sel]
-        kv, budget = t[:, 0], t[:, 1]
-        p0, p1, p2 = t[:, 2], t[:, 3], t[:, 4]
-        step_full, ahead, step = t[:, 9], t[:, 10], t[:, 11]
+        t = self._timing[:, sel]
+        kv, budget = t[0], t[1]
+        p0, p1, p2 = t[2], t[3], t[4]
+        step_full, ahead, step = t[9], t[10], t[11]
         p = prompt_tokens
-        x: Floats = (a + p).astype(np.float64)
+        x: Floats = a + float(p)
         if overlaps:
             pos, ov = self._positions(rows, overlaps)
             if len(pos):
@@ -405,18 +405,18 @@ class LoadTable(dict[WorkerKey, C]):
         steps = full + has_rem
         ttft = prefill + steps * step  # step is 0 on a rank that runs nothing
         cost = ttft
+        added = prefill - ahead
         if params.arrival_wait_weight:
-            added = prefill - ahead
-            cost = cost + params.arrival_wait_weight * t[:, 12] * added * added
+            cost = cost + (params.arrival_wait_weight * t[12]) * (added * added)
         slow_w = params.decode_slowdown_weight
         inter_w = params.prefill_interference_weight
         if inter_w or slow_w:
             active = requests > 0
             if not bool(active.any()):
                 return cost, ttft
-            extra = inter_w * (prefill - ahead) if inter_w else np.zeros(m_rows)
+            extra = inter_w * added if inter_w else np.zeros(m_rows)
             if slow_w:
-                d0, d1, d2, dmin = t[:, 5], t[:, 6], t[:, 7], t[:, 8]
+                d0, d1, d2, dmin = t[5], t[6], t[7], t[8]
                 if request_blocks and len(request_blocks) == 1:
                     (only,) = request_blocks.values()
                     r_all: Any = np.full(m_rows, only, dtype=np.int64)
