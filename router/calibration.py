@@ -13,7 +13,8 @@ worker's finished requests:
 
   linear in (p0, p1, p2) once the decode term (from the decode fit) is subtracted;
 - **decode**: each streamed request's mean inter-token time against the KV usage it ran at:
-  ``ITL ≈ d0 + d1·u + d2·u²``.
+  ``ITL ≈ d0 + d1·u + d2·u²`` when the observed usage spans ``DECODE_SHAPE_SPAN`` or more, else
+  ``ITL ≈ k·prior(u)`` (a narrow range tells the curve's level, not its shape).
 
 Both fits are robust and bounded: the last ``window`` observations only, Huber-weighted
 iteratively reweighted least squares (a slow outlier's pull is capped at 1.345 robust standard
@@ -43,6 +44,9 @@ _HUBER = 1.345
 _PRIOR_OBSERVATIONS = 0.01  # the ridge toward the prior weighs as much as this many observations
 _IRLS_ITERATIONS = 10
 REFIT_EVERY = 4  # observations between two refits (a fit costs tens of microseconds)
+# KV usage must span at least this much for the decode curve's shape to be fitted; below it only
+# its level is (the prior's curve, scaled).
+DECODE_SHAPE_SPAN = 0.25
 
 
 @dataclass(frozen=True, slots=True)
@@ -194,9 +198,17 @@ class Calibration:
             return
         data = np.array(self._decode, dtype=np.float64)
         u, y = data[:, 0], data[:, 1]
-        x = np.column_stack([np.ones_like(u), u, u * u])
         prior = np.array([self.prior.d0, self.prior.d1, self.prior.d2])
-        d0, d1, d2 = (float(v) for v in robust_fit(x, y, prior, nonnegative=False))
+        if float(u.max() - u.min()) >= DECODE_SHAPE_SPAN:
+            x = np.column_stack([np.ones_like(u), u, u * u])
+            d0, d1, d2 = (float(v) for v in robust_fit(x, y, prior, nonnegative=False))
+        else:
+            # A narrow range of KV usage identifies the level of the curve, not its shape: the
+            # prior's curve is scaled to the observations (one robust coefficient) instead of a
+            # quadratic that would extrapolate anywhere outside the range.
+            shape = np.maximum(prior[0] + prior[1] * u + prior[2] * u * u, self.prior.decode_min_ms)
+            k = float(robust_fit(shape[:, None], y, np.ones(1), nonnegative=True)[0])
+            d0, d1, d2 = (float(v) for v in k * prior)
         self.timing = replace(t, d0=d0, d1=d1, d2=d2, source="fitted")
         self.decode_fitted = True
 

@@ -274,3 +274,17 @@ def test_load_table_keeps_its_selectable_rows_and_floor_order_current() -> None:
                 assert sorted(got.order) == list(range(len(want)))
                 floors = [got.time_rows[i].floor_ms for i in got.order]
                 assert floors == sorted(floors)
+
+
+def test_a_narrow_range_of_kv_usage_scales_the_prior_curve_instead_of_extrapolating() -> None:
+    """Inter-token times seen only at u in [0.02, 0.08] (a lightly loaded fleet), 1.3 times the prior:
+    the fit keeps the prior's shape, scaled, so it still predicts sensibly at u = 0.5 (a free
+    quadratic through such data bends anywhere, down to the floor, outside the range)."""
+    rng = random.Random(12)
+    cal = Calibration(DEFAULT_TIMING, window=256, min_samples=16)
+    for _ in range(120):
+        u = rng.uniform(0.02, 0.08)
+        cal.observe_decode(u, 1.3 * DEFAULT_TIMING.decode_step_ms(u) * (1 + rng.uniform(-0.2, 0.2)))
+    assert cal.decode_fitted
+    for u in (0.05, 0.3, 0.5, 0.9):
+        assert close(cal.timing.decode_step_ms(u), 1.3 * DEFAULT_TIMING.decode_step_ms(u), 0.08), u
