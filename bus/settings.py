@@ -25,6 +25,9 @@ class BusSettings(BaseSettings):
     history_depth: int = Field(default=64, ge=2)
     # How long a service waits at start for the bus admin to create the streams it needs.
     stream_wait_s: float = Field(default=30.0, gt=0)
+    # Liveness ages run on a bus clock that counts only part of a silence of the whole bus (broker
+    # restart, leader election), for up to this long (controlplane.protocol.liveness).
+    bus_outage_grace_s: float = Field(default=30.0, ge=0)
 
     def bus_options(self, name: str) -> BusOptions:
         return BusOptions.from_settings(nats_url=self.nats_url, nats_creds=self.nats_creds,

@@ -5,7 +5,10 @@ Background watchers keep an in-memory view so the write path's capability check 
 A router is live while its status is younger than 3 heartbeats; a worker while its last
 membership event is not ``leave`` and younger than the worker TTL. Ages use the bus's clock (when
 NATS stored the entry), never a timestamp in the payload, so a stamp in the future cannot keep a
-router or worker alive.
+router or worker alive; and they are measured on a bus clock per stream
+(:class:`controlplane.protocol.liveness.BusClock`) that counts only half a TTL of any silence of
+the whole stream, for up to ``outage_grace_s``, so a JetStream node that dies (its watch restarts)
+or a broker restart empties no view while every router and worker is fine.
 
 Hostile input is dropped, logged once per source and counted (``self.drops``): a router status
 whose key is not its ``router_id`` or that does not decode (a naive timestamp, a size past its
@@ -38,6 +41,7 @@ from controlplane.protocol.events import (
     decode_router_status,
 )
 from controlplane.protocol.guard import Drops
+from controlplane.protocol.liveness import BusClock
 from controlplane.protocol.policy import CacheInput, PolicyKind, missing_cache_inputs
 from controlplane.protocol.subjects import (
     BUCKET_ROUTERS,
@@ -46,6 +50,12 @@ from controlplane.protocol.subjects import (
 from controlplane.tasks import cancel_all
 
 log = logging.getLogger(__name__)
+
+def _seen(clock: BusClock, now: datetime, stored_at: datetime | None) -> float:
+    """Bus seconds at which an entry stored at ``stored_at`` (None: now) was current."""
+    age = max((now - stored_at).total_seconds(), 0.0) if stored_at is not None else 0.0
+    return clock.heard(now.timestamp()) - age
+
 
 def _reason(exc: InvalidRequest) -> str:
     return "subject_mismatch" if isinstance(exc, SubjectMismatch) else "malformed"
@@ -57,7 +67,8 @@ def _stored_at(value: Any) -> datetime | None:
 
 class FleetView:
     def __init__(self, nc: NATS, *, worker_ttl_s: float, router_heartbeat_s: float,
-                 clock: Callable[[], datetime] = lambda: datetime.now(UTC)) -> None:
+                 clock: Callable[[], datetime] = lambda: datetime.now(UTC),
+                 outage_grace_s: float = 30.0) -> None:
         self.nc = nc
         self.js = nc.jetstream()
         self.worker_ttl = timedelta(seconds=worker_ttl_s)
@@ -65,9 +76,12 @@ class FleetView:
         self.stall_s = max(2.0, 2 * router_heartbeat_s)
         self.clock = clock
         self._routers: dict[str, RouterStatus] = {}
-        self._router_seen: dict[str, datetime] = {}  # when the bus stored each status
+        self._router_seen: dict[str, float] = {}  # bus seconds when the bus stored each status
+        self._router_clock = BusClock(counted_s=self.router_ttl.total_seconds() / 2, grace_s=outage_grace_s)
         self._workers: dict[int, MembershipEvent] = {}
-        self._worker_seen: dict[int, datetime] = {}
+        self._worker_seen: dict[int, float] = {}
+        self._worker_stored: dict[int, datetime] = {}  # when the bus stored each worker's last event
+        self._worker_clock = BusClock(counted_s=self.worker_ttl.total_seconds() / 2, grace_s=outage_grace_s)
         # Router status entries that could not be used: key → why (shown by GET /routers).
         self.bad_routers: dict[str, str] = {}
         self.drops = Drops(log)
@@ -133,7 +147,7 @@ class FleetView:
             return
         self.bad_routers.pop(key, None)
         self._routers[key] = status
-        self._router_seen[key] = min(stored_at or self.clock(), self.clock())
+        self._router_seen[key] = _seen(self._router_clock, self.clock(), stored_at)
 
     async def _on_membership(self, msg: Msg) -> None:
         try:
@@ -147,36 +161,40 @@ class FleetView:
         except (ValueError, AttributeError, IndexError):
             stored_at = None
         wid = event.worker.instance_id
+        now = self.clock()
         self._workers[wid] = event
-        self._worker_seen[wid] = min(stored_at or self.clock(), self.clock())
+        self._worker_seen[wid] = _seen(self._worker_clock, now, stored_at)
+        self._worker_stored[wid] = min(stored_at or now, now)
 
     # ---- queries (no I/O) ----------------------------------------------------------------
 
     def live_routers(self, model: str | None = None) -> list[RouterStatus]:
-        now = self.clock()
+        now = self._router_clock.at(self.clock().timestamp())
+        ttl = self.router_ttl.total_seconds()
         return sorted(
             (
                 r for key, r in self._routers.items()
-                if now - self._router_seen[key] <= self.router_ttl
+                if now - self._router_seen[key] <= ttl
                 and (model is None or model in r.models)
             ),
             key=lambda r: r.router_id,
         )
 
     def live_workers(self, model: str | None = None) -> list[MembershipEvent]:
-        now = self.clock()
+        now = self._worker_clock.at(self.clock().timestamp())
+        ttl = self.worker_ttl.total_seconds()
         return sorted(
             (
                 w for wid, w in self._workers.items()
-                if w.op is not MembershipOp.LEAVE and now - self._worker_seen[wid] <= self.worker_ttl
+                if w.op is not MembershipOp.LEAVE and now - self._worker_seen[wid] <= ttl
                 and (model is None or w.worker.model == model)
             ),
             key=lambda w: (w.worker.model, w.worker.instance_id),
         )
 
     def last_seen(self, instance_id: int) -> datetime | None:
-        """When the bus stored the worker's last membership event (what liveness uses)."""
-        return self._worker_seen.get(instance_id)
+        """When the bus stored the worker's last membership event."""
+        return self._worker_stored.get(instance_id)
 
     def serves(self, model: str) -> bool:
         return bool(self.live_routers(model) or self.live_workers(model))

@@ -73,7 +73,8 @@ class ControlPlane:
                 every_rows=s.audit_checkpoint_every_rows, writer=s.instance_name)
             self.audit.on_rows = self.checkpointer.notify
             self.checkpointer.start()
-        self.fleet = FleetView(self.nc, worker_ttl_s=s.worker_ttl_s, router_heartbeat_s=s.router_heartbeat_s)
+        self.fleet = FleetView(self.nc, worker_ttl_s=s.worker_ttl_s, router_heartbeat_s=s.router_heartbeat_s,
+                               outage_grace_s=s.bus_outage_grace_s)
         self.acks = AckConsumer(self.nc.jetstream(), self.audit, durable=s.acks_consumer,
                                 drops=self.fleet.drops)
         self.acks.start()

@@ -4,12 +4,10 @@ A worker is *live* while its last heartbeat is younger than ``stale_s``, *stale*
 candidate; a pin to it is 503), and *gone* after ``ttl_s`` or a ``leave`` event (removed; a pin to
 it is 400). A connection failure marks it *unreachable* until its next heartbeat.
 
-Ages run on a *bus clock* that stops while the bus is silent for everyone (a broker restart, a
-stream-leader election on a cluster): of any gap between two membership events, only the first
-``stale_s / 2`` counts, so such a silence stales no worker and the pools do not empty while every
-worker is fine; a worker that stops while others go on ages as before. A silence longer than
-``outage_grace_s`` is not taken for an outage any more: past the grace the bus clock runs with the
-wall clock again, so a fleet that is really gone still goes stale and expires.
+Ages run on a bus clock (:class:`controlplane.protocol.liveness.BusClock`) that stops while the
+membership stream is silent for everyone: of any gap between two membership events only the first
+``stale_s / 2`` counts, for up to ``outage_grace_s``, so a broker restart or a leader election
+stales no worker; a worker that stops while others go on ages as before.
 
 Liveness uses the receiver's clock, never the worker's ``at`` stamp (a future ``at`` could
 otherwise keep a dead worker alive or, as "newer than anything", hide a real worker's later
@@ -31,6 +29,7 @@ from controlplane.protocol.events import (
     WorkerRecord,
     WorkerRole,
 )
+from controlplane.protocol.liveness import BusClock
 
 
 class Health(enum.Enum):
@@ -65,27 +64,12 @@ class Discovery:
         self.ttl_s = ttl_s
         self.stale_s = min(stale_s, ttl_s)
         self.models = models
-        self.outage_grace_s = max(outage_grace_s, self.stale_s / 2)
         self.workers: dict[int, WorkerState] = {}
-        self._heard: float | None = None  # when the newest membership event arrived (monotonic)
-        self._suspended = 0.0  # silence not counted by the bus clock up to then, in seconds
-
-    def _uncounted(self, gap: float) -> float:
-        """The part of a silence of ``gap`` seconds the bus clock does not count."""
-        return max(0.0, min(gap, self.outage_grace_s) - self.stale_s / 2)
+        self.clock = BusClock(counted_s=self.stale_s / 2, grace_s=outage_grace_s)
 
     def bus_clock(self, now: float) -> float:
         """Monotonic seconds less the bus silences (what liveness ages are measured in)."""
-        if self._heard is None:
-            return now
-        return now - self._suspended - self._uncounted(now - self._heard)
-
-    def _heard_at(self, now: float) -> float:
-        if self._heard is not None and now > self._heard:
-            self._suspended += self._uncounted(now - self._heard)
-        if self._heard is None or now > self._heard:
-            self._heard = now
-        return self.bus_clock(now)
+        return self.clock.at(now)
 
     def apply(
         self, event: MembershipEvent, *, now: float, wall_now: datetime,
@@ -106,7 +90,7 @@ class Discovery:
         age = 0.0 if received_at is None else max(0.0, (wall_now - received_at).total_seconds())
         if age >= self.ttl_s:
             return Change.IGNORED  # a replayed record of a worker that is already gone
-        last_seen = self._heard_at(now) - age
+        last_seen = self.clock.heard(now) - age
         load = {r.dp_rank: r for r in event.load}
         if state is None:
             self.workers[wid] = WorkerState(rec, last_seen, event.at, load)

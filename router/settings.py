@@ -79,9 +79,6 @@ class RouterSettings(BusSettings):
     # A worker whose last heartbeat is older than this is *stale*: not a candidate, a pin to it is
     # 503; it is *gone* after worker_ttl_s.
     worker_stale_s: float = Field(default=3.0, gt=0)
-    # Ages are measured against the newest heartbeat of any worker, so a bus that falls silent for
-    # everyone (broker restart, leader election) stales no one; up to this long (router.discovery).
-    bus_outage_grace_s: float = Field(default=30.0, ge=0)
     heartbeat_s: float = Field(default=1.0, gt=0)
     tick_s: float = Field(default=0.2, gt=0)
     overload_status: int = 529

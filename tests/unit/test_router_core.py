@@ -165,15 +165,17 @@ def test_discovery_liveness_uses_the_receivers_clock_not_the_payloads_at() -> No
         _beat(d, 9, float(t))
     assert d.expire(10.0) == [1]  # ... so it cannot keep the worker alive
     # ... and it does not hide the worker's later, honestly stamped heartbeats.
+    d = Discovery(ttl_s=10, stale_s=3, models=frozenset({"m"}))
     d.apply(_mem(MembershipOp.JOIN, 2, future), now=0.0, wall_now=T0)
     assert d.apply(_mem(MembershipOp.HEARTBEAT, 2, T0 + timedelta(seconds=5)), now=5.0,
                    wall_now=T0 + timedelta(seconds=5)) is Change.UPDATED
     s2 = d.get(2)
-    assert s2 is not None and s2.last_seen == 5.0
+    assert s2 is not None and s2.last_seen == d.bus_clock(5.0)  # just now
+    assert d.health(s2, 5.0) is Health.LIVE
     # A bus timestamp ahead of the receiver (clock skew) counts as "just now", not as younger.
     d.apply(_mem(MembershipOp.HEARTBEAT, 2, T0), now=6.0, wall_now=T0,
             received_at=T0 + timedelta(hours=1))
-    assert s2.last_seen == 6.0
+    assert s2.last_seen == d.bus_clock(6.0)
 
 
 def test_a_silent_bus_stales_no_worker_until_the_outage_grace() -> None:
