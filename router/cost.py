@@ -147,8 +147,8 @@ class TimeRow(NamedTuple):
     ahead_ms: float  # prefill(Q)
     # A lower bound of this row's cost for a request of P uncached tokens, when every prefill token
     # costs at least p1 (p0, p1, p2 ≥ 0: every fitted model, the defaults):
-    # floor_ms + floor_slope · P · (1 + prefill_interference_weight · running), with
-    # floor_ms = prefill(Q) + decode_step(u) and floor_slope = p1; else -inf and 0.
+    # floor_ms + floor_slope · P · (1 + prefill_interference_weight · running) (the arrival-wait
+    # term is ≥ 0), with floor_ms = prefill(Q) + decode_step(u) and floor_slope = p1; else -inf, 0.
     floor_ms: float
     floor_slope: float
     rest: TimeRest
@@ -161,12 +161,7 @@ def time_row(c: Candidate) -> TimeRow:
     q = c.active_prefill_tokens
     step = t.decode_step_ms(c.decode_blocks / kv) if c.active_requests else 0.0
     full = t.prefill_step_ms(m)
-    if q <= 0:
-        ahead = 0.0
-    elif q <= m:
-        ahead = t.prefill_step_ms(q)
-    else:
-        ahead = (q // m) * full + t.prefill_step_ms(q % m)
+    ahead = t.prefill_ms(q, m)[0]
     grows = t.p0 >= 0.0 and t.p1 >= 0.0 and t.p2 >= 0.0
     return TimeRow(c.key, c.block_size, q, m, t.p0, t.p1, t.p2, full, c.active_requests,
                    c.arrival_rate / 2, step, ahead, ahead + step if grows else -math.inf, t.p1 if grows else 0.0,

@@ -29,6 +29,7 @@ _TIERS: tuple[CacheInput, ...] = (
 )
 _BIT: dict[CacheInput, int] = {t: 1 << i for i, t in enumerate(_TIERS)}
 _DEVICE_ONLY = _BIT[CacheInput.DEVICE]
+_FEW_HOLDERS = 8  # up to this many ranks holding a prompt's first block, runs are taken per rank
 _DEVICE_RUNS: list[Overlap] = []  # Overlap(device=n) by n, shared (immutable)
 # Fastest tier of a bit mask → its position in Overlap.
 _BEST: list[int] = [0] * 16
@@ -61,51 +62,53 @@ class PrefixIndex:
     def overlaps(self, hashes: Sequence[int]) -> dict[WorkerKey, Overlap]:
         """Leading blocks of ``hashes`` each worker rank holds, by tier (ranks holding the first).
 
-        The blocks' holders are looked up in C, and the run is scanned in C (map/compress) for
-        the next block some rank of it lacks, where the ranks still in the run are intersected
-        with that block's holders (a set against a dict: stored hashes, no tuple re-hashing): the
-        Python loop turns once per block where ranks leave the run, which keeps this fast with
-        hundreds of holders. Tiers are counted one by one only past the leading blocks whose every
-        holder has them on the device alone (all of them, if no other tier was ever stored)."""
+        A few ranks (``_FEW_HOLDERS``, the usual case) take their run in C from their own block
+        sets (``takewhile``). With many, the blocks' holders are looked up in C and the run is
+        scanned in C (map/compress) for the next block some rank of it lacks, where the ranks
+        still in the run are intersected with that block's holders: the Python loop turns once
+        per block where ranks leave the run, which keeps this fast with hundreds of holders.
+        Tiers are counted one by one only past the leading blocks whose every holder has them on
+        the device alone (all of them, if no other tier was ever stored)."""
         holders_of = self._holders
         first = holders_of.get(hashes[0]) if hashes else None
         if not first:
             return {}
+        if len(first) <= _FEW_HOLDERS:
+            takewhile, by_key = itertools.takewhile, self._by_key
+            run = {k: len(list(takewhile(by_key[k].__contains__, hashes))) for k in first}
+        else:
+            run = self._runs(first, hashes)
         device_runs = _DEVICE_RUNS
-        if len(first) <= 8 and not self._other_tiers:
-            # A few ranks, device blocks only (the usual case): each one's run is the leading
-            # hashes in its own block set, taken in C.
-            by_key = self._by_key
-            out: dict[WorkerKey, Overlap] = {}
-            for k in first:
-                n = len(list(itertools.takewhile(by_key[k].__contains__, hashes)))
-                while len(device_runs) <= n:
-                    device_runs.append(Overlap(len(device_runs)))
+        end = max(run.values())
+        while len(device_runs) <= end:
+            device_runs.append(Overlap(len(device_runs)))
+        if not self._other_tiers:
+            return {k: device_runs[n] for k, n in run.items()}
+        # Leading blocks held on the device alone by every holder (each block before ``end`` has
+        # a holder: the rank whose run is longest).
+        device_only = next(itertools.compress(itertools.count(), (
+            max(holders_of[h].values()) != _DEVICE_ONLY for h in hashes[:end])), end)
+        out: dict[WorkerKey, Overlap] = {}
+        for k, n in run.items():
+            if n <= device_only:
                 out[k] = device_runs[n]
-            return out
-        held = list(map(holders_of.get, hashes))  # each block's holders (None: nobody), in C
+            else:
+                counts = [device_only, 0, 0, 0]
+                for h in hashes[device_only:n]:
+                    counts[_BEST[holders_of[h][k]]] += 1
+                out[k] = Overlap(*counts)
+        return out
+
+    def _runs(self, first: dict[WorkerKey, int], hashes: Sequence[int]) -> dict[WorkerKey, int]:
+        """The run of each rank holding the first block, for many such ranks."""
+        held = list(map(self._holders.get, hashes))  # each block's holders (None: nobody), in C
         try:
-            end = held.index(None)  # the run ends at the first block nobody holds
+            end = held.index(None)  # no run goes past the first block nobody holds
         except ValueError:
             end = len(held)
         blocks = cast(list[dict[WorkerKey, int]], held[:end])
-        tiers = self._other_tiers
-        while len(device_runs) <= end:
-            device_runs.append(Overlap(len(device_runs)))
         active = set(first)
         run: dict[WorkerKey, int] = {}
-        if tiers:
-            device_only = next(itertools.compress(itertools.count(), (
-                max(holders.values()) != _DEVICE_ONLY for holders in blocks)), end)
-        else:
-            device_only = end  # leading blocks held on the device alone by every holder
-        if len(active) <= 8:
-            # One or two ranks (the usual case): each one's run is the first block it lacks, found
-            # by a membership scan in C.
-            for k in active:
-                lacking = map(operator.not_, map(operator.contains, blocks[1:], itertools.repeat(k)))
-                run[k] = next(itertools.compress(itertools.count(1), lacking), end)
-            active = set()
         i = 1
         while active and i < end:
             lacking = map(operator.not_, map(operator.ge, map(dict.keys, blocks[i:end]), itertools.repeat(active)))
@@ -119,17 +122,7 @@ class PrefixIndex:
             i += 1
         for k in active:
             run[k] = end
-        out = {}
-        for k in first:
-            n = run[k]
-            if n <= device_only:
-                out[k] = device_runs[n]
-            else:
-                counts = [device_only, 0, 0, 0]
-                for h in hashes[device_only:n]:
-                    counts[_BEST[holders_of[h][k]]] += 1
-                out[k] = Overlap(*counts)
-        return out
+        return {k: run[k] for k in first}
 
     def blocks_of(self, key: WorkerKey) -> int:
         return len(self._by_key.get(key, ()))

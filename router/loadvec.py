@@ -236,7 +236,7 @@ class LoadTable(dict[WorkerKey, C]):
                     order.insert(at, pos)
                     floors.insert(at, tr.floor_ms)
 
-    def time_row(self, cand: C) -> TimeRow:
+    def current_time_row(self, cand: C) -> TimeRow:
         """A candidate's current time row (brings touched rows up to date first)."""
         self.flush()
         row = self._row_of.get(cand.key)

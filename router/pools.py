@@ -21,7 +21,7 @@ from router.busy import Thresholds, rank_busy
 from router.cost import Timing
 from router.discovery import Discovery, Health, WorkerState
 from router.index import WorkerKey
-from router.loadvec import LoadTable
+from router.loadvec import LoadTable, Selectable
 from router.selection import Candidate
 
 # Time constant of a rank's arrival rate (router.cost's λ): about the gap between two turns of a
@@ -46,19 +46,18 @@ class Slot(Candidate):
         self.arrivals = 0.0  # requests sent here, exponentially decayed to ``arrivals_at``
         self.arrivals_at = 0.0
 
+    def _arrivals_at(self, now: float) -> float:
+        n, age = self.arrivals, now - self.arrivals_at
+        return n * math.exp(-age / ARRIVAL_TIME_CONSTANT_S) if n and age > 0 else n
+
     def arrival(self, now: float) -> None:
         """Count a request sent here at ``now`` (monotonic seconds)."""
-        self.arrivals = self.rate_at(now) * (ARRIVAL_TIME_CONSTANT_S * 1000.0) + 1.0
+        self.arrivals = self._arrivals_at(now) + 1.0
         self.arrivals_at = now
 
     def rate_at(self, now: float) -> float:
         """Requests per ms recently sent here (an exponentially weighted rate)."""
-        n = self.arrivals
-        if not n:
-            return 0.0
-        age = now - self.arrivals_at
-        return n * math.exp(-age / ARRIVAL_TIME_CONSTANT_S) / (ARRIVAL_TIME_CONSTANT_S * 1000.0) if age > 0 else \
-            n / (ARRIVAL_TIME_CONSTANT_S * 1000.0)
+        return self._arrivals_at(now) / (ARRIVAL_TIME_CONSTANT_S * 1000.0)
 
 
 def selectable(slot: Slot) -> bool:
@@ -181,18 +180,21 @@ class Pools:
             for slot in slots.values():
                 state = self.discovery.get(slot.instance_id)
                 if state is not None:
-                    slot.healthy = self.discovery.health(state, now) is Health.LIVE
-                    slot.arrival_rate = slot.rate_at(now)
-                    slot.touch()
+                    healthy = self.discovery.health(state, now) is Health.LIVE
+                    rate = slot.rate_at(now)
+                    if healthy != slot.healthy or rate != slot.arrival_rate:  # else nothing to re-read
+                        slot.healthy, slot.arrival_rate = healthy, rate
+                        slot.touch()
 
     # -- what a selection asks of the pools --------------------------------------------------
 
     def eligible(self, model: str, table: LoadTable[Slot], pool: WorkerRole,
-                 exclude: frozenset[int]) -> list[Slot]:
-        """The slots a selection without a target may choose, in row order (a list shared with
-        the table: not to be modified). Raises as :meth:`none_eligible` when there is none."""
-        eligible = table.selectable(exclude).candidates
-        if not eligible:
+                 exclude: frozenset[int]) -> Selectable[Slot]:
+        """The slots a selection without a target may choose, in row order, with their time rows
+        (shared with the table: not to be modified). Raises as :meth:`none_eligible` when there
+        is none."""
+        eligible = table.selectable(exclude)
+        if not eligible.candidates:
             self.none_eligible(model, table, pool, exclude)
         return eligible
 

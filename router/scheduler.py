@@ -552,7 +552,7 @@ class Scheduler:
             return self._select_pinned(req, seq, revisions, pool, pin, then_decode)
         table = self.tables.table(model, pool)
         if self.cost_mode is None:
-            eligible = self.tables.eligible(req.model, table, pool, req.exclude)
+            eligible = self.tables.eligible(req.model, table, pool, req.exclude).candidates
             if self.mode is RoutingMode.ROUND_ROBIN:
                 i = self.round_robin[model].pick(eligible)
             elif self.mode is RoutingMode.RANDOM:
@@ -589,10 +589,8 @@ class Scheduler:
                 self.tables.none_eligible(req.model, table, pool, req.exclude)
             slots = table.row(0 if rows is None else int(rows[0])),  # only its block size is read
         else:
-            chosen_from = table.selectable(req.exclude)
+            chosen_from = self.tables.eligible(req.model, table, pool, req.exclude)
             slots = chosen_from.candidates
-            if not slots:
-                self.tables.none_eligible(req.model, table, pool, req.exclude)
         overlaps: dict[WorkerKey, Overlap] = {}
         if self.use_index:
             for hashes in req.hashes.values():
@@ -708,7 +706,7 @@ class Scheduler:
         # kept until the first token and the end to feed its calibration.
         params = self._params[req.model]
         table = self.tables.tables.get((req.model, slot.role))
-        row = table.time_row(slot) if table is not None else time_row(slot)
+        row = table.current_time_row(slot) if table is not None else time_row(slot)
         pred = predict_row(row, params, p, overlap, least_prefill=slot.active_prefill_tokens,
                            decode_tokens=self.timings.decode_tokens[req.model].value,
                            uncached_tokens=float(p - cached))
