@@ -16,7 +16,7 @@ from nats.aio.client import Client as NATS
 
 from controlplane.protocol.events import decode_apply_ack, decode_router_status
 from controlplane.protocol.policy import PolicyKind
-from controlplane.protocol.subjects import BUCKET_ROUTERS, acks_subject
+from controlplane.protocol.subjects import BUCKET_ROUTERS, HDR_MSG_ID, acks_subject
 from router.scheduler import RoutingRequest, SelectWorker
 from tests import buskit
 from tests.support_router.policy import publish_policy, publish_raw
@@ -33,9 +33,17 @@ async def client(nats_url: str) -> AsyncIterator[NATS]:
 
 
 async def _acks(nc: NATS, router_id: str) -> asyncio.Queue[Any]:
+    """The router's ACKs as a core subscriber sees them, each once: a publish the router retries
+    (same Nats-Msg-Id; the stream stores it once) reaches a core subscriber once per attempt."""
     q: asyncio.Queue[Any] = asyncio.Queue()
+    seen: set[str] = set()
 
     async def cb(msg: Any) -> None:
+        msg_id = (msg.headers or {}).get(HDR_MSG_ID)
+        if msg_id is not None:
+            if msg_id in seen:
+                return
+            seen.add(msg_id)
         q.put_nowait(decode_apply_ack(msg.data))
 
     await nc.subscribe(acks_subject(router_id), cb=cb)
