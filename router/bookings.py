@@ -20,6 +20,7 @@ class Booking:
     model: str
     prefill_tokens: int
     hashes: tuple[int, ...]
+    booked_at: float = 0.0  # the scheduler's clock (monotonic seconds)
     prefill_released: bool = False
 
 
@@ -47,12 +48,12 @@ class Bookings:
 
     def book(
         self, request_id: str, key: WorkerKey, *, model: str, prefill_tokens: int,
-        hashes: Sequence[int],
+        hashes: Sequence[int], at: float = 0.0,
     ) -> Booking:
         """Raises ValueError if the request id is already booked (a bug in the caller)."""
         if request_id in self._by_request:
             raise ValueError(f"request {request_id} is already booked")
-        booking = Booking(request_id, key, model, prefill_tokens, tuple(hashes))
+        booking = Booking(request_id, key, model, prefill_tokens, tuple(hashes), at)
         self._by_request[request_id] = booking
         rank = self._by_key.get(key)
         if rank is None:

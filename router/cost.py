@@ -296,7 +296,7 @@ def _plain_cost(row: TimeRow, p: float, inter_w: float, wait_w: float) -> tuple[
                 prefill += part
             steps += 1
     added = prefill - ahead
-    wait = wait_w * wait_rate * added * added
+    wait = wait_w * wait_rate * added * (added + ahead + ahead)
     if not n_req:
         return prefill + wait, prefill
     ttft = prefill + steps * step

@@ -407,7 +407,7 @@ class LoadTable(dict[WorkerKey, C]):
         cost = ttft
         added = prefill - ahead
         if params.arrival_wait_weight:
-            cost = cost + (params.arrival_wait_weight * t[12]) * (added * added)
+            cost = cost + (params.arrival_wait_weight * t[12]) * (added * (added + 2.0 * ahead))
         slow_w = params.decode_slowdown_weight
         inter_w = params.prefill_interference_weight
         if inter_w or slow_w:

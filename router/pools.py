@@ -10,7 +10,6 @@ Owned by the scheduler actor (never touched from another task). Pure: the clock 
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import NoReturn
 
@@ -22,17 +21,14 @@ from router.cost import Timing
 from router.discovery import Discovery, Health, WorkerState
 from router.index import WorkerKey
 from router.loadvec import LoadTable, Selectable
+from router.returns import Returns
 from router.selection import Candidate
-
-# Time constant of a rank's arrival rate (router.cost's λ): about the gap between two turns of a
-# chat session, so a rank's rate follows the sessions it holds.
-ARRIVAL_TIME_CONSTANT_S = 10.0
 
 
 class Slot(Candidate):
     """A candidate kept between selections, with what eligibility needs."""
 
-    __slots__ = ("arrivals", "arrivals_at", "busy", "healthy", "role", "url")
+    __slots__ = ("busy", "healthy", "role", "url")
 
     def __init__(self, state: WorkerState, dp_rank: int, timing: Timing | None = None) -> None:
         rec = state.record
@@ -43,21 +39,6 @@ class Slot(Candidate):
         self.healthy = True
         self.url = rec.url
         self.role = rec.role
-        self.arrivals = 0.0  # requests sent here, exponentially decayed to ``arrivals_at``
-        self.arrivals_at = 0.0
-
-    def _arrivals_at(self, now: float) -> float:
-        n, age = self.arrivals, now - self.arrivals_at
-        return n * math.exp(-age / ARRIVAL_TIME_CONSTANT_S) if n and age > 0 else n
-
-    def arrival(self, now: float) -> None:
-        """Count a request sent here at ``now`` (monotonic seconds)."""
-        self.arrivals = self._arrivals_at(now) + 1.0
-        self.arrivals_at = now
-
-    def rate_at(self, now: float) -> float:
-        """Requests per ms recently sent here (an exponentially weighted rate)."""
-        return self._arrivals_at(now) / (ARRIVAL_TIME_CONSTANT_S * 1000.0)
 
 
 def selectable(slot: Slot) -> bool:
@@ -77,6 +58,7 @@ class Pools:
         self.bookings = bookings
         self.clock = clock
         self.timing = timing  # worker id → its current timing model (the calibration's)
+        self.returns = Returns()  # requests expected back on each rank (the time cost's λ)
         self.slots: dict[str, dict[WorkerKey, Slot]] = {m: {} for m in models}  # every pool
         self.tables: dict[tuple[str, WorkerRole], LoadTable[Slot]] = {
             (m, p): LoadTable(selectable) for m in models for p in self.roles
@@ -94,6 +76,7 @@ class Pools:
         return [s for k, s in slots.items() if k[0] == wid]
 
     def forget(self, wid: int) -> None:
+        self.returns.forget(k for slots in self.slots.values() for k in slots if k[0] == wid)
         for slots in (*self.slots.values(), *self.tables.values()):
             for key in [k for k in slots if k[0] == wid]:
                 del slots[key]
@@ -156,7 +139,7 @@ class Pools:
         slot.active_prefill_tokens, slot.decode_blocks, slot.active_requests = prefill, blocks, requests
         now = self.clock()
         slot.healthy = self.discovery.health(state, now) is Health.LIVE
-        slot.arrival_rate = slot.rate_at(now)
+        slot.arrival_rate = self.returns.rate(key, now)
         self.refresh_busy(model, slot, state)
 
     def refresh_busy(self, model: str, slot: Slot, state: WorkerState | None = None) -> None:
@@ -181,7 +164,7 @@ class Pools:
                 state = self.discovery.get(slot.instance_id)
                 if state is not None:
                     healthy = self.discovery.health(state, now) is Health.LIVE
-                    rate = slot.rate_at(now)
+                    rate = self.returns.rate(slot.key, now)
                     if healthy != slot.healthy or rate != slot.arrival_rate:  # else nothing to re-read
                         slot.healthy, slot.arrival_rate = healthy, rate
                         slot.touch()

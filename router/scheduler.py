@@ -49,7 +49,7 @@ from controlplane.protocol.events import (
 )
 from controlplane.protocol.policy import CacheInput, Number, PolicyKind
 from controlplane.protocol.signing import Keyring
-from router.bookings import Bookings
+from router.bookings import Booking, Bookings
 from router.busy import Thresholds
 from router.calibration import Calibration, Calibrations, Pending
 from router.commands import (
@@ -344,6 +344,7 @@ class Scheduler:
             case RequestFirstToken():
                 booking = self.bookings.first_token(cmd.request_id)
                 if booking is not None:
+                    self._returned(booking)
                     self.tables.refresh_slot(booking.model, booking.key)
                     if cmd.ttft_ms is not None:
                         self._retime(self.timings.first_token(cmd.request_id, cmd.ttft_ms))
@@ -351,6 +352,7 @@ class Scheduler:
             case RequestDone():
                 booking = self.bookings.free(cmd.request_id)
                 if booking is not None:
+                    self.tables.returns.finished(booking.key, booking.hashes, self.clock())
                     self.tables.refresh_slot(booking.model, booking.key)
                 self._retime(self.timings.done(cmd.request_id, cmd.itl_ms, cmd.decode_tokens))
                 return None
@@ -711,13 +713,12 @@ class Scheduler:
                            decode_tokens=self.timings.decode_tokens[req.model].value,
                            uncached_tokens=float(p - cached))
         self.timings.expect(booking_id, Pending(slot.instance_id, req.model, pred, slot.batch_tokens or 8192))
-        self.bookings.book(
-            booking_id, slot.key, model=req.model, prefill_tokens=p - cached, hashes=hashes
-        )
         now = self.clock()
+        self.bookings.book(
+            booking_id, slot.key, model=req.model, prefill_tokens=p - cached, hashes=hashes, at=now
+        )
         if self.approximate and hashes:
             self.index.record(slot.key, hashes, now=now, ttl=self.approx_ttl_s)
-        slot.arrival(now)
         self.tables.refresh_slot(req.model, slot.key)
         self.stats["selections"] += 1
         if log.isEnabledFor(logging.DEBUG):
@@ -733,6 +734,15 @@ class Scheduler:
             candidates=candidates, pinned=pinned, pool=slot.role, booking_id=booking_id,
             disaggregated=disaggregated, predicted_ttft_ms=pred.ttft_ms, slo_predicted_met=slo_met,
         )
+
+    def _returned(self, booking: Booking) -> None:
+        """A request that got its first token: if it is the return of one that finished earlier
+        (router.returns), the rank that held it expects it no more. Matched here rather than at
+        selection, off the selection's path (the request's own entry counts for its holder in the
+        meantime: its wait term there is about λ·D², a D of tens of ms for a cached turn)."""
+        back = self.tables.returns.arrived((booking.hashes,), booking.booked_at)
+        if back is not None and back != booking.key:
+            self.tables.refresh_slot(booking.model, back)
 
     # -- the view the HTTP side reads -----------------------------------------------------------
 

@@ -28,7 +28,6 @@ from controlplane.protocol.hashing import block_hashes, chain_hashes
 from controlplane.protocol.policy import ALL_CACHE_INPUTS, PolicyKind, startup_values
 from router.calibration import Calibration
 from router.cost import DEFAULT_TIMING
-from router.pools import ARRIVAL_TIME_CONSTANT_S
 from router.scheduler import (
     ApplyKvEvents,
     ApplyMembership,
@@ -220,52 +219,52 @@ def test_objective_parsing_names_the_field() -> None:
         assert err.value.field == field
 
 
-def test_a_long_prefill_goes_where_fewer_requests_are_expected_a_short_one_stays_on_its_cache() -> None:
-    """Two idle workers; requests kept arriving at worker 1 (its sessions). A long uncached prompt
-    would hold up those arrivals for its whole prefill (λ·D·D/2), so it goes to worker 2; with the
-    term off it is a tie. A short later turn still goes to the cache holder."""
+def test_a_long_prefill_goes_where_no_session_is_expected_back_a_returning_turn_stays_on_its_cache() -> None:
+    """Two idle workers; four sessions finished a turn on worker 1 and have not come back yet
+    (router.returns). A long uncached prompt there would hold up their returns for its whole
+    prefill (λ·D·(ahead + D/2)), so it goes to worker 2; with the term off it is a tie. A session's
+    next turn still goes to its cache holder, and closes its entry at its first token: worker 1
+    expects less."""
     clock = [1000.0]
     s = sched()
     s.clock = s.tables.clock = lambda: clock[0]
     join(s, 1)
     join(s, 2)
     rng = random.Random(4)
-    history = [rng.randrange(256) for _ in range(BLOCK * 20)]
+    histories = [[rng.randrange(256) for _ in range(BLOCK * 20)] for _ in range(4)]
     s._dispatch(ApplyKvEvents([KvEvent(instance_id=1, event_id=0, data=KvStored(blocks=[
-        StoredBlock(block_hash=c, tokens_hash=b) for c, b in block_hashes(history, BLOCK)]))]))
-    for i in range(20):  # a later turn every 0.5 s, each on its cache (worker 1), each finished
-        sel = s._dispatch(SelectWorker(req(i, [*history, *range(i + 1)]), seq=i))
+        StoredBlock(block_hash=c, tokens_hash=b) for h in histories for c, b in block_hashes(h, BLOCK)]))]))
+    turns = [[*h, *range(BLOCK + i)] for i, h in enumerate(histories)]
+    for i, prompt in enumerate(turns):  # each session's turn, on its cache, finished
+        sel = s._dispatch(SelectWorker(req(i, prompt), seq=i))
         assert sel.instance_id == 1
         s._dispatch(RequestDone(sel.booking_id))
         clock[0] += 0.5
-    slot1 = s._slots["m"][(1, 0)]
-    assert slot1.rate_at(clock[0]) * 1000 == pytest.approx(1.0, rel=0.35)  # ≈ 2 s⁻¹ · (1 - e^-1)
+    slot1, slot2 = s._slots["m"][(1, 0)], s._slots["m"][(2, 0)]
+    assert len(s.tables.returns) == 4
+    assert slot1.arrival_rate > 0.0 == slot2.arrival_rate
     long_prompt = [rng.randrange(256) for _ in range(6000)]
     costs = s._score(req(100, long_prompt), s.tables.table("m", s.pool), s.pool).cost
     assert costs[0] > costs[1]  # the wait it would cause at worker 1
     assert s._dispatch(SelectWorker(req(100, long_prompt), seq=100)).instance_id == 2
     s._dispatch(RequestDone("q100"))
-    assert s._dispatch(SelectWorker(req(101, [*history, 7, 7]), seq=101)).instance_id == 1
+    before = slot1.arrival_rate
+    # Session 0 comes back: its previous prompt, the answer, a new question.
+    back = s._dispatch(SelectWorker(req(101, [*turns[0], *range(40), *range(90)]), seq=101))
+    assert back.instance_id == 1
+    s._dispatch(RequestFirstToken(back.booking_id))  # where a return is matched
+    assert len(s.tables.returns) == 4  # session 0's entry closed, the long prompt's opened
+    assert 0.0 < slot1.arrival_rate < before
     # Without the term the two idle workers cost the same for the long prompt.
     off = sched(arrival_wait_weight=0.0)
     off.clock = off.tables.clock = lambda: clock[0]
     join(off, 1)
     join(off, 2)
-    for i in range(20):
-        off._slots["m"][(1, 0)].arrival(clock[0] - 10 + i * 0.5)
-    off.tables.refresh_slot("m", (1, 0))
+    for i, prompt in enumerate(turns):
+        off._dispatch(RequestDone(off._dispatch(SelectWorker(req(i, prompt), seq=i)).booking_id))
+    assert off._slots["m"][(1, 0)].arrival_rate > 0.0 or off._slots["m"][(2, 0)].arrival_rate > 0.0
     a, b = off._score(req(102, long_prompt), off.tables.table("m", off.pool), off.pool).cost
     assert a == b
-
-
-def test_arrival_rate_decays_with_its_time_constant() -> None:
-    s = sched()
-    join(s, 1)
-    slot = s._slots["m"][(1, 0)]
-    slot.arrival(10.0)
-    slot.arrival(10.0)
-    assert slot.rate_at(10.0) == pytest.approx(2 / (ARRIVAL_TIME_CONSTANT_S * 1000))
-    assert slot.rate_at(10.0 + ARRIVAL_TIME_CONSTANT_S) == pytest.approx(2 / math.e / (ARRIVAL_TIME_CONSTANT_S * 1000))
 
 
 def test_booked_shared_blocks_are_counted_as_the_naive_count() -> None:

@@ -1,0 +1,367 @@
+"""Routing quality in simulated time: ``routing_quality.py``'s trace, noise-free, in seconds.
+
+The same seeded multi-turn trace is replayed through the router's pure core (``router.scheduler``
+driven through its dispatch, as the actor does) in front of mock engines' pure schedulers
+(``worker.engines.mock.scheduler`` with their block pools and timing model), on one virtual clock:
+no process, no network, no timer. What a real run adds is left out on purpose (HTTP and bus
+latencies, timer jitter, CPU contention); what it keeps is every routing decision and every
+engine step, so two costs are compared on exactly the same arrivals and a change in the mean TTFT
+is the router's doing, not the machine's (``routing_quality.py`` moves by ±5 % between runs of the
+same code). Use it to compare costs; quote ``routing_quality.py`` for what the product does.
+
+The simulated system:
+
+- each worker: one dp rank, the mock's default engine settings and timing model (``--speedup``
+  as in routing_quality.py, half of it for the slow half of a ``--hetero`` pool), advertised in its
+  membership record; a heartbeat with its load every second, its KV events delivered to the
+  router ``--kv-delay-ms`` after the step that produced them;
+- the router: the chosen mode at its startup values (plus a mode's own overrides, as in
+  routing_quality.py), its 0.2 s tick, the first token and the end of each request reported as
+  the HTTP side reports them (TTFT measured from the send to the worker, mean inter-token time);
+- the client: a session's next turn is sent its think time after the previous answer ended.
+
+    python bench/routing_sim.py                          # the loaded trace, every mode
+    python bench/routing_sim.py --modes kv-time,'kv-blocks:{"prefill_load_scale":10}' --hetero
+"""
+
+from __future__ import annotations
+
+import argparse
+import heapq
+import itertools
+import json
+import random
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench.common import machine, pct, write_result
+from bench.routing_quality import (
+    BLOCK,
+    MODES,
+    Session,
+    TraceConfig,
+    Turn,
+    build_trace,
+    oracle,
+    split_modes,
+)
+from controlplane.protocol.events import (
+    KvDumpRank,
+    KvDumpReply,
+    KvEvent,
+    MembershipEvent,
+    MembershipOp,
+    RankLoad,
+    RouterRole,
+    WorkerRecord,
+)
+from controlplane.protocol.hashing import chain_hashes
+from controlplane.protocol.policy import ALL_CACHE_INPUTS, PolicyKind, startup_values
+from controlplane.protocol.signing import Keyring
+from controlplane.protocol.tokenizer import encode_chat
+from router.scheduler import (
+    ApplyKvEvents,
+    ApplyMembership,
+    LoadKvDump,
+    RequestDone,
+    RequestFirstToken,
+    RoutingRequest,
+    Scheduler,
+    SelectWorker,
+    Tick,
+)
+from router.settings import RoutingMode
+from worker.engines.mock.blocks import BlockPool
+from worker.engines.mock.scheduler import Batch, Scheduler as EngineScheduler, Seq
+from worker.engines.mock.timing import TimingModel
+from worker.settings import MockEngineSettings
+
+MODEL = "sim-model"
+EPOCH = datetime(2026, 1, 1, tzinfo=UTC)
+HEARTBEAT_S = 1.0
+TICK_S = 0.2
+
+
+@dataclass
+class Outcome:
+    session: int
+    turn: int
+    sent: float
+    worker: int = 0
+    first: float | None = None
+    done: float | None = None
+    tokens: int = 0
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    predicted_ttft_ms: float | None = None
+
+
+@dataclass
+class _Running:
+    outcome: Outcome
+    booking: str
+    arrived: float  # at the worker
+    session: Session
+    index: int  # the turn's index in its session
+
+
+@dataclass
+class SimWorker:
+    wid: int
+    engine: EngineScheduler
+    record: WorkerRecord
+    event_ids: Callable[[], int]
+    batch: Batch | None = None
+    running: dict[Seq, _Running] = field(default_factory=dict)
+
+
+class Simulation:
+    """One mode over one trace. Events are (time, order, action) on a heap; ``now`` is seconds."""
+
+    def __init__(self, mode: str, selection: dict[str, Any], speedups: list[float], *,
+                 kv_delay_s: float, hop_s: float, seed: int) -> None:
+        self.now = 0.0
+        self._heap: list[tuple[float, int, Callable[[], None]]] = []
+        self._order = itertools.count()
+        self.hop_s = hop_s
+        self.kv_delay_s = kv_delay_s
+        startup = {k: startup_values(k) for k in PolicyKind}
+        startup[PolicyKind.SELECTION].update(selection)
+        self.router = Scheduler(
+            router_id="sim", models=[MODEL], role=RouterRole.AGGREGATED, mode=RoutingMode(mode),
+            kv_events=True, cache_inputs=ALL_CACHE_INPUTS, startup=startup, worker_ttl_s=1e9,
+            worker_stale_s=1e9, clock=lambda: self.now, wall=lambda: EPOCH + timedelta(seconds=self.now),
+            rng=random.Random(seed), keyring=Keyring({}),
+        )
+        self.workers: dict[int, SimWorker] = {}
+        for i, speedup in enumerate(speedups):
+            settings = MockEngineSettings(speedup_ratio=speedup)
+            timing = TimingModel.from_settings(settings)
+            pool = BlockPool(num_blocks=settings.num_blocks, block_size=settings.block_size)
+            engine = EngineScheduler(pool=pool, timing=timing, max_num_seqs=settings.max_num_seqs,
+                                     max_num_batched_tokens=settings.max_num_batched_tokens)
+            wid = i + 1
+            record = WorkerRecord(
+                instance_id=wid, model=MODEL, url=f"http://sim-{wid}", block_size=settings.block_size,
+                kv_total_blocks=settings.num_blocks, max_num_batched_tokens=settings.max_num_batched_tokens,
+                started_at=EPOCH, timing=timing.advertised(),
+            )
+            counter = itertools.count()
+            self.workers[wid] = w = SimWorker(wid, engine, record, lambda c=counter: next(c))  # type: ignore[misc]
+            self._membership(w, MembershipOp.JOIN)
+            # An empty cache as of no event: the first KV event (id 0) applies in order.
+            self.router._dispatch(LoadKvDump(wid, KvDumpReply(
+                instance_id=wid, last_event_id=-1, ranks=[KvDumpRank(dp_rank=0, blocks=pool.dump())])))
+            self.at(HEARTBEAT_S * (i + 1) / len(speedups), lambda w=w: self._heartbeat(w))  # type: ignore[misc]
+        self.at(TICK_S, self._tick)
+        self.outcomes: list[Outcome] = []
+        self._ids = itertools.count(1)
+        self.pending_sessions = 0
+
+    # -- the clock ------------------------------------------------------------------------------
+
+    def at(self, t: float, action: Callable[[], None]) -> None:
+        heapq.heappush(self._heap, (t, next(self._order), action))
+
+    def run(self, sessions: list[Session]) -> list[Outcome]:
+        for s in sessions:
+            if s.turns:
+                self.pending_sessions += 1
+                self.at(s.start_s, lambda s=s: self._send(s, 0))  # type: ignore[misc]
+        while self._heap and self.pending_sessions:
+            self.now, _, action = heapq.heappop(self._heap)
+            action()
+        return self.outcomes
+
+    # -- router side ------------------------------------------------------------------------------
+
+    def _membership(self, w: SimWorker, op: MembershipOp) -> None:
+        snap = w.engine.load()
+        load = [RankLoad(active_decode_blocks=snap.active_decode_blocks,
+                         active_prefill_tokens=snap.active_prefill_tokens, kv_used_blocks=snap.kv_used_blocks,
+                         running=snap.running, waiting=snap.waiting)]
+        event = MembershipEvent(op=op, worker=w.record, load=load, at=EPOCH + timedelta(seconds=self.now))
+        self.router._dispatch(ApplyMembership(event))
+
+    def _heartbeat(self, w: SimWorker) -> None:
+        self._membership(w, MembershipOp.HEARTBEAT)
+        if self.pending_sessions:
+            self.at(self.now + HEARTBEAT_S, lambda: self._heartbeat(w))
+
+    def _tick(self) -> None:
+        self.router._dispatch(Tick())
+        if self.pending_sessions:
+            self.at(self.now + TICK_S, self._tick)
+
+    def _send(self, session: Session, index: int) -> None:
+        turn: Turn = session.turns[index]
+        prompt = encode_chat(turn.messages)
+        rid = f"r{next(self._ids)}"
+        req = RoutingRequest(request_id=rid, model=MODEL, prompt_tokens=len(prompt),
+                             hashes={BLOCK: chain_hashes(prompt, BLOCK)})
+        sel = self.router._dispatch(SelectWorker(req, seq=int(rid[1:])))
+        out = Outcome(turn.session, turn.turn, self.now, worker=sel.instance_id, prompt_tokens=len(prompt),
+                      predicted_ttft_ms=sel.predicted_ttft_ms)
+        self.outcomes.append(out)
+        w = self.workers[sel.instance_id]
+        self.at(self.now + self.hop_s, lambda: self._arrive(w, prompt, turn, _Running(
+            out, sel.booking_id, 0.0, session, index)))
+
+    # -- worker side ------------------------------------------------------------------------------
+
+    def _arrive(self, w: SimWorker, prompt: list[int], turn: Turn, run: _Running) -> None:
+        run.arrived = self.now
+        seq = w.engine.add(run.booking, prompt, max_tokens=turn.max_tokens)
+        w.running[seq] = run
+        if w.batch is None:
+            self._step(w)
+
+    def _step(self, w: SimWorker) -> None:
+        batch = w.engine.schedule()
+        self._flush_kv(w)
+        if not batch:
+            w.batch = None
+            return
+        w.batch = batch
+        self.at(self.now + batch.duration_ms / 1000.0, lambda: self._step_done(w))
+
+    def _step_done(self, w: SimWorker) -> None:
+        assert w.batch is not None
+        for output in w.engine.complete(w.batch):
+            run = w.running[output.seq]
+            out = run.outcome
+            out.tokens += 1
+            if out.first is None:
+                out.first = self.now
+                out.cached_tokens = output.seq.cached_tokens
+                self.router._dispatch(RequestFirstToken(run.booking, ttft_ms=(self.now - run.arrived) * 1e3))
+            if output.finished:
+                del w.running[output.seq]
+                out.done = self.now
+                itl = (self.now - out.first) * 1e3 / (out.tokens - 1) if out.tokens > 1 else None
+                self.router._dispatch(RequestDone(run.booking, itl_ms=itl, decode_tokens=out.tokens))
+                self._next_turn(run)
+        self._flush_kv(w)
+        if w.engine.has_work:
+            self._step(w)
+        else:
+            w.batch = None
+
+    def _next_turn(self, run: _Running) -> None:
+        nxt = run.index + 1
+        if nxt < len(run.session.turns):
+            think = run.session.turns[nxt].think_s
+            self.at(self.now + self.hop_s + think, lambda: self._send(run.session, nxt))
+        else:
+            self.pending_sessions -= 1
+
+    def _flush_kv(self, w: SimWorker) -> None:
+        events = [KvEvent(instance_id=w.wid, event_id=w.event_ids(), data=data)
+                  for data in w.engine.pool.drain_events()]
+        if events:
+            self.at(self.now + self.kv_delay_s, lambda: self._deliver_kv(events))
+
+    def _deliver_kv(self, events: list[KvEvent]) -> None:
+        need = self.router._dispatch(ApplyKvEvents(events))
+        if need:  # a gap cannot happen here (events are delivered in order): a bug
+            raise RuntimeError(f"KV events of workers {need} out of order")
+
+
+def summarize(outcomes: list[Outcome], turns: dict[tuple[int, int], Turn], hop_s: float) -> dict[str, Any]:
+    ok = [o for o in outcomes if o.first is not None]
+    ttft = [(o.first - o.sent + hop_s) * 1e3 for o in ok if o.first is not None]
+    later = [(o.first - o.sent + hop_s) * 1e3 for o in ok if o.turn and o.first is not None]
+    first = [(o.first - o.sent + hop_s) * 1e3 for o in ok if not o.turn and o.first is not None]
+    itl = [(o.done - o.first) * 1e3 / (o.tokens - 1) for o in ok
+           if o.done is not None and o.first is not None and o.tokens > 1]
+    prompt = sum(o.prompt_tokens for o in ok)
+    cached = sum(o.cached_tokens for o in ok)
+    orc = oracle([turns[(o.session, o.turn)] for o in sorted(ok, key=lambda o: o.sent)])
+    fraction = cached / prompt if prompt else 0.0
+    return {
+        "requests": len(outcomes), "ok": len(ok),
+        "ttft_mean_ms": statistics.fmean(ttft), "ttft_p50_ms": pct(ttft, 0.5), "ttft_p90_ms": pct(ttft, 0.9),
+        "ttft_first_turn_mean_ms": statistics.fmean(first) if first else None,
+        "ttft_later_turns_mean_ms": statistics.fmean(later) if later else None,
+        "itl_mean_ms": statistics.fmean(itl) if itl else None,
+        "cached_fraction": fraction, "oracle_fraction": orc["fraction"],
+        "of_oracle": fraction / orc["fraction"] if orc["fraction"] else None,
+        "ttft_floor_ms": orc["ttft_floor_mean_ms"],
+        "span_s": max(o.done or 0.0 for o in ok) - min(o.sent for o in ok),
+    }
+
+
+def parse_mode(text: str) -> tuple[str, str, dict[str, Any]]:
+    name, _, extra = text.partition(":")
+    return text, name, json.loads(extra) if extra else {}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--modes", default=",".join(MODES), help="as routing_quality.py's --modes")
+    ap.add_argument("--workers", type=int, default=8)
+    ap.add_argument("--speedup", type=float, default=0.1)
+    ap.add_argument("--hetero", action="store_true", help="half the workers at half the speed-up ratio")
+    ap.add_argument("--sessions", type=int, default=100)
+    ap.add_argument("--session-rate", type=float, default=2.0)
+    ap.add_argument("--seeds", default="7", help="comma-separated trace seeds; each mode runs every one")
+    ap.add_argument("--kv-delay-ms", type=float, default=5.0)
+    ap.add_argument("--hop-ms", type=float, default=2.0, help="one-way client/router/worker latency")
+    ap.add_argument("--output", default=None)
+    args = ap.parse_args()
+    speedups = [args.speedup] * args.workers
+    if args.hetero:
+        speedups[args.workers - args.workers // 2:] = [args.speedup / 2] * (args.workers // 2)
+    seeds = [int(s) for s in args.seeds.split(",")]
+    rows: list[dict[str, Any]] = []
+    for label, name, overrides in map(parse_mode, split_modes(args.modes)):
+        per_seed = []
+        for seed in seeds:
+            sessions = build_trace(TraceConfig(sessions=args.sessions, session_rate=args.session_rate, seed=seed))
+            turns = {(t.session, t.turn): t for s in sessions for t in s.turns}
+            t0 = time.perf_counter()
+            sim = Simulation(name, overrides, speedups, kv_delay_s=args.kv_delay_ms / 1e3,
+                             hop_s=args.hop_ms / 1e3, seed=seed)
+            res = summarize(sim.run(sessions), turns, args.hop_ms / 1e3)
+            res["seed"], res["wall_s"] = seed, time.perf_counter() - t0
+            per_seed.append(res)
+            print(f"  {label} seed {seed}: TTFT mean {res['ttft_mean_ms']:.0f} ms, "
+                  f"{res['of_oracle'] * 100:.1f} % of the oracle ({res['wall_s']:.1f} s)", flush=True)
+        rows.append({"mode": label, "seeds": per_seed,
+                     "ttft_mean_ms": statistics.fmean(r["ttft_mean_ms"] for r in per_seed),
+                     "ttft_first_turn_mean_ms": statistics.fmean(r["ttft_first_turn_mean_ms"] for r in per_seed),
+                     "ttft_later_turns_mean_ms": statistics.fmean(r["ttft_later_turns_mean_ms"] for r in per_seed),
+                     "ttft_p90_ms": statistics.fmean(r["ttft_p90_ms"] for r in per_seed),
+                     "itl_mean_ms": statistics.fmean(r["itl_mean_ms"] for r in per_seed),
+                     "of_oracle": statistics.fmean(r["of_oracle"] for r in per_seed),
+                     "ttft_floor_ms": statistics.fmean(r["ttft_floor_ms"] for r in per_seed)})
+    base = next((r for r in rows if r["mode"] == rows[0]["mode"]), rows[0])
+    print(f"\nsimulated: {args.workers} workers{' (heterogeneous)' if args.hetero else ''}, "
+          f"{args.sessions} sessions at {args.session_rate}/s, seeds {seeds}; "
+          f"TTFT floor {rows[0]['ttft_floor_ms']:.0f} ms; ratio = first row's mean / row's mean")
+    head = (f"{'mode':<44}{'TTFT mean':>10}{'first':>8}{'later':>8}{'p90':>8}{'ITL':>7}{'of oracle':>10}"
+            f"{'ratio':>7}")
+    print(head)
+    print("-" * len(head))
+    for r in rows:
+        print(f"{r['mode'][:44]:<44}{r['ttft_mean_ms']:>8.0f}ms{r['ttft_first_turn_mean_ms']:>8.0f}"
+              f"{r['ttft_later_turns_mean_ms']:>8.0f}{r['ttft_p90_ms']:>8.0f}{r['itl_mean_ms']:>7.1f}"
+              f"{r['of_oracle'] * 100:>9.1f}%"
+              f"{base['ttft_mean_ms'] / r['ttft_mean_ms']:>6.2f}x")
+    write_result("routing_sim" if args.output is None else args.output, {
+        "benchmark": "routing_sim", **machine(), "workers": args.workers, "speedups": speedups,
+        "sessions": args.sessions, "session_rate": args.session_rate, "seeds": seeds,
+        "kv_delay_ms": args.kv_delay_ms, "hop_ms": args.hop_ms, "modes": rows,
+    })
+
+
+if __name__ == "__main__":
+    main()

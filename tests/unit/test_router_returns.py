@@ -1,0 +1,125 @@
+"""router.returns: the requests each rank expects back (the time cost's λ). Pure, no network."""
+
+from __future__ import annotations
+
+import math
+import random
+
+import pytest
+
+from router import returns as mod
+from router.returns import Returns
+
+A, B = (1, 0), (2, 0)
+
+
+def posterior(p: float, tau: float, age: float) -> float:
+    """π(a): the chance that an entry still open at age a comes back (the module docstring)."""
+    e = p * math.exp(-age / tau)
+    return e / (1 - p + e)
+
+
+def test_a_finished_request_is_expected_back_at_its_posterior_rate() -> None:
+    r = Returns()
+    r.finished(A, [11, 12, 13], 100.0)
+    tau = mod.PRIOR_DELAY_S
+    p = (mod.PRIOR_FRACTION * mod.PRIOR_WEIGHT) / (mod.PRIOR_WEIGHT + 1)  # the finish counts
+    assert r.fraction == pytest.approx(p)
+    assert r.rate(A, 100.0) == pytest.approx(p / (tau * 1000))
+    later = 100.0 + 2 * tau
+    assert r.rate(A, later) == pytest.approx(posterior(p, tau, 2 * tau) / (tau * 1000))
+    assert r.rate(A, later) > p * math.exp(-2) / (tau * 1000)  # above the unconditional density
+    assert r.rate(B, 100.0) == 0.0
+
+
+def test_a_return_closes_its_entry_and_teaches_the_delay_and_the_fraction() -> None:
+    r = Returns()
+    r.finished(A, [11, 12, 13], 100.0)
+    r.finished(A, [21, 22], 100.0)
+    # The next turn of the first: the earlier prompt's blocks, then its own.
+    assert r.arrived([[11, 12, 13, 14, 15]], 101.0) == A
+    assert len(r) == 1
+    assert r.delay_s < mod.PRIOR_DELAY_S  # one return after 1 s
+    assert r.rate(A, 101.0) == pytest.approx(posterior(r.fraction, r.delay_s, 1.0) / (r.delay_s * 1000))
+    f = r.fraction
+    assert f > (mod.PRIOR_FRACTION * mod.PRIOR_WEIGHT) / (mod.PRIOR_WEIGHT + 2)
+    assert r.arrived([[11, 12, 13, 14, 15]], 102.0) is None  # closed already
+    assert r.arrived([[99, 12]], 102.0) is None  # another conversation: a different chain
+    assert r.fraction == pytest.approx(f, rel=1e-2)
+
+
+def test_the_delay_is_learnt_from_the_returns_seen() -> None:
+    r = Returns()
+    for i in range(300):
+        r.finished(A, [i], float(i))
+        assert r.arrived([[i, 10_000 + i]], i + 2.0) == A
+    assert r.delay_s == pytest.approx(2.0, rel=0.02)
+    assert r.fraction > 0.95
+
+
+def test_traffic_that_never_comes_back_expects_nothing() -> None:
+    r = Returns()
+    for i in range(400):
+        r.finished(A, [i], i * 0.5)
+    assert r.fraction < 0.05
+    assert r.rate(A, 200.0) < 0.05 * len(r) / (mod.PRIOR_DELAY_S * 1000)  # < 5 % of "all back"
+    assert len(r) <= mod.HORIZON_DELAYS * mod.PRIOR_DELAY_S / 0.5 + 1  # old entries dropped
+
+
+def test_each_rank_expects_the_sum_of_its_open_entries_posteriors() -> None:
+    """Random finishes on two ranks, 70 % of them back after a random delay: at any time, each
+    rank's rate is Σ π(age)/τ over its entries still open, computed naively."""
+    rng = random.Random(3)
+    r = Returns()
+    waiting: dict[int, tuple[tuple[int, int], float]] = {}  # not (yet) back
+    due: dict[int, float] = {}  # those that will come back, and when
+    now = 0.0
+    for h in range(400):
+        then = now + rng.expovariate(2.0)
+        for k, at in sorted(((k, at) for k, at in due.items() if at <= then), key=lambda kv: kv[1]):
+            now = at
+            assert r.arrived([[k, 1]], now) == waiting.pop(k)[0]
+            del due[k]
+        now = then
+        key = A if rng.random() < 0.6 else B
+        r.finished(key, [10_000 + h], now)
+        waiting[10_000 + h] = (key, now)
+        if rng.random() < 0.7:
+            due[10_000 + h] = now + rng.expovariate(1 / 3.0)
+        if h % 37 == 0:
+            p, tau = r.fraction, r.delay_s
+            for rank in (A, B):
+                naive = sum(posterior(p, tau, now - at) for k, at in waiting.values()
+                            if k == rank and now - at <= mod.HORIZON_DELAYS * tau)
+                assert r.rate(rank, now) == pytest.approx(naive / (tau * 1000), rel=1e-9)
+    assert r.delay_s == pytest.approx(3.0, rel=0.3)
+    assert r.fraction == pytest.approx(0.7, abs=0.1)
+
+
+def test_a_rate_is_kept_for_a_sixteenth_of_the_delay_unless_the_rank_changes() -> None:
+    r = Returns()
+    r.finished(A, [1], 0.0)
+    first = r.rate(A, 0.1)
+    assert r.rate(A, 0.1 + mod.PRIOR_DELAY_S / 32) == first  # kept
+    assert r.rate(A, 0.1 + mod.PRIOR_DELAY_S / 8) < first  # recomputed: older, less likely back
+    r.finished(A, [2], 0.7)
+    assert r.rate(A, 0.7) > first  # a new entry: recomputed at once
+
+
+def test_a_rank_that_leaves_expects_nothing_its_sessions_may_return_elsewhere() -> None:
+    r = Returns()
+    r.finished(A, [1, 2], 0.0)
+    r.forget([A])
+    assert r.rate(A, 0.0) == 0.0
+    assert r.arrived([[1, 2, 3]], 1.0) == A  # the entry closes (the caller finds no slot for it)
+
+
+def test_the_open_entries_are_bounded(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(mod, "MAX_OPEN", 16)
+    r = Returns()
+    for i in range(100):
+        r.finished(A if i % 2 else B, [i], 0.0)
+    assert len(r) == 16
+    expected = 8 * r.fraction / (mod.PRIOR_DELAY_S * 1000)  # 8 of the kept 16 on each rank, age 0
+    assert r.rate(A, 0.0) == pytest.approx(expected)
+    assert r.rate(B, 0.0) == pytest.approx(expected)
