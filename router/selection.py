@@ -58,7 +58,7 @@ class SelectionParams:
     router_temperature: float = 0.0
     # The time cost's (router.cost) and its calibration's (router.calibration).
     decode_slowdown_weight: float = 0.0
-    prefill_interference_weight: float = 1.0
+    prefill_interference_weight: float = 0.1
     arrival_wait_weight: float = 1.0
     calibration_window: int = 256
     calibration_min_samples: int = 16

@@ -73,7 +73,7 @@ SELECTION_PARAMETERS: dict[str, ParameterSpec] = {
         ParameterSpec("router_temperature", 0.0, 0.0, None),
         # The predicted-time cost (router mode kv) and its per-worker calibration (issue 9).
         ParameterSpec("decode_slowdown_weight", 0.0, 0.0, None),
-        ParameterSpec("prefill_interference_weight", 1.0, 0.0, None),
+        ParameterSpec("prefill_interference_weight", 0.1, 0.0, None),
         ParameterSpec("arrival_wait_weight", 1.0, 0.0, None),
         ParameterSpec("calibration_window", 256, 16.0, 4096.0, integer=True, unit="observations"),
         ParameterSpec("calibration_min_samples", 16, 3.0, 1024.0, integer=True, unit="observations"),
