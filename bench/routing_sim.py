@@ -80,7 +80,8 @@ from router.scheduler import (
 )
 from router.settings import RoutingMode
 from worker.engines.mock.blocks import BlockPool
-from worker.engines.mock.scheduler import Batch, Scheduler as EngineScheduler, Seq
+from worker.engines.mock.scheduler import Batch, Seq
+from worker.engines.mock.scheduler import Scheduler as EngineScheduler
 from worker.engines.mock.timing import TimingModel
 from worker.settings import MockEngineSettings
 

@@ -565,5 +565,8 @@ def build_api(rt: Runtime, app: FastAPI) -> None:
         for model, n in view.workers.items():
             rt.metrics.workers.labels(model).set(n)
         with contextlib.suppress(RudderError):  # a stopping router still answers its metrics
-            rt.metrics.set_calibration(await rt.scheduler.inspect(lambda s: s.calibration_status()))
+            calibration, returns = await rt.scheduler.inspect(
+                lambda s: (s.calibration_status(), s.tables.returns.status()))
+            rt.metrics.set_calibration(calibration)
+            rt.metrics.set_returns(returns)
         return Response(rt.metrics.render(), media_type="text/plain; version=0.0.4")

@@ -12,7 +12,7 @@ by :mod:`router.calibration`), plus the time its decode costs the requests alrea
     D      = prefill(Q + N) - prefill(Q)                  the time this request adds to the rank's work
     slow   = running · (prefill_interference_weight · D
                       + decode_slowdown_weight · (decode_step(u + R/K) - decode_step(u)) · L)
-    wait   = arrival_wait_weight · λ · D · D/2
+    wait   = arrival_wait_weight · λ · D · (prefill(Q) + D/2)
     cost   = TTFT + slow + wait
 
 ``prefill(x)`` runs ``x`` tokens in engine steps of at most ``max_num_batched_tokens`` (M), each
@@ -20,15 +20,15 @@ costing ``p0 + p1·n + p2·n²`` for its ``n`` tokens; ``steps(x) = ⌈x/M⌉``;
 active blocks over its KV blocks ``K``; ``R`` the request's blocks (less those already booked
 there); ``L`` the model's expected decode tokens per request (observed). ``slow`` is what this
 request costs the requests already running there: its prefill lengthens the steps they decode in,
-and its blocks lengthen every later decode step, for about ``L`` steps. A worker with nothing
-running pays no such cost; one with a long prefill to do for many running requests pays much,
-which is what keeps a session on the worker that holds its cache. ``wait`` is what it costs the
-requests that will arrive there meanwhile: ``λ`` is the rank's recent arrival rate (requests this
-router sent it, an exponentially weighted rate), so about ``λ·D`` of them arrive while it
-computes, and each waits ``D/2`` on average. Those are mostly the later turns of the sessions
-whose cache the rank holds: they cannot go elsewhere without recomputing it. A long prefill is
-therefore placed where few requests are expected, and a short one anywhere. The cache tiers are
-credits in the same unit: a block held in a tier removes its tokens (times the tier's weight)
+and its blocks lengthen every later decode step, for about ``L`` steps; a worker with nothing
+running pays no such cost. Both weigh little by default (they are costs to other requests'
+inter-token latency, not to anyone's TTFT). ``wait`` is what it costs the requests that will
+arrive there before it is done: ``λ`` is the rank's expected arrival rate, the requests that
+finished there and are expected back (:mod:`router.returns`: the next turns of the sessions whose
+cache the rank holds, which cannot go elsewhere without recomputing it); one arriving while the
+queue ahead runs waits ``D`` more, one arriving during ``D`` half of it on average. A long prefill
+is therefore placed where few requests are expected, and a short one anywhere. The cache tiers
+are credits in the same unit: a block held in a tier removes its tokens (times the tier's weight)
 from the prefill, i.e. it is worth the prefill time it saves on that worker. ``decay`` is the
 block cost's (DESIGN §5): ``1 / (1 + overlap_score_credit_decay · excess / R)``.
 
@@ -142,7 +142,7 @@ class TimeRow(NamedTuple):
     p2: float
     full_step_ms: float  # prefill(M)
     running: int
-    wait_rate: float  # λ/2, λ the rank's arrival rate (requests per ms)
+    wait_rate: float  # λ/2, λ the rank's expected arrival rate (requests per ms, router.returns)
     decode_step_ms: float  # decode_step(u), 0 when nothing runs there
     ahead_ms: float  # prefill(Q)
     # A lower bound of this row's cost for a request of P uncached tokens, when every prefill token

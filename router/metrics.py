@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
@@ -95,6 +95,19 @@ class RouterMetrics:
             "rudder_router_calibration_samples", "Observations in a worker's timing fit window",
             ["model", "instance_id", "fit"], registry=r,
         )
+
+        # What the time cost expects back (router.returns), refreshed at each scrape.
+        self.returns = Gauge(
+            "rudder_router_expected_returns",
+            "Requests expected back on the rank that holds their cache: open (finished, not yet "
+            "seen back), delay_seconds (mean delay of a return), fraction (of finished requests "
+            "that come back)", ["stat"], registry=r,
+        )
+
+    def set_returns(self, status: Mapping[str, float]) -> None:
+        self.returns.labels("open").set(status["open"])
+        self.returns.labels("delay_seconds").set(status["delay_s"])
+        self.returns.labels("fraction").set(status["fraction"])
 
     def observe_slo(self, model: str, outcome: str) -> None:
         self.slo.labels(model, outcome).inc()

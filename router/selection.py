@@ -96,7 +96,7 @@ class Candidate:
     kv_total_blocks: int = 0
     batch_tokens: int = 0
     timing: Timing | None = None
-    arrival_rate: float = 0.0  # requests per ms recently sent to this rank (the time cost's λ)
+    arrival_rate: float = 0.0  # requests per ms expected back at this rank (router.returns: the time cost's λ)
     key: tuple[int, int] = field(init=False)
     # The router.loadvec.LoadTable mirroring this candidate, if any (it sets this).
     table: Touchable | None = field(default=None, init=False, repr=False, compare=False)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import re
 from collections.abc import AsyncIterator
 
 import httpx
@@ -110,8 +111,16 @@ async def test_health_live_metrics(fleet: tuple[InProcessRouter, list[TestWorker
         assert (await http.get("/live")).status_code == 200
         health = await http.get("/health")
         assert health.status_code == 200 and health.json()["workers"] == {MODEL: 3}
-        await http.post("/v1/completions", json={"model": MODEL, "prompt": "metrics please"})
+        await http.post("/v1/completions", json={"model": MODEL, "prompt": "metrics please " * 4})
+
+        async def open_returns() -> bool:  # the finished request is expected back (router.returns)
+            text = (await http.get("/metrics")).text
+            found = re.search(r'^rudder_router_expected_returns\{stat="open"\} (\S+)$', text, re.M)
+            return found is not None and float(found.group(1)) >= 1
+
+        await wait_for(open_returns)
         text = (await http.get("/metrics")).text
+    assert 'rudder_router_expected_returns{stat="fraction"}' in text
     for name in ("rudder_router_requests_total", "rudder_router_ttft_seconds_bucket",
                  "rudder_router_routing_overhead_seconds_bucket",
                  "rudder_router_predicted_kv_hit_rate_bucket", "rudder_router_applied_revision",

@@ -4,7 +4,6 @@ objectives, calibration fed through the actor's commands. No network (DESIGN §5
 from __future__ import annotations
 
 import json
-import math
 import random
 import uuid
 from collections import Counter
