@@ -30,7 +30,7 @@ def test_the_time_cost_keeps_sessions_on_their_cache_and_learns_that_they_come_b
     assert res["of_oracle"] > 0.95  # type: ignore[operator]
     returns = sim.router.tables.returns
     sessions = build_trace(TRACE)
-    assert returns.fraction > 0.6  # 3–5 turns a session: about 3 of 4 finished turns come back
+    assert returns.fraction > 0.6  # 3 to 5 turns a session: about 3 of 4 finished turns come back
     assert 1.0 < returns.delay_s < 4.0  # think time 2 s (exponential), + the hops
     assert 0 < len(returns) <= len(sessions)  # last turns stay open (or expired after 8τ)
 
