@@ -81,8 +81,11 @@ class Returns:
         exp = math.exp
         total = 0.0
         for at in entries.values():
-            age = now - at
-            total += 1.0 / (1.0 + odds * exp(age / tau)) if age > 0 else p
+            x = (now - at) / tau
+            if x <= 0.0:
+                total += p
+            elif x < HORIZON_DELAYS * 4:  # beyond, π < e^-30 (and e^x would overflow later on)
+                total += 1.0 / (1.0 + odds * exp(x))
         rate = total / (tau * 1000.0)
         self._cache[key] = (rate, now)
         return rate

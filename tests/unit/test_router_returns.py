@@ -123,3 +123,10 @@ def test_the_open_entries_are_bounded(monkeypatch: pytest.MonkeyPatch) -> None:
     expected = 8 * r.fraction / (mod.PRIOR_DELAY_S * 1000)  # 8 of the kept 16 on each rank, age 0
     assert r.rate(A, 0.0) == pytest.approx(expected)
     assert r.rate(B, 0.0) == pytest.approx(expected)
+
+
+def test_an_entry_left_open_for_hours_expects_nothing_and_does_not_overflow() -> None:
+    """The horizon is enforced when requests finish; a rank idle for hours still answers."""
+    r = Returns()
+    r.finished(A, [1], 0.0)
+    assert r.rate(A, 4 * 3600.0) == 0.0
