@@ -39,11 +39,21 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 
+_GIVEN: set[int] = set()  # ports this process has handed out (the kernel may offer one again)
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
+    """A port free right now that this process has not handed out before: several picked in a
+    row (a cluster's client, monitor and route ports) are distinct. Another process may still
+    take it before it is bound; the servers started here retry on fresh ones then."""
+    for _ in range(64):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port: int = s.getsockname()[1]
+        if port not in _GIVEN:
+            break
+    _GIVEN.add(port)
+    return port
 
 
 def port_is_free(port: int, host: str = "127.0.0.1") -> bool:
@@ -580,7 +590,9 @@ class LocalBus:
             self.servers = [EmbeddedNats(self.data_dir / "nats", auth=self.authority.server_config,
                                          tls=self.tls, port=port, tie_to_parent=tie_to_parent)]
         else:
-            ports = [port + i if port else free_port() for i in range(nodes)]
+            # A given port is the first node's; the others take the next ports when free.
+            ports = [port if port and not i else
+                     port + i if port and port_is_free(port + i) else free_port() for i in range(nodes)]
             routes = [free_port() for _ in range(nodes)]
             self.servers = [
                 EmbeddedNats(self.data_dir / f"nats-{i + 1}", auth=self.authority.server_config,
@@ -589,7 +601,18 @@ class LocalBus:
                              cluster=("rudder", routes[i], routes), sync_always=True)
                 for i in range(nodes)
             ]
+        self._auto_ports = port is None
         self.server = self.servers[0]
+
+    def _fresh_cluster_ports(self) -> None:
+        """New monitor and route ports for every node, and client ports unless they were given
+        (before any node has started for good)."""
+        routes = [free_port() for _ in self.servers]
+        for i, server in enumerate(self.servers):
+            if self._auto_ports:
+                server.port = free_port()
+            server.monitor_port = free_port()
+            server.cluster = ("rudder", routes[i], routes)
 
     @property
     def url(self) -> str:
@@ -620,10 +643,20 @@ class LocalBus:
         if len(self.servers) == 1:
             self.server.start()
         else:
-            for server in self.servers:
-                server.launch()
-            for server in self.servers:
-                server.wait_healthy(30)
+            for attempt in range(3):
+                for server in self.servers:
+                    server.launch()
+                try:
+                    for server in self.servers:
+                        server.wait_healthy(30)
+                    break
+                except _EarlyExit:  # a node lost a port to another process between pick and bind
+                    for server in self.servers:
+                        server.stop(kill=True)
+                    if attempt == 2:
+                        raise
+                    log.warning("a NATS node exited at start (a port taken?): again on fresh ports")
+                    self._fresh_cluster_ports()
         # Admin credentials of its own for this one job (not the authority's shared file), gone after.
         creds = self.authority.issue(Identity(IdentityKind.ADMIN),
                                      self.data_dir / f".bus-init-{os.getpid()}.creds")

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import re
 from collections.abc import AsyncIterator
 
@@ -12,7 +11,7 @@ import pytest
 
 from controlplane.protocol.events import RankLoad
 from tests import buskit
-from tests.support_router.workers import InProcessRouter, TestWorker, router_settings, wait_for
+from tests.support_router.workers import InProcessRouter, TestWorker, router_settings, wait_busy, wait_for
 
 pytestmark = pytest.mark.timeout(60)
 MODEL = "org/chat-model:v1.5"
@@ -144,13 +143,13 @@ async def test_busy_workers_are_skipped_and_all_busy_is_529(nats_url: str) -> No
         await publish_policy(nc.jetstream(), model, {"active_prefill_tokens_threshold": 1000},
                              expected_revision=0, kind=PolicyKind.BUSY_THRESHOLD)
         await wait_for(lambda: router.runtime.scheduler.view.applied[f"{model}|busy_threshold"].revision > 0)
-        await asyncio.sleep(0.4)  # a heartbeat carries a's load
+        await wait_busy(router, model, a.instance_id)  # a heartbeat carried a's load
         async with httpx.AsyncClient(base_url=router.url) as http:
             for _ in range(5):
                 r = await http.post("/v1/completions", json={"model": model, "prompt": "x"})
                 assert int(r.headers["x-worker-instance-id"]) == b.instance_id
             b.load = [RankLoad(active_prefill_tokens=5000)]
-            await asyncio.sleep(0.4)
+            await wait_busy(router, model, b.instance_id)
             r = await http.post("/v1/completions", json={"model": model, "prompt": "x"})
             assert r.status_code == 529
             assert r.json()["error"]["code"] == "overloaded"

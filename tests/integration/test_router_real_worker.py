@@ -11,6 +11,9 @@ from typing import Any
 import openai
 import pytest
 
+from controlplane.protocol.hashing import chain_hashes
+from controlplane.protocol.tokenizer import encode, encode_chat
+from router.selection import NO_OVERLAP
 from tests import buskit
 from tests.support_router.workers import InProcessRouter, router_settings, wait_for
 
@@ -70,7 +73,10 @@ async def test_predicted_hit_matches_the_engines_cached_tokens(
     messages = [{"role": "system", "content": system}, {"role": "user", "content": "q1"}]
     first = await client.chat.completions.with_raw_response.create(model=MODEL, messages=messages, max_tokens=2)
     owner = first.headers["x-worker-instance-id"]
-    await asyncio.sleep(0.3)  # KV events reach the router
+    # Until the engine's KV events for the first prompt's full blocks reached the router.
+    blocks = chain_hashes(encode_chat(messages), 16)
+    await wait_for(lambda: router.runtime.scheduler.inspect(
+        lambda s: s.index.overlaps(blocks).get((int(owner), 0), NO_OVERLAP).device == len(blocks)))
     messages[-1]["content"] = "q2"
     second = await client.chat.completions.with_raw_response.create(model=MODEL, messages=messages, max_tokens=2)
     assert second.headers["x-worker-instance-id"] == owner
@@ -109,12 +115,18 @@ async def test_eviction_removes_blocks_from_the_router_index(nats_url: str) -> N
             return int(raw.headers["x-rudder-predicted-cached-tokens"]), (details.cached_tokens or 0) if details else 0
 
         first = "alpha " * 80  # 480 tokens = 30 blocks of 16
+        blocks = chain_hashes(encode(first), 16)
+
+        async def indexed() -> int:  # the first prompt's blocks the router holds for the worker
+            found = await router.runtime.scheduler.inspect(lambda s: s.index.overlaps(blocks))
+            return sum(o.device for o in found.values())
+
         await ask(first)
-        await asyncio.sleep(0.3)
+        await wait_for(lambda: _equals(indexed(), len(blocks)))  # its KV events reached the router
         predicted, cached = await ask(first)
         assert predicted == cached > 0
         await ask("omega " * 80)  # needs 30 more blocks: most of the first prompt's are evicted
-        await asyncio.sleep(0.3)
+        await wait_for(lambda: _below(indexed(), len(blocks)))  # the removals reached the router
         predicted, cached = await ask(first)
         assert predicted == cached
         assert predicted < 30 * 16 - 16  # the evicted blocks left the index
@@ -164,3 +176,11 @@ async def test_client_gone_mid_stream_frees_the_booking_at_once(nats_url: str) -
         await router.stop()
         stop.set()
         await asyncio.wait_for(task, 10)
+
+
+async def _equals(value: Any, expected: int) -> bool:
+    return bool(await value == expected)
+
+
+async def _below(value: Any, limit: int) -> bool:
+    return bool(await value < limit)

@@ -12,7 +12,7 @@ from controlplane.protocol.policy import PolicyKind
 from router.app import create_app
 from tests import buskit
 from tests.support_router.policy import publish_policy
-from tests.support_router.workers import InProcessRouter, TestWorker, router_settings, wait_for
+from tests.support_router.workers import InProcessRouter, TestWorker, router_settings, wait_busy, wait_for
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -94,7 +94,7 @@ async def test_overload_status_is_configurable_to_503(nats_url: str) -> None:
         sched = router.runtime.scheduler
         await wait_for(lambda: sched.view.workers.get(model) == 1
                        and sched.view.applied[f"{model}|busy_threshold"].revision > 0)
-        await asyncio.sleep(0.3)
+        await wait_busy(router, model, a.instance_id)
         async with httpx.AsyncClient(base_url=router.url) as http:
             r = await http.post("/v1/completions", json={"model": model, "prompt": "x"})
         assert r.status_code == 503

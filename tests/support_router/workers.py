@@ -333,6 +333,18 @@ async def wait_for(predicate: Any, *, within: float = 10.0, interval: float = 0.
         await asyncio.sleep(interval)
 
 
+async def wait_busy(router: InProcessRouter, model: str, instance_id: int, busy: bool = True) -> None:
+    """Until the router holds the worker's rank 0 busy (its load reached the router and crossed the
+    applied threshold), or not."""
+    sched = router.runtime.scheduler
+
+    def check(s: Any) -> bool:
+        slot = s._slots[model].get((instance_id, 0))
+        return slot is not None and slot.busy is busy
+
+    await wait_for(lambda: sched.inspect(check))
+
+
 def spawn_router(nats_url: str, model: str, *, port: int, router_id: str, command: list[str] | None = None,
                  **env: str) -> subprocess.Popen[bytes]:
     """A router replica as its own process (``python -m router``, or ``command``)."""
