@@ -31,13 +31,30 @@ def _pem_key(key: ec.EllipticCurvePrivateKey) -> str:
                              serialization.NoEncryption()).decode()
 
 
+# Server certificates serve clients and, between the nodes of a cluster, routes: a route is dialled
+# with the node's own certificate, and NATS verifies route certificates in both directions, so the
+# certificate is for client use too (without it a TLS-secured cluster never forms: "certificate
+# specifies an incompatible key usage").
+_SERVER_USES = [x509.oid.ExtendedKeyUsageOID.SERVER_AUTH, x509.oid.ExtendedKeyUsageOID.CLIENT_AUTH]
+
+
 def make_server_tls(folder: Path, *, hosts: tuple[str, ...] = ("127.0.0.1", "localhost"),
                     days: int = 825) -> TlsFiles:
-    """A CA and one server certificate for ``hosts`` (IP addresses or DNS names), reused when
-    present so that clients keep trusting the same CA across restarts."""
+    """A CA and one server certificate for ``hosts`` (IP addresses or DNS names), for client
+    connections and for routes between cluster nodes (mutual TLS). Reused when present, so that
+    clients keep trusting the same CA across restarts; a server certificate of an earlier version
+    (server use only) is issued again by the same CA."""
     folder.mkdir(parents=True, exist_ok=True)
     files = TlsFiles(ca=folder / "ca.pem", cert=folder / "server.pem", key=folder / "server-key.pem")
+    ca_key_file = folder / "ca-key.pem"
     if files.ca.exists() and files.cert.exists() and files.key.exists():
+        if _for_routes(files.cert) or not ca_key_file.exists():
+            return files
+        ca = x509.load_pem_x509_certificate(files.ca.read_bytes())
+        ca_key = serialization.load_pem_private_key(ca_key_file.read_bytes(), password=None)
+        if not isinstance(ca_key, ec.EllipticCurvePrivateKey):
+            return files
+        _issue_server(files, ca, ca_key, hosts, days)
         return files
     now = dt.datetime.now(dt.UTC)
     ca_key = ec.generate_private_key(ec.SECP256R1())
@@ -53,6 +70,25 @@ def make_server_tls(folder: Path, *, hosts: tuple[str, ...] = ("127.0.0.1", "loc
                                      encipher_only=False, decipher_only=False), critical=True)
         .sign(ca_key, hashes.SHA256())
     )
+    write_secret(ca_key_file, _pem_key(ca_key))
+    files.ca.write_text(ca.public_bytes(serialization.Encoding.PEM).decode())
+    _issue_server(files, ca, ca_key, hosts, days)
+    return files
+
+
+def _for_routes(cert_file: Path) -> bool:
+    """Whether a server certificate may also be presented as a client (a route dialling a node)."""
+    cert = x509.load_pem_x509_certificate(cert_file.read_bytes())
+    try:
+        uses = cert.extensions.get_extension_for_class(x509.ExtendedKeyUsage).value
+    except x509.ExtensionNotFound:
+        return True  # no restriction
+    return x509.oid.ExtendedKeyUsageOID.CLIENT_AUTH in uses
+
+
+def _issue_server(files: TlsFiles, ca: x509.Certificate, ca_key: ec.EllipticCurvePrivateKey,
+                  hosts: tuple[str, ...], days: int) -> None:
+    now = dt.datetime.now(dt.UTC)
     key = ec.generate_private_key(ec.SECP256R1())
     names: list[x509.GeneralName] = []
     for host in hosts:
@@ -63,14 +99,11 @@ def make_server_tls(folder: Path, *, hosts: tuple[str, ...] = ("127.0.0.1", "loc
     cert = (
         x509.CertificateBuilder()
         .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, hosts[0])]))
-        .issuer_name(ca_name).public_key(key.public_key()).serial_number(x509.random_serial_number())
+        .issuer_name(ca.subject).public_key(key.public_key()).serial_number(x509.random_serial_number())
         .not_valid_before(now - dt.timedelta(minutes=5)).not_valid_after(now + dt.timedelta(days=days))
         .add_extension(x509.SubjectAlternativeName(names), critical=False)
-        .add_extension(x509.ExtendedKeyUsage([x509.oid.ExtendedKeyUsageOID.SERVER_AUTH]), critical=False)
+        .add_extension(x509.ExtendedKeyUsage(_SERVER_USES), critical=False)
         .sign(ca_key, hashes.SHA256())
     )
-    write_secret(folder / "ca-key.pem", _pem_key(ca_key))
     write_secret(files.key, _pem_key(key))
     files.cert.write_text(cert.public_bytes(serialization.Encoding.PEM).decode())
-    files.ca.write_text(ca.public_bytes(serialization.Encoding.PEM).decode())
-    return files

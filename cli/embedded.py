@@ -105,10 +105,13 @@ def nats_server_config(
     *, port: int, monitor_port: int, store_dir: Path, auth_include: Path | None,
     tls: TlsFiles | None = None, server_name: str | None = None, sync_always: bool = False,
     cluster: tuple[str, int, list[int]] | None = None, host: str = "127.0.0.1",
+    route_tls: TlsFiles | None = None,
 ) -> str:
     """A nats-server config: JetStream, our decentralised auth (``auth_include``) and TLS.
 
-    ``cluster`` = (cluster name, this node's route port, every node's route port)."""
+    ``cluster`` = (cluster name, this node's route port, every node's route port); ``route_tls``
+    secures the routes between nodes with mutual TLS (NATS verifies route certificates both ways:
+    a node that cannot show a certificate of that CA does not join)."""
     lines = []
     if server_name:
         lines.append(f"server_name: {server_name}")
@@ -120,7 +123,11 @@ def nats_server_config(
     if cluster is not None:
         name, route_port, all_ports = cluster
         routes = ", ".join(f"nats-route://{host}:{p}" for p in all_ports)
-        lines += ["cluster {", f"  name: {name}", f"  listen: {host}:{route_port}", f"  routes: [{routes}]", "}"]
+        lines += ["cluster {", f"  name: {name}", f"  listen: {host}:{route_port}", f"  routes: [{routes}]"]
+        if route_tls is not None:
+            lines += ["  tls {", f'    cert_file: "{route_tls.cert}"', f'    key_file: "{route_tls.key}"',
+                      f'    ca_file: "{route_tls.ca}"', "    timeout: 2", "  }"]
+        lines.append("}")
     if tls is not None:
         lines += ["tls {", f'  cert_file: "{tls.cert}"', f'  key_file: "{tls.key}"', "  timeout: 2", "}"]
     if auth_include is not None:
@@ -148,10 +155,12 @@ class EmbeddedNats:
         server_name: str | None = None,
         cluster: tuple[str, int, list[int]] | None = None,
         sync_always: bool = False,
+        route_tls: TlsFiles | None = None,
     ):
         self.data_dir = Path(data_dir)
         self.auth = auth
         self.tls = tls
+        self.route_tls = route_tls
         self._auto_ports = port is None and monitor_port is None and cluster is None
         self.port = port or free_port()
         self.monitor_port = monitor_port or free_port()
@@ -190,7 +199,7 @@ class EmbeddedNats:
         config.write_text(nats_server_config(
             port=self.port, monitor_port=self.monitor_port, store_dir=self.data_dir,
             auth_include=self.auth, tls=self.tls, server_name=self.server_name,
-            cluster=self.cluster, sync_always=self.sync_always,
+            cluster=self.cluster, sync_always=self.sync_always, route_tls=self.route_tls,
         ))
         self.proc = subprocess.Popen(
             [nats_server_binary(), "-c", str(config)],
@@ -594,11 +603,14 @@ class LocalBus:
             ports = [port if port and not i else
                      port + i if port and port_is_free(port + i) else free_port() for i in range(nodes)]
             routes = [free_port() for _ in range(nodes)]
+            # Routes always run mutual TLS (the bus's CA, made here if --tls did not): a process
+            # that can reach a route port cannot join the cluster and read every stream.
+            route_tls = self.tls or make_server_tls(self.data_dir / "bus" / "tls")
             self.servers = [
                 EmbeddedNats(self.data_dir / f"nats-{i + 1}", auth=self.authority.server_config,
                              tls=self.tls, port=ports[i], monitor_port=free_port(),
                              tie_to_parent=tie_to_parent, server_name=f"n{i + 1}",
-                             cluster=("rudder", routes[i], routes), sync_always=True)
+                             cluster=("rudder", routes[i], routes), sync_always=True, route_tls=route_tls)
                 for i in range(nodes)
             ]
         self._auto_ports = port is None

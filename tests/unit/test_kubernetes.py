@@ -715,6 +715,7 @@ def test_nats_cluster_settings_match_deploy_nats(rendered: Rendered) -> None:
         compose = _nats_conf_values((ROOT / "deploy" / "nats" / f"{node}.conf").read_text())
         for key in ("listen", "http", "jetstream.store_dir", "jetstream.sync_interval",
                     "cluster.name", "cluster.listen", "tls.cert_file", "tls.key_file",
+                    "cluster.tls.cert_file", "cluster.tls.key_file", "cluster.tls.ca_file",
                     'include "auth.conf"'):
             assert kube[key] == compose[key], f"{key}: {kube[key]!r} here, {compose[key]!r} in {node}"
         assert len(kube["cluster.routes"]) == len(compose["cluster.routes"]) == 3
