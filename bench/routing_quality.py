@@ -295,6 +295,7 @@ def summarize(results: list[Result], wall: float, turns_by_key: dict[tuple[int, 
                                         / max(1, sum(r.prompt_tokens for r in later))),
         "oracle_fraction": orc["fraction"],
         "of_oracle": (cached / prompt) / orc["fraction"] if prompt and orc["fraction"] else None,
+        "ttft_floor_ms": orc["ttft_floor_mean_ms"],  # in the order the requests were sent
         "prompt_tokens": prompt, "cached_tokens": cached,
         "completion_tokens": sum(r.completion_tokens for r in ok),
         "throughput_rps": len(ok) / span,

@@ -42,29 +42,28 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.common import machine, pct, write_result
+from bench.common import machine, write_result
 from bench.routing_quality import (
     BLOCK,
     MODES,
+    Result,
     Session,
     TraceConfig,
     Turn,
     build_trace,
-    oracle,
     split_modes,
 )
+from bench.routing_quality import summarize as quality_summary
 from controlplane.protocol.events import (
-    KvDumpRank,
     KvDumpReply,
     KvEvent,
     MembershipEvent,
     MembershipOp,
-    RankLoad,
     RouterRole,
     WorkerRecord,
 )
 from controlplane.protocol.hashing import chain_hashes
-from controlplane.protocol.policy import ALL_CACHE_INPUTS, PolicyKind, startup_values
+from controlplane.protocol.policy import ALL_CACHE_INPUTS, CacheInput, PolicyKind, startup_values
 from controlplane.protocol.signing import Keyring
 from controlplane.protocol.tokenizer import encode_chat
 from router.scheduler import (
@@ -79,9 +78,9 @@ from router.scheduler import (
     Tick,
 )
 from router.settings import RoutingMode
-from worker.engines.mock.blocks import BlockPool
+from worker.engines.mock.blocks import KvData
+from worker.engines.mock.engine import RankEngine
 from worker.engines.mock.scheduler import Batch, Seq
-from worker.engines.mock.scheduler import Scheduler as EngineScheduler
 from worker.engines.mock.timing import TimingModel
 from worker.settings import MockEngineSettings
 
@@ -117,11 +116,16 @@ class _Running:
 @dataclass
 class SimWorker:
     wid: int
-    engine: EngineScheduler
+    rank: RankEngine
     record: WorkerRecord
     event_ids: Callable[[], int]
     batch: Batch | None = None
     running: dict[Seq, _Running] = field(default_factory=dict)
+
+
+def _drained_per_step(dp_rank: int, data: KvData, tier: CacheInput = CacheInput.DEVICE) -> None:
+    """A rank's KV sink, unused: the simulation drains the block pool after each step itself
+    (Simulation._flush_kv), where the engine's loop would pass its events to the sink."""
 
 
 class Simulation:
@@ -146,9 +150,8 @@ class Simulation:
         for i, speedup in enumerate(speedups):
             settings = MockEngineSettings(speedup_ratio=speedup)
             timing = TimingModel.from_settings(settings)
-            pool = BlockPool(num_blocks=settings.num_blocks, block_size=settings.block_size)
-            engine = EngineScheduler(pool=pool, timing=timing, max_num_seqs=settings.max_num_seqs,
-                                     max_num_batched_tokens=settings.max_num_batched_tokens)
+            # The mock engine's rank (block pool and scheduler), driven here instead of by its loop.
+            rank = RankEngine(0, settings, timing, kv_sink=_drained_per_step)
             wid = i + 1
             record = WorkerRecord(
                 instance_id=wid, model=MODEL, url=f"http://sim-{wid}", block_size=settings.block_size,
@@ -156,11 +159,11 @@ class Simulation:
                 started_at=EPOCH, timing=timing.advertised(),
             )
             counter = itertools.count()
-            self.workers[wid] = w = SimWorker(wid, engine, record, lambda c=counter: next(c))  # type: ignore[misc]
+            self.workers[wid] = w = SimWorker(wid, rank, record, lambda c=counter: next(c))  # type: ignore[misc]
             self._membership(w, MembershipOp.JOIN)
             # An empty cache as of no event: the first KV event (id 0) applies in order.
             self.router._dispatch(LoadKvDump(wid, KvDumpReply(
-                instance_id=wid, last_event_id=-1, ranks=[KvDumpRank(dp_rank=0, blocks=pool.dump())])))
+                instance_id=wid, last_event_id=-1, ranks=[rank.dump()])))
             self.at(HEARTBEAT_S * (i + 1) / len(speedups), lambda w=w: self._heartbeat(w))  # type: ignore[misc]
         self.at(TICK_S, self._tick)
         self.outcomes: list[Outcome] = []
@@ -185,11 +188,7 @@ class Simulation:
     # -- router side ------------------------------------------------------------------------------
 
     def _membership(self, w: SimWorker, op: MembershipOp) -> None:
-        snap = w.engine.load()
-        load = [RankLoad(active_decode_blocks=snap.active_decode_blocks,
-                         active_prefill_tokens=snap.active_prefill_tokens, kv_used_blocks=snap.kv_used_blocks,
-                         running=snap.running, waiting=snap.waiting)]
-        event = MembershipEvent(op=op, worker=w.record, load=load, at=EPOCH + timedelta(seconds=self.now))
+        event = MembershipEvent(op=op, worker=w.record, load=[w.rank.load()], at=EPOCH + timedelta(seconds=self.now))
         self.router._dispatch(ApplyMembership(event))
 
     def _heartbeat(self, w: SimWorker) -> None:
@@ -220,13 +219,13 @@ class Simulation:
 
     def _arrive(self, w: SimWorker, prompt: list[int], turn: Turn, run: _Running) -> None:
         run.arrived = self.now
-        seq = w.engine.add(run.booking, prompt, max_tokens=turn.max_tokens)
+        seq = w.rank.scheduler.add(run.booking, prompt, max_tokens=turn.max_tokens)
         w.running[seq] = run
         if w.batch is None:
             self._step(w)
 
     def _step(self, w: SimWorker) -> None:
-        batch = w.engine.schedule()
+        batch = w.rank.scheduler.schedule()
         self._flush_kv(w)
         if not batch:
             w.batch = None
@@ -236,7 +235,7 @@ class Simulation:
 
     def _step_done(self, w: SimWorker) -> None:
         assert w.batch is not None
-        for output in w.engine.complete(w.batch):
+        for output in w.rank.scheduler.complete(w.batch):
             run = w.running[output.seq]
             out = run.outcome
             out.tokens += 1
@@ -251,7 +250,7 @@ class Simulation:
                 self.router._dispatch(RequestDone(run.booking, itl_ms=itl, decode_tokens=out.tokens))
                 self._next_turn(run)
         self._flush_kv(w)
-        if w.engine.has_work:
+        if w.rank.scheduler.has_work:
             self._step(w)
         else:
             w.batch = None
@@ -266,7 +265,7 @@ class Simulation:
 
     def _flush_kv(self, w: SimWorker) -> None:
         events = [KvEvent(instance_id=w.wid, event_id=w.event_ids(), data=data)
-                  for data in w.engine.pool.drain_events()]
+                  for data in w.rank.pool.drain_events()]
         if events:
             self.at(self.now + self.kv_delay_s, lambda: self._deliver_kv(events))
 
@@ -277,27 +276,18 @@ class Simulation:
 
 
 def summarize(outcomes: list[Outcome], turns: dict[tuple[int, int], Turn], hop_s: float) -> dict[str, Any]:
-    ok = [o for o in outcomes if o.first is not None]
-    ttft = [(o.first - o.sent + hop_s) * 1e3 for o in ok if o.first is not None]
-    later = [(o.first - o.sent + hop_s) * 1e3 for o in ok if o.turn and o.first is not None]
-    first = [(o.first - o.sent + hop_s) * 1e3 for o in ok if not o.turn and o.first is not None]
-    itl = [(o.done - o.first) * 1e3 / (o.tokens - 1) for o in ok
+    """routing_quality.py's figures (the same definitions), plus the mean inter-token time; the
+    TTFT counts the hop back to the client."""
+    results = [Result(o.session, o.turn, o.sent, ttft=o.first - o.sent + hop_s, done=o.done,
+                      prompt_tokens=o.prompt_tokens, cached_tokens=o.cached_tokens,
+                      completion_tokens=o.tokens, worker=str(o.worker))
+               for o in outcomes if o.first is not None]
+    span = max(o.done or 0.0 for o in outcomes) - min(o.sent for o in outcomes)
+    out = quality_summary(results, span, turns)
+    itl = [(o.done - o.first) * 1e3 / (o.tokens - 1) for o in outcomes
            if o.done is not None and o.first is not None and o.tokens > 1]
-    prompt = sum(o.prompt_tokens for o in ok)
-    cached = sum(o.cached_tokens for o in ok)
-    orc = oracle([turns[(o.session, o.turn)] for o in sorted(ok, key=lambda o: o.sent)])
-    fraction = cached / prompt if prompt else 0.0
-    return {
-        "requests": len(outcomes), "ok": len(ok),
-        "ttft_mean_ms": statistics.fmean(ttft), "ttft_p50_ms": pct(ttft, 0.5), "ttft_p90_ms": pct(ttft, 0.9),
-        "ttft_first_turn_mean_ms": statistics.fmean(first) if first else None,
-        "ttft_later_turns_mean_ms": statistics.fmean(later) if later else None,
-        "itl_mean_ms": statistics.fmean(itl) if itl else None,
-        "cached_fraction": fraction, "oracle_fraction": orc["fraction"],
-        "of_oracle": fraction / orc["fraction"] if orc["fraction"] else None,
-        "ttft_floor_ms": orc["ttft_floor_mean_ms"],
-        "span_s": max(o.done or 0.0 for o in ok) - min(o.sent for o in ok),
-    }
+    out.update(requests=len(outcomes), itl_mean_ms=statistics.fmean(itl) if itl else None)
+    return out
 
 
 def parse_mode(text: str) -> tuple[str, str, dict[str, Any]]:

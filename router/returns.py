@@ -111,27 +111,26 @@ class Returns:
         self._cache.pop(key, None)
         self._expire(now)
 
-    def arrived(self, hashes: Iterable[Sequence[int]], at: float) -> WorkerKey | None:
-        """A request that arrived at ``at`` with these chain hashes (one sequence per block size):
-        if it is the return of an open entry (its prompt holds the entry's hash) the entry closes;
+    def arrived(self, hashes: Sequence[int], at: float) -> WorkerKey | None:
+        """A request that arrived at ``at`` with these chain hashes (its rank's block size): if
+        it is the return of an open entry (its prompt holds the entry's hash) the entry closes;
         the rank it was open on, else None. The longest such prefix wins (a conversation's newest
         turn)."""
         open_ = self._open
         if not open_:
             return None
-        for seq in hashes:
-            for h in reversed(seq):
-                if h in open_:
-                    key, finished_at = open_.pop(h)
-                    self._close(key, h)
-                    self._count(at, returned=1.0)
-                    delay = at - finished_at
-                    if delay >= 0:
-                        self._delay_n = min(self._delay_n + 1.0, DELAY_MEMORY)
-                        w = 1.0 / (self._delay_n + PRIOR_WEIGHT)
-                        self._delay_s = max(self._delay_s + w * (delay - self._delay_s), 1e-3)
-                    return key
-        return None
+        h = next((h for h in reversed(hashes) if h in open_), None)
+        if h is None:
+            return None
+        key, finished_at = open_.pop(h)
+        self._close(key, h)
+        self._count(at, returned=1.0)
+        delay = at - finished_at
+        if delay >= 0:
+            self._delay_n = min(self._delay_n + 1.0, DELAY_MEMORY)
+            w = 1.0 / (self._delay_n + PRIOR_WEIGHT)
+            self._delay_s = max(self._delay_s + w * (delay - self._delay_s), 1e-3)
+        return key
 
     def forget(self, keys: Iterable[WorkerKey]) -> None:
         """Ranks that left expect nothing any more; their entries stay open (the sessions may

@@ -740,7 +740,7 @@ class Scheduler:
         (router.returns), the rank that held it expects it no more. Matched here rather than at
         selection, off the selection's path (the request's own entry counts for its holder in the
         meantime: its wait term there is about λ·D², a D of tens of ms for a cached turn)."""
-        back = self.tables.returns.arrived((booking.hashes,), booking.booked_at)
+        back = self.tables.returns.arrived(booking.hashes, booking.booked_at)
         if back is not None and back != booking.key:
             self.tables.refresh_slot(booking.model, back)
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import openai
@@ -117,16 +117,17 @@ async def test_eviction_removes_blocks_from_the_router_index(nats_url: str) -> N
         first = "alpha " * 80  # 480 tokens = 30 blocks of 16
         blocks = chain_hashes(encode(first), 16)
 
-        async def indexed() -> int:  # the first prompt's blocks the router holds for the worker
+        async def indexed(check: Callable[[int], bool]) -> bool:
+            """``check`` of the first prompt's blocks the router holds for the worker."""
             found = await router.runtime.scheduler.inspect(lambda s: s.index.overlaps(blocks))
-            return sum(o.device for o in found.values())
+            return check(sum(o.device for o in found.values()))
 
         await ask(first)
-        await wait_for(lambda: _equals(indexed(), len(blocks)))  # its KV events reached the router
+        await wait_for(lambda: indexed(lambda n: n == len(blocks)))  # its KV events reached the router
         predicted, cached = await ask(first)
         assert predicted == cached > 0
         await ask("omega " * 80)  # needs 30 more blocks: most of the first prompt's are evicted
-        await wait_for(lambda: _below(indexed(), len(blocks)))  # the removals reached the router
+        await wait_for(lambda: indexed(lambda n: n < len(blocks)))  # the removals reached the router
         predicted, cached = await ask(first)
         assert predicted == cached
         assert predicted < 30 * 16 - 16  # the evicted blocks left the index
@@ -176,11 +177,3 @@ async def test_client_gone_mid_stream_frees_the_booking_at_once(nats_url: str) -
         await router.stop()
         stop.set()
         await asyncio.wait_for(task, 10)
-
-
-async def _equals(value: Any, expected: int) -> bool:
-    return bool(await value == expected)
-
-
-async def _below(value: Any, limit: int) -> bool:
-    return bool(await value < limit)

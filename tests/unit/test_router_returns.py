@@ -37,14 +37,14 @@ def test_a_return_closes_its_entry_and_teaches_the_delay_and_the_fraction() -> N
     r.finished(A, [11, 12, 13], 100.0)
     r.finished(A, [21, 22], 100.0)
     # The next turn of the first: the earlier prompt's blocks, then its own.
-    assert r.arrived([[11, 12, 13, 14, 15]], 101.0) == A
+    assert r.arrived([11, 12, 13, 14, 15], 101.0) == A
     assert len(r) == 1
     assert r.delay_s < mod.PRIOR_DELAY_S  # one return after 1 s
     assert r.rate(A, 101.0) == pytest.approx(posterior(r.fraction, r.delay_s, 1.0) / (r.delay_s * 1000))
     f = r.fraction
     assert f > (mod.PRIOR_FRACTION * mod.PRIOR_WEIGHT) / (mod.PRIOR_WEIGHT + 2)
-    assert r.arrived([[11, 12, 13, 14, 15]], 102.0) is None  # closed already
-    assert r.arrived([[99, 12]], 102.0) is None  # another conversation: a different chain
+    assert r.arrived([11, 12, 13, 14, 15], 102.0) is None  # closed already
+    assert r.arrived([99, 12], 102.0) is None  # another conversation: a different chain
     assert r.fraction == pytest.approx(f, rel=1e-2)
 
 
@@ -52,7 +52,7 @@ def test_the_delay_is_learnt_from_the_returns_seen() -> None:
     r = Returns()
     for i in range(300):
         r.finished(A, [i], float(i))
-        assert r.arrived([[i, 10_000 + i]], i + 2.0) == A
+        assert r.arrived([i, 10_000 + i], i + 2.0) == A
     assert r.delay_s == pytest.approx(2.0, rel=0.02)
     assert r.fraction > 0.95
 
@@ -78,7 +78,7 @@ def test_each_rank_expects_the_sum_of_its_open_entries_posteriors() -> None:
         then = now + rng.expovariate(2.0)
         for k, at in sorted(((k, at) for k, at in due.items() if at <= then), key=lambda kv: kv[1]):
             now = at
-            assert r.arrived([[k, 1]], now) == waiting.pop(k)[0]
+            assert r.arrived([k, 1], now) == waiting.pop(k)[0]
             del due[k]
         now = then
         key = A if rng.random() < 0.6 else B
@@ -111,7 +111,7 @@ def test_a_rank_that_leaves_expects_nothing_its_sessions_may_return_elsewhere() 
     r.finished(A, [1, 2], 0.0)
     r.forget([A])
     assert r.rate(A, 0.0) == 0.0
-    assert r.arrived([[1, 2, 3]], 1.0) == A  # the entry closes (the caller finds no slot for it)
+    assert r.arrived([1, 2, 3], 1.0) == A  # the entry closes (the caller finds no slot for it)
 
 
 def test_the_open_entries_are_bounded(monkeypatch: pytest.MonkeyPatch) -> None:
