@@ -40,9 +40,9 @@ sys.path.insert(0, str(ROOT))
 from bus.connect import connect  # noqa: E402
 from bus.identities import Identity, IdentityKind  # noqa: E402
 from cli.embedded import DatabaseRole, EmbeddedPostgres, LocalBus, free_port, new_password  # noqa: E402
-from cli.keys import ensure_keys  # noqa: E402
+from cli.keys import ensure_key, ensure_keys  # noqa: E402
 from controlplane.auth import Role, create_token_sync  # noqa: E402
-from controlplane.checkpoints import generate_key_file  # noqa: E402
+from controlplane.protocol.signing import Purpose  # noqa: E402
 from controlplane.protocol.subjects import HDR_EXPECTED_LAST_SUBJECT_SEQ, HDR_MSG_ID, policy_subject  # noqa: E402
 from migrations import upgrade  # noqa: E402
 
@@ -248,7 +248,7 @@ def main() -> None:
         pg.start()
         owner, app = DatabaseRole("rudder_owner", new_password()), DatabaseRole("rudder_app", new_password())
         key = Path(tmp) / "audit-signing.key"
-        generate_key_file(key)
+        ensure_key(key, key.with_name("audit-signing.pub"), Purpose.CHECKPOINT)
         targets: dict[str, tuple[str, str]] = {}
         try:
             if args.baseline:

@@ -46,10 +46,10 @@ import httpx  # noqa: E402
 from bench.common import policy_key_files  # noqa: E402
 from bus.connect import connect  # noqa: E402
 from bus.identities import Identity, IdentityKind  # noqa: E402
+from bus.keyfiles import load_signing_key  # noqa: E402
 from cli.embedded import LocalBus, free_port  # noqa: E402
 from controlplane.protocol.events import PolicyEvent, decode_apply_ack  # noqa: E402
 from controlplane.protocol.policy import PolicyKind, PolicyOp  # noqa: E402
-from controlplane.protocol.signing import load_signing_key  # noqa: E402
 from controlplane.protocol.subjects import (  # noqa: E402
     ACKS_SUBJECTS,
     HDR_EXPECTED_LAST_SUBJECT_SEQ,

@@ -15,6 +15,7 @@ from __future__ import annotations
 import base64
 import hashlib
 import json
+import os
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -45,10 +46,8 @@ class KeyPair:
 
     @classmethod
     def generate(cls, prefix: int) -> KeyPair:
-        import nacl.signing
-
-        raw = bytes(nacl.signing.SigningKey.generate())
-        return cls.from_seed(nkeys.encode_seed(raw, prefix))
+        # An nkey seed is a random 32-byte Ed25519 seed in NATS's own encoding; nkeys signs.
+        return cls.from_seed(nkeys.encode_seed(os.urandom(32), prefix))
 
     @classmethod
     def from_seed(cls, seed: bytes) -> KeyPair:

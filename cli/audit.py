@@ -10,7 +10,6 @@ import typer
 
 from cli import app as shared
 from cli.errors import CliError, ExitCode
-from cli.loader import load
 from cli.output import fmt_time, fmt_value, print_json, say, show, table
 from cli.params import PairError, parse_time
 
@@ -165,17 +164,20 @@ def verify(
 def keygen(
     path: Annotated[Path, typer.Argument(help="Where to write the Ed25519 seed (mode 0600).")],
 ) -> None:
-    """Make a checkpoint signing key (RUDDER_AUDIT_SIGNING_KEY); prints its public line for
-    RUDDER_AUDIT_VERIFY_KEYS. An existing file is kept."""
-    generate_key_file = load("controlplane.checkpoints", "generate_key_file")
-    public_line = load("controlplane.checkpoints", "public_line")
+    """Alias of `rudder keys new --purpose checkpoint --signing-key PATH --if-missing`: a checkpoint
+    signing key (RUDDER_AUDIT_SIGNING_KEY), its public key in PATH.pub (RUDDER_AUDIT_VERIFY_KEYS).
+    Prints the public line. An existing file is kept."""
+    from cli.keys import make_key
+    from controlplane.protocol.signing import Purpose
+
     existed = path.exists()
-    signer = generate_key_file(path)
+    pub = path.with_name(path.name + ".pub")
+    key, _ = make_key(Purpose.CHECKPOINT, path, pub, if_missing=True)
     if shared.json_mode():
-        print_json({"path": str(path), "key_id": signer.key_id, "public": public_line(signer),
-                    "created": not existed})
+        print_json({"path": str(path), "key_id": key.key_id, "public": key.public_line,
+                    "verify_keys": str(pub), "created": not existed})
         return
-    say(public_line(signer))
+    say(key.public_line)
 
 
 @app.command("reconcile")

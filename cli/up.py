@@ -3,8 +3,8 @@
 Starts NATS (JetStream, operator-mode auth; one identity per process) and PostgreSQL as real
 servers (scram authentication; a schema owner role for the migrations and an app role for the
 control plane, passwords in ``.rudder/db-roles``), applies the migrations as the owner, makes the
-policy signing key (``.rudder/keys``) and the audit checkpoint signing key
-(``.rudder/audit-signing.key``), creates an admin token the first time (kept in
+policy and the audit checkpoint signing keys (``.rudder/keys/{policy,checkpoint}.{seed,pub}``),
+creates an admin token the first time (kept in
 ``.rudder/credentials``, mode 0600, reused later, with the app role's database URL: never the
 owner's), then the control plane, routers and workers as child processes, each waited for until
 healthy. It says "ready" and writes ``.rudder/credentials`` only once every router serves the
@@ -33,9 +33,10 @@ from cli.config import CREDENTIALS_FILE, read_credentials, write_credentials
 from cli.embedded import free_port
 from cli.errors import CliError, ExitCode
 from cli.keys import ensure_keys
-from cli.loader import available, load
+from cli.loader import available
 from cli.output import note, report_error, say, show, table
 from cli.stack import Child, Stack, UpLock, child_env, pick_port
+from controlplane.protocol.signing import Purpose
 
 DATABASE = "rudder"
 TOKEN_NAME = "rudder-up-admin"
@@ -163,8 +164,10 @@ def _start(
     admin.upgrade(access.owner_url, app_role=access.app.name)  # the owner's URL: here only
     say(f"migrations    applied in {time.monotonic() - began:.1f}s")
     database_url = access.app_url  # what the control plane and the CLI use
-    signing_key = data_dir / "audit-signing.key"
-    load("controlplane.checkpoints", "generate_key_file")(signing_key)
+    # Audit checkpoints are signed with a key of their own (`rudder keys ... --purpose
+    # checkpoint`); an earlier version's .rudder/audit-signing.key is taken over, converted.
+    checkpoint_seed, checkpoint_pub, _ = ensure_keys(data_dir / "keys", Purpose.CHECKPOINT,
+                                                     legacy_seed=data_dir / "audit-signing.key")
 
     creds_path = data_dir / "credentials"
     token = read_credentials(creds_path).get("RUDDER_TOKEN") or ""
@@ -180,7 +183,8 @@ def _start(
     # measure ages against the newest heartbeat heard, so the election stales no worker.)
     env = child_env({"RUDDER_DATABASE_URL": database_url, "RUDDER_POLICY_VERIFY_KEYS": str(verify_keys),
                      "RUDDER_STREAM_REPLICAS": "3" if ha else "1",
-                     "RUDDER_AUDIT_SIGNING_KEY": str(signing_key)})
+                     "RUDDER_AUDIT_SIGNING_KEY": str(checkpoint_seed),
+                     "RUDDER_AUDIT_VERIFY_KEYS": str(checkpoint_pub)})
     env.pop("RUDDER_DATABASE_OWNER_URL", None)  # no child needs the owner's password
     logs = data_dir / "logs"
     server = f"http://127.0.0.1:{admin_port}"

@@ -20,19 +20,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from typing import Any
 
-import nats.errors
-from nats.aio.msg import Msg
-from nats.js import JetStreamContext
-from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
-
+from bus.client import Bus, Message, PullConsumer
 from controlplane.audit.store import AckRecord, AuditStore
 from controlplane.protocol.errors import InvalidRequest, RudderError, SubjectMismatch
 from controlplane.protocol.events import check_ack_subject, decode_apply_ack
 from controlplane.protocol.guard import Drops
 from controlplane.protocol.subjects import ACKS_SUBJECTS, STREAM_ACKS
-from controlplane.tasks import cancel_all
 
 log = logging.getLogger(__name__)
 
@@ -40,80 +34,63 @@ log = logging.getLogger(__name__)
 class AckConsumer:
     """Fetch ACKs in batches, write each batch in one transaction, then acknowledge it."""
 
-    def __init__(self, js: JetStreamContext, store: AuditStore, *, durable: str,
+    def __init__(self, bus: Bus, store: AuditStore, *, durable: str,
                  batch: int = 128, ack_wait_s: float = 30.0, fetch_timeout_s: float = 1.0,
                  drops: Drops | None = None) -> None:
-        self.js = js
+        self.bus = bus
         self.drops = drops or Drops(log)
         self.store = store
         self.durable = durable
         self.batch = batch
         self.ack_wait_s = ack_wait_s
         self.fetch_timeout_s = fetch_timeout_s
-        self._task: asyncio.Task[None] | None = None
-        self._sub: Any = None
+        self._sub: PullConsumer | None = None
         self.recorded = 0  # rows this replica wrote (tests, metrics)
 
-    def start(self) -> None:
-        self._task = asyncio.create_task(self.run(), name="ack-consumer")
-
     async def stop(self) -> None:
-        if self._task is not None:
-            await cancel_all([self._task])
-            self._task = None
-        await self._unsubscribe()
-
-    async def _unsubscribe(self) -> None:
         """Leave the durable consumer (it stays on the server for the other replicas)."""
         sub, self._sub = self._sub, None
         if sub is not None:
-            with contextlib.suppress(Exception):
-                await sub.unsubscribe()
-
-    async def _subscribe(self) -> Any:
-        config = ConsumerConfig(
-            durable_name=self.durable, ack_policy=AckPolicy.EXPLICIT,
-            deliver_policy=DeliverPolicy.ALL, ack_wait=self.ack_wait_s,
-            filter_subject=ACKS_SUBJECTS, max_ack_pending=10_000,
-        )
-        return await self.js.pull_subscribe(ACKS_SUBJECTS, durable=self.durable, stream=STREAM_ACKS,
-                                            config=config)
+            await sub.stop()
 
     async def run(self) -> None:
-        """Until cancelled; a lost bus or database is waited out, never fatal."""
-        while True:
-            try:
-                await self._unsubscribe()
-                sub = self._sub = await self._subscribe()
-                while True:
-                    try:
-                        msgs = await sub.fetch(self.batch, timeout=self.fetch_timeout_s)
-                    except (nats.errors.TimeoutError, TimeoutError):  # nothing to fetch yet
-                        continue
-                    await self.handle(msgs)
-            except asyncio.CancelledError:
-                raise
-            except (nats.errors.Error, OSError, RudderError) as exc:
-                log.warning("ACK consumer %s: %r; retrying", self.durable, exc)
-                await asyncio.sleep(1.0)
-            except Exception:
-                log.exception("ACK consumer %s failed; retrying", self.durable)
-                await asyncio.sleep(1.0)
+        """Until cancelled (a task of the control plane's lifespan); a lost bus or database is
+        waited out, never fatal."""
+        try:
+            while True:
+                try:
+                    await self.stop()
+                    sub = self._sub = await self.bus.durable(
+                        STREAM_ACKS, ACKS_SUBJECTS, name=self.durable, ack_wait_s=self.ack_wait_s,
+                        max_ack_pending=10_000)
+                    while True:
+                        msgs = await sub.fetch(self.batch, wait_s=self.fetch_timeout_s)
+                        if msgs:
+                            await self.handle(msgs)
+                except asyncio.CancelledError:
+                    raise
+                except RudderError as exc:
+                    log.warning("ACK consumer %s: %r; retrying", self.durable, exc)
+                    await asyncio.sleep(1.0)
+                except Exception:
+                    log.exception("ACK consumer %s failed; retrying", self.durable)
+                    await asyncio.sleep(1.0)
+        finally:
+            await self.stop()
 
-    async def handle(self, msgs: list[Msg]) -> None:
+    async def handle(self, msgs: list[Message]) -> None:
         """Record a fetched batch, then acknowledge it (terminate what can never be recorded)."""
-        good: list[tuple[Msg, AckRecord]] = []
+        good: list[tuple[Message, AckRecord]] = []
         for msg in msgs:
             try:
                 ack = decode_apply_ack(msg.data)
                 check_ack_subject(msg.subject, ack)  # a router speaks for itself only
             except InvalidRequest as exc:
                 reason = "subject_mismatch" if isinstance(exc, SubjectMismatch) else "malformed"
-                self.drops.drop("ack", reason, msg.subject,
-                                f"{exc.message} (stream seq {msg.metadata.sequence.stream})")
+                self.drops.drop("ack", reason, msg.subject, f"{exc.message} (stream seq {msg.seq})")
                 await msg.term()
                 continue
-            good.append((msg, AckRecord(ack, int(msg.metadata.sequence.stream))))
+            good.append((msg, AckRecord(ack, msg.seq or 0)))
         if not good:
             return
         try:
@@ -122,7 +99,7 @@ class AckConsumer:
             # Not acknowledged: redelivered after a short delay (or ack_wait if the nak is lost).
             log.warning("%d ACKs not recorded (%s); they will be redelivered", len(good), exc.message)
             for msg, _ in good:
-                with contextlib.suppress(nats.errors.Error):
+                with contextlib.suppress(RudderError):
                     await msg.nak(delay=1.0)
             return
         self.recorded += written

@@ -10,12 +10,10 @@ Taking
     one that loses the race just skips its turn.
 
 Signing
-    Ed25519 (PyNaCl) over ``CHECKPOINT_DOMAIN || subject || 0x00 || payload`` (a prefix of their
-    own, so no checkpoint signature passes for a policy one), headers ``Rudder-Key-Id`` and
-    ``Rudder-Signature`` (base64). This is a minimal helper of our own until the policy-signing
-    module (``controlplane/protocol/signing.py``) is merged; the key files have the same shape:
-    a signing key file holds ``<key id> <base64 32-byte seed>`` (or the seed alone: its id is then
-    derived from the public key), a verify-keys file one ``<key id> <base64 public key>`` a line.
+    With the one signature scheme (:mod:`controlplane.protocol.signing`, purpose
+    ``checkpoint``: its own key and domain prefix, so no checkpoint signature passes for a policy
+    one), headers ``Rudder-Key-Id`` and ``Rudder-Signature``. A message on the subject that is
+    not a well-formed checkpoint signed by a trusted key is reported (``problem``).
 
 Verifying
     ``verify_chains`` walks each chain (linkage and row hashes, ``AuditStore.verify``) and then
@@ -30,24 +28,14 @@ Verifying
 from __future__ import annotations
 
 import asyncio
-import base64
-import binascii
 import contextlib
-import hashlib
 import logging
-import os
-from collections.abc import AsyncIterator, Mapping
-from dataclasses import dataclass, field
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
 from datetime import UTC, datetime
-from pathlib import Path
 from typing import Any
 
-import nacl.exceptions
-import nacl.signing
-import nats.errors
-from nats.js import JetStreamContext
-from nats.js.errors import BadRequestError, NotFoundError
-
+from bus.client import Bus, Message
 from controlplane.audit.records import GENESIS_HASH
 from controlplane.audit.store import AuditStore, Chain, VerifyResult
 from controlplane.protocol.checkpoints import (
@@ -56,128 +44,34 @@ from controlplane.protocol.checkpoints import (
     ChainSegment,
     decode_checkpoint,
 )
-from controlplane.protocol.errors import InvalidRequest, LogUnavailable, RudderError
+from controlplane.protocol.errors import InvalidRequest, RevisionConflict, RudderError, SignatureInvalid
+from controlplane.protocol.signing import (
+    SIGNATURE_MISSING,
+    SIGNATURE_UNKNOWN_KEY,
+    Keyring,
+    Purpose,
+    SigningKey,
+)
 from controlplane.protocol.subjects import (
     AUDIT_CHECKPOINTS_SUBJECT,
-    HDR_EXPECTED_LAST_SUBJECT_SEQ,
     HDR_KEY_ID,
-    HDR_SIGNATURE,
-    JS_ERR_WRONG_LAST_SEQUENCE,
     STREAM_AUDIT_CHECKPOINTS,
 )
-from controlplane.tasks import cancel_all
 
 log = logging.getLogger(__name__)
 
-# ---- keys and signatures ---------------------------------------------------------------------
 
-
-class KeyFileError(RudderError):
-    """A key file is missing or malformed; ``field`` names the setting that points at it."""
-
-    code = "bad_key_file"
-
-
-def key_id_of(verify_key: nacl.signing.VerifyKey) -> str:
-    return "ed25519-" + hashlib.sha256(bytes(verify_key)).hexdigest()[:16]
-
-
-@dataclass(frozen=True)
-class Signer:
-    key_id: str
-    key: nacl.signing.SigningKey = field(repr=False)
-
-    @property
-    def verify_key(self) -> nacl.signing.VerifyKey:
-        return self.key.verify_key
-
-    def headers(self, subject: str, payload: bytes) -> dict[str, str]:
-        signature = self.key.sign(_signed_bytes(subject, payload)).signature
-        return {HDR_KEY_ID: self.key_id, HDR_SIGNATURE: base64.b64encode(signature).decode()}
-
-
-#: Domain prefix: a checkpoint signature never verifies as any other Rudder signature.
-CHECKPOINT_DOMAIN = b"rudder-audit-checkpoint-v1\0"
-
-
-def _signed_bytes(subject: str, payload: bytes) -> bytes:
-    return CHECKPOINT_DOMAIN + subject.encode() + b"\0" + payload
-
-
-def _b64(value: str, what: str, setting: str, size: int) -> bytes:
+def signature_problem(subject: str, payload: bytes, headers: Any, keyring: Keyring) -> str | None:
+    """None when the message is signed by a key of ``keyring``, else what is wrong with it (in
+    the words of ``rudder audit verify``)."""
     try:
-        raw = base64.b64decode(value, validate=True)
-    except (binascii.Error, ValueError) as exc:
-        raise KeyFileError(f"{what} is not base64", field=setting) from exc
-    if len(raw) != size:
-        raise KeyFileError(f"{what} must be {size} bytes", field=setting)
-    return raw
-
-
-def load_signer(path: Path, *, setting: str = "RUDDER_AUDIT_SIGNING_KEY") -> Signer:
-    """Read a signing key file. Raises ``KeyFileError`` naming ``setting``."""
-    try:
-        parts = path.read_text(encoding="utf-8").split()
-    except OSError as exc:
-        raise KeyFileError(f"cannot read the signing key {path}: {exc.strerror}", field=setting) from exc
-    if len(parts) not in (1, 2):
-        raise KeyFileError("a signing key file holds '<key id> <base64 seed>'", field=setting)
-    key = nacl.signing.SigningKey(_b64(parts[-1], "the signing key seed", setting, 32))
-    return Signer(key_id=parts[0] if len(parts) == 2 else key_id_of(key.verify_key), key=key)
-
-
-def load_verify_keys(path: Path, *, setting: str = "RUDDER_AUDIT_VERIFY_KEYS") -> dict[str, nacl.signing.VerifyKey]:
-    """Read a verify-keys file (``<key id> <base64 public key>`` a line, ``#`` comments)."""
-    try:
-        text = path.read_text(encoding="utf-8")
-    except OSError as exc:
-        raise KeyFileError(f"cannot read the verify keys {path}: {exc.strerror}", field=setting) from exc
-    keys: dict[str, nacl.signing.VerifyKey] = {}
-    for n, line in enumerate(text.splitlines(), 1):
-        line = line.split("#", 1)[0].strip()
-        if not line:
-            continue
-        parts = line.split()
-        if len(parts) != 2:
-            raise KeyFileError(f"line {n}: expected '<key id> <base64 public key>'", field=setting)
-        keys[parts[0]] = nacl.signing.VerifyKey(_b64(parts[1], f"line {n}", setting, 32))
-    if not keys:
-        raise KeyFileError(f"{path} holds no key", field=setting)
-    return keys
-
-
-def generate_key_file(path: Path) -> Signer:
-    """Write a new signing key (mode 0600) and return it; an existing file is kept and read."""
-    if path.exists():
-        return load_signer(path)
-    key = nacl.signing.SigningKey.generate()
-    signer = Signer(key_id=key_id_of(key.verify_key), key=key)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    with os.fdopen(fd, "w", encoding="utf-8") as fh:
-        fh.write(f"{signer.key_id} {base64.b64encode(bytes(key)).decode()}\n")
-    return signer
-
-
-def public_line(signer: Signer) -> str:
-    """The signer's line for a verify-keys file."""
-    return f"{signer.key_id} {base64.b64encode(bytes(signer.verify_key)).decode()}"
-
-
-def signature_problem(subject: str, payload: bytes, headers: Mapping[str, str] | None,
-                      keys: Mapping[str, nacl.signing.VerifyKey]) -> str | None:
-    """None when the message is signed by a trusted key, else what is wrong with it."""
-    headers = headers or {}
-    key_id, signature = headers.get(HDR_KEY_ID), headers.get(HDR_SIGNATURE)
-    if not key_id or not signature:
-        return "is not signed"
-    key = keys.get(key_id)
-    if key is None:
-        return f"is signed by key {key_id!r}, which is not trusted"
-    try:
-        key.verify(_signed_bytes(subject, payload), base64.b64decode(signature, validate=True))
-    except (nacl.exceptions.BadSignatureError, binascii.Error, ValueError):
-        return f"has a signature that does not verify with key {key_id!r}"
+        keyring.verify(subject, payload, headers)
+    except SignatureInvalid as exc:
+        if exc.reason_code == SIGNATURE_MISSING:
+            return "is not signed"
+        if exc.reason_code == SIGNATURE_UNKNOWN_KEY:
+            return f"is signed by key {exc.key_id!r}, which is not trusted"
+        return f"has a signature that does not verify with key {exc.key_id!r}"
     return None
 
 
@@ -195,77 +89,52 @@ class StoredCheckpoint:
 class CheckpointLog:
     """``RUDDER_AUDIT_CHECKPOINTS``: newest, CAS publish, every checkpoint in order.
 
-    nats errors become ``LogUnavailable`` here; a stale CAS is reported as ``False``.
+    Trusted keys are ``keyring`` and the signer's own; :meth:`use_keys` swaps them (rotation).
     """
 
-    def __init__(self, js: JetStreamContext, *, keys: Mapping[str, nacl.signing.VerifyKey],
-                 signer: Signer | None = None, timeout_s: float = 2.0) -> None:
-        self.js = js
-        self.keys = dict(keys)
-        self.signer = signer
-        self.timeout_s = timeout_s
+    def __init__(self, bus: Bus, *, keyring: Keyring | None = None, signer: SigningKey | None = None) -> None:
+        self.bus = bus
+        self.use_keys(signer, keyring or Keyring({}, Purpose.CHECKPOINT))
 
-    def _stored(self, msg: Any) -> StoredCheckpoint:
-        headers = dict(msg.headers or {})
-        payload = bytes(msg.data or b"")
-        problem = signature_problem(msg.subject, payload, headers, self.keys)
+    def use_keys(self, signer: SigningKey | None, keyring: Keyring) -> None:
+        self.signer = signer
+        own = Keyring.of([signer.public_key] if signer is not None else [], Purpose.CHECKPOINT)
+        self.keyring = Keyring(dict(keyring.keys), Purpose.CHECKPOINT).union(own)
+
+    def _stored(self, msg: Message) -> StoredCheckpoint:
+        problem = signature_problem(msg.subject, msg.data, msg.headers, self.keyring)
         checkpoint = None
         try:
-            checkpoint = decode_checkpoint(payload)
+            checkpoint = decode_checkpoint(msg.data)
         except InvalidRequest as exc:
             problem = problem or f"is malformed: {exc.message}"
-        return StoredCheckpoint(seq=int(msg.seq), checkpoint=checkpoint,
-                                key_id=headers.get(HDR_KEY_ID), problem=problem)
-
-    @contextlib.asynccontextmanager
-    async def _bus(self, what: str) -> AsyncIterator[None]:
-        try:
-            async with asyncio.timeout(self.timeout_s + 0.5):
-                yield
-        except (nats.errors.Error, OSError, TimeoutError) as exc:
-            if isinstance(exc, BadRequestError) and exc.err_code == JS_ERR_WRONG_LAST_SEQUENCE:
-                raise
-            raise LogUnavailable(f"checkpoint stream ({what}): {type(exc).__name__}", retry_after=2) from exc
+        return StoredCheckpoint(seq=msg.seq or 0, checkpoint=checkpoint,
+                                key_id=msg.headers.get(HDR_KEY_ID), problem=problem)
 
     async def newest(self) -> StoredCheckpoint | None:
-        async with self._bus("newest"):
-            try:
-                msg = await self.js.get_last_msg(STREAM_AUDIT_CHECKPOINTS, AUDIT_CHECKPOINTS_SUBJECT, direct=True)
-            except NotFoundError:
-                return None
-        return self._stored(msg)
+        msg = await self.bus.last(STREAM_AUDIT_CHECKPOINTS, AUDIT_CHECKPOINTS_SUBJECT)
+        return self._stored(msg) if msg is not None else None
 
     async def publish(self, checkpoint: AuditCheckpoint, *, expected_seq: int) -> int | None:
         """Publish signed, if the newest checkpoint is still ``expected_seq``; its sequence, or
-        None when another replica published first."""
+        None when another replica published first. Raises LogUnavailable."""
         if self.signer is None:
             raise RuntimeError("a checkpoint log without a signer cannot publish")
         payload = checkpoint.to_bytes()
-        headers = self.signer.headers(AUDIT_CHECKPOINTS_SUBJECT, payload)
-        headers[HDR_EXPECTED_LAST_SUBJECT_SEQ] = str(expected_seq)
         try:
-            async with self._bus("publish"):
-                ack = await self.js.publish(AUDIT_CHECKPOINTS_SUBJECT, payload, headers=headers,
-                                            timeout=self.timeout_s)
-        except BadRequestError as exc:
-            if exc.err_code == JS_ERR_WRONG_LAST_SEQUENCE:
-                return None
-            raise LogUnavailable(f"checkpoint refused: {exc.description}") from exc
-        return int(ack.seq)
+            result = await self.bus.publish_cas(
+                STREAM_AUDIT_CHECKPOINTS, AUDIT_CHECKPOINTS_SUBJECT, payload, expected_seq=expected_seq,
+                msg_id=f"checkpoint-{checkpoint.writer}-{checkpoint.audit.last_id}-{checkpoint.acks.last_id}"
+                       f"-{checkpoint.at.timestamp():.6f}",
+                headers=self.signer.sign(AUDIT_CHECKPOINTS_SUBJECT, payload))
+        except RevisionConflict:
+            return None
+        return result.seq
 
     async def all(self) -> AsyncIterator[StoredCheckpoint]:
         """Every checkpoint, oldest first (one direct get each)."""
-        seq = 1
-        while True:
-            async with self._bus("read"):
-                try:
-                    msg = await self.js.get_msg(STREAM_AUDIT_CHECKPOINTS, seq=seq,
-                                                subject=AUDIT_CHECKPOINTS_SUBJECT, next=True, direct=True)
-                except NotFoundError:
-                    return
-            stored = self._stored(msg)
-            yield stored
-            seq = stored.seq + 1
+        async for msg in self.bus.messages(STREAM_AUDIT_CHECKPOINTS, AUDIT_CHECKPOINTS_SUBJECT):
+            yield self._stored(msg)
 
 
 # ---- taking checkpoints ------------------------------------------------------------------------
@@ -291,7 +160,6 @@ class Checkpointer:
         self.writer = writer
         self._rows_since = 0
         self._wake = asyncio.Event()
-        self._task: asyncio.Task[None] | None = None
         self.published = 0
         # The checkpoint we published last: while our CAS publishes succeed it is the newest,
         # so the stream is read (and the checkpoint decoded) only after another replica's turn.
@@ -303,15 +171,8 @@ class Checkpointer:
         if self._rows_since >= self.every_rows:
             self._wake.set()
 
-    def start(self) -> None:
-        self._task = asyncio.create_task(self.run(), name="audit-checkpointer")
-
-    async def stop(self) -> None:
-        if self._task is not None:
-            await cancel_all([self._task])
-            self._task = None
-
     async def run(self) -> None:
+        """Until cancelled (a task of the control plane's lifespan)."""
         while True:
             with contextlib.suppress(TimeoutError):
                 async with asyncio.timeout(self.interval_s):

@@ -19,17 +19,12 @@ query; a membership event or an ACK whose ids differ from its subject's is not u
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 from collections.abc import Callable
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
-import nats.errors
-from nats.aio.client import Client as NATS
-from nats.aio.msg import Msg
-from nats.js.api import DeliverPolicy
-
+from bus.client import Bus, KvWatch, Message, Subscription
 from controlplane.protocol.errors import InvalidRequest, SubjectMismatch
 from controlplane.protocol.events import (
     MembershipEvent,
@@ -46,8 +41,8 @@ from controlplane.protocol.policy import CacheInput, PolicyKind, missing_cache_i
 from controlplane.protocol.subjects import (
     BUCKET_ROUTERS,
     MEMBERSHIP_SUBJECTS,
+    STREAM_MEMBERSHIP,
 )
-from controlplane.tasks import cancel_all
 
 log = logging.getLogger(__name__)
 
@@ -61,16 +56,11 @@ def _reason(exc: InvalidRequest) -> str:
     return "subject_mismatch" if isinstance(exc, SubjectMismatch) else "malformed"
 
 
-def _stored_at(value: Any) -> datetime | None:
-    return value if isinstance(value, datetime) and value.tzinfo is not None else None
-
-
 class FleetView:
-    def __init__(self, nc: NATS, *, worker_ttl_s: float, router_heartbeat_s: float,
+    def __init__(self, bus: Bus, *, worker_ttl_s: float, router_heartbeat_s: float,
                  clock: Callable[[], datetime] = lambda: datetime.now(UTC),
                  outage_grace_s: float = 30.0) -> None:
-        self.nc = nc
-        self.js = nc.jetstream()
+        self.bus = bus
         self.worker_ttl = timedelta(seconds=worker_ttl_s)
         self.router_ttl = timedelta(seconds=3 * router_heartbeat_s)
         self.stall_s = max(2.0, 2 * router_heartbeat_s)
@@ -85,50 +75,47 @@ class FleetView:
         # Router status entries that could not be used: key → why (shown by GET /routers).
         self.bad_routers: dict[str, str] = {}
         self.drops = Drops(log)
-        self._tasks: list[asyncio.Task[None]] = []
-        self._subs: list[Any] = []
+        self._membership: Subscription | None = None
 
     async def start(self) -> None:
-        self._tasks.append(asyncio.create_task(self._watch_routers(), name="fleet-routers"))
-        self._subs.append(await self.js.subscribe(
-            MEMBERSHIP_SUBJECTS, ordered_consumer=True, cb=self._on_membership,
-            deliver_policy=DeliverPolicy.LAST_PER_SUBJECT, idle_heartbeat=0.5,
-        ))
+        """Subscribe to membership; the router watch is :meth:`watch_routers`, a task of the
+        control plane's lifespan."""
+        self._membership = await self.bus.ordered(STREAM_MEMBERSHIP, [MEMBERSHIP_SUBJECTS], self._on_membership)
 
     async def stop(self) -> None:
-        for sub in self._subs:
-            with contextlib.suppress(Exception):
-                await sub.unsubscribe()
-        await cancel_all(self._tasks)
-        self._subs.clear()
+        if self._membership is not None:
+            await self._membership.stop()
+            self._membership = None
 
-    async def _watch_routers(self) -> None:
+    async def watch_routers(self) -> None:
+        """Until cancelled: keep the router view from the ``RUDDER_ROUTERS`` bucket."""
         while True:
+            watcher: KvWatch | None = None
             try:
-                kv = await self.js.key_value(BUCKET_ROUTERS)
-                watcher = await kv.watchall()
+                watcher = await (await self.bus.bucket(BUCKET_ROUTERS)).watch_all()
                 while True:
                     try:
                         # Routers write every heartbeat: silence this long means the watch's
                         # consumer went with a JetStream node; start a new one.
-                        entry = await watcher.updates(timeout=self.stall_s)  # type: ignore[no-untyped-call]
-                    except nats.errors.TimeoutError:
+                        entry = await watcher.next(wait_s=self.stall_s)
+                    except TimeoutError:
                         log.info("router watch silent for %.1fs; restarting it", self.stall_s)
-                        with contextlib.suppress(Exception):
-                            await watcher.stop()  # type: ignore[no-untyped-call]
                         break
                     if entry is None:
                         continue
-                    if entry.operation in ("DEL", "PURGE") or not entry.value:
+                    if entry.deleted:
                         self._forget_router(entry.key)
                         self.bad_routers.pop(entry.key, None)
                         continue
-                    self._on_router_status(entry.key, entry.value, _stored_at(entry.created))
+                    self._on_router_status(entry.key, entry.value, entry.stored_at)
             except asyncio.CancelledError:
                 raise
             except Exception as exc:  # NATS restart, bucket not created yet: retry
                 log.debug("router watch restarting: %s", exc)
                 await asyncio.sleep(1.0)
+            finally:
+                if watcher is not None:
+                    await watcher.stop()
 
     def _forget_router(self, key: str) -> None:
         self._routers.pop(key, None)
@@ -149,17 +136,14 @@ class FleetView:
         self._routers[key] = status
         self._router_seen[key] = _seen(self._router_clock, self.clock(), stored_at)
 
-    async def _on_membership(self, msg: Msg) -> None:
+    async def _on_membership(self, msg: Message) -> None:
         try:
             event = decode_membership_event(msg.data)
             check_membership_subject(msg.subject, event)
         except InvalidRequest as exc:
             self.drops.drop("membership", _reason(exc), msg.subject, exc.message)
             return
-        try:
-            stored_at = _stored_at(msg.metadata.timestamp)
-        except (ValueError, AttributeError, IndexError):
-            stored_at = None
+        stored_at = msg.stored_at
         wid = event.worker.instance_id
         now = self.clock()
         self._workers[wid] = event

@@ -12,30 +12,24 @@ from dataclasses import dataclass
 
 import uvicorn
 from fastapi import FastAPI
-from nats.aio.client import Client as NATS
 
-from bus.connect import connect
-from bus.streams import CONTROLPLANE_STREAMS, check, wait_ready
+from bus.client import Bus
+from bus.keyfiles import KeyringFile, SigningKeyFile
+from bus.streams import CONTROLPLANE_STREAMS
+from bus.tasks import Tasks, every
 from controlplane.acks import AckConsumer
 from controlplane.api import build_app
 from controlplane.audit.store import AuditStore
 from controlplane.auth import AuthFailureLimiter, TokenStore, failure_entry
-from controlplane.checkpoints import (
-    Checkpointer,
-    CheckpointLog,
-    KeyFileError,
-    load_signer,
-    load_verify_keys,
-)
+from controlplane.checkpoints import Checkpointer, CheckpointLog
 from controlplane.eventlog import PolicyLog
 from controlplane.failpoints import Failpoints
 from controlplane.fleet import FleetView
 from controlplane.protocol.errors import ConfigurationError, KeyFileInvalid, RudderError
-from controlplane.protocol.signing import Keyring, KeyringFile, SigningKeyFile
+from controlplane.protocol.signing import Keyring, Purpose
 from controlplane.queries import Queries
 from controlplane.reconcile import Reconciler
 from controlplane.settings import ControlPlaneSettings
-from controlplane.tasks import cancel_all
 from controlplane.writepath import WritePath
 
 log = logging.getLogger(__name__)
@@ -48,7 +42,7 @@ class ControlPlane:
         self.settings = settings
         armed = [f for f in os.environ.get("RUDDER_FAILPOINTS", "").split(",") if f]
         self.failpoints = failpoints or Failpoints(armed)
-        self._tasks: list[asyncio.Task[None]] = []
+        self.tasks = Tasks("control plane")
         self.auth_failures = AuthFailureLimiter(
             limit=settings.auth_failure_limit, window_s=settings.auth_failure_window_s,
             max_sources=settings.auth_failure_max_sources)
@@ -59,8 +53,9 @@ class ControlPlane:
         self.signing_key = SigningKeyFile(s.policy_signing_key, field="RUDDER_POLICY_SIGNING_KEY")
         self.verify_keys = (KeyringFile(s.policy_verify_keys, field="RUDDER_POLICY_VERIFY_KEYS")
                             if s.policy_verify_keys is not None else None)
-        self.nc: NATS = await connect(s.bus_options("rudder-controlplane"))
-        self.log = PolicyLog(self.nc, signer=self.signing_key.key, keyring=self._keyring())
+        self.checkpoint_keys = self._checkpoint_key_files()
+        self.bus = await Bus.connect(s.bus_options("rudder-controlplane"))
+        self.log = PolicyLog(self.bus, signer=self.signing_key.key, keyring=self._keyring())
         await self._ensure_streams()
         self.audit = AuditStore.from_url(s.database_url.get_secret_value())
         await self._check_database_role()
@@ -72,21 +67,21 @@ class ControlPlane:
                 self.checkpoints, self.audit, interval_s=s.audit_checkpoint_interval_s,
                 every_rows=s.audit_checkpoint_every_rows, writer=s.instance_name)
             self.audit.on_rows = self.checkpointer.notify
-            self.checkpointer.start()
-        self.fleet = FleetView(self.nc, worker_ttl_s=s.worker_ttl_s, router_heartbeat_s=s.router_heartbeat_s,
+            self.tasks.spawn(self.checkpointer.run(), name="audit-checkpointer")
+        self.fleet = FleetView(self.bus, worker_ttl_s=s.worker_ttl_s, router_heartbeat_s=s.router_heartbeat_s,
                                outage_grace_s=s.bus_outage_grace_s)
-        self.acks = AckConsumer(self.nc.jetstream(), self.audit, durable=s.acks_consumer,
-                                drops=self.fleet.drops)
-        self.acks.start()
+        self.acks = AckConsumer(self.bus, self.audit, durable=s.acks_consumer, drops=self.fleet.drops)
+        self.tasks.spawn(self.acks.run(), name="ack-consumer")
+        self.tasks.spawn(self.fleet.watch_routers(), name="fleet-routers")
         await self.fleet.start()
         self.writes = WritePath(self.log, self.audit, self.fleet,
                                 busy_threshold_retries=s.busy_threshold_retries, failpoints=self.failpoints)
         self.queries = Queries(self.log, self.fleet)
         self.reconciler = Reconciler(self.log, self.audit, grace_s=s.reconcile_grace_s)
-        self._tasks.append(asyncio.create_task(
-            self.reconciler.run_periodically(s.reconcile_interval_s), name="reconciler"))
-        self._tasks.append(asyncio.create_task(self._record_auth_failures(), name="auth-failures"))
-        self._tasks.append(asyncio.create_task(self._watch_keys(), name="policy-keys"))
+        self.tasks.spawn(self.reconciler.run_periodically(s.reconcile_interval_s), name="reconciler")
+        auth_interval = min(s.auth_failure_window_s / 4, 5.0)
+        self.tasks.spawn(self._record_auth_failures(auth_interval), name="auth-failures")
+        self.tasks.spawn(every(s.key_poll_s, self._refresh_keys, "key files"), name="signing-keys")
         log.info("control plane ready: nats=%s admin=%s:%d signing key %s, valid keys %s", s.nats_url,
                  s.admin_host, s.admin_port, self.signing_key.key.key_id, ", ".join(self.log.keyring.key_ids))
 
@@ -94,33 +89,45 @@ class ControlPlane:
         return self.verify_keys.keyring if self.verify_keys is not None else Keyring({})
 
     def refresh_keys(self) -> bool:
-        """Re-read the key files if they changed; a bad new file keeps the last good keys."""
+        """Re-read the key files of both purposes if they changed (a rotation needs no restart);
+        a bad new file keeps the last good keys. True if a policy key changed."""
+        changed = self._reread("policy", (self.signing_key, self.verify_keys))
+        if changed:
+            self.log.use_keys(self.signing_key.key, self._keyring())
+            log.info("policy keys reloaded: signing with %s, valid keys %s", self.signing_key.key.key_id,
+                     ", ".join(self.log.keyring.key_ids))
+        signer, verify = self.checkpoint_keys
+        if self._reread("checkpoint", (signer, verify)) and self.checkpoints is not None:
+            self.checkpoints.use_keys(
+                signer.key if signer is not None and self.settings.audit_checkpoints else None,
+                verify.keyring if verify is not None else Keyring({}, Purpose.CHECKPOINT))
+            log.info("checkpoint keys reloaded: signing with %s, valid keys %s",
+                     self.checkpoints.signer.key_id if self.checkpoints.signer else "none",
+                     ", ".join(self.checkpoints.keyring.key_ids))
+        return changed
+
+    @staticmethod
+    def _reread(purpose: str, files: tuple[SigningKeyFile | KeyringFile | None, ...]) -> bool:
         changed = False
-        for watched in (self.signing_key, self.verify_keys):
+        for watched in files:
             if watched is None:
                 continue
             try:
                 changed = watched.refresh() or changed
             except KeyFileInvalid as exc:
-                log.error("policy key file not reloaded, keeping the last good keys: %s", exc.message)
-        if changed:
-            self.log.use_keys(self.signing_key.key, self._keyring())
-            log.info("policy keys reloaded: signing with %s, valid keys %s", self.signing_key.key.key_id,
-                     ", ".join(self.log.keyring.key_ids))
+                log.error("%s key file not reloaded, keeping the last good keys: %s", purpose, exc.message)
         return changed
 
-    async def _watch_keys(self) -> None:
-        while True:
-            await asyncio.sleep(self.settings.key_poll_s)
-            self.refresh_keys()
+    async def _refresh_keys(self) -> None:
+        self.refresh_keys()
 
     async def _ensure_streams(self) -> None:
         """Wait for the streams the bus admin creates (``rudder bus init``) and check their
         settings; a stream that differs from ours stops start-up naming the setting."""
         s = self.settings
-        await wait_ready(self.nc.jetstream(), s.bus_layout(worker_ttl_s=s.worker_ttl_s,
-                                                          router_heartbeat_s=s.router_heartbeat_s),
-                         CONTROLPLANE_STREAMS, timeout_s=s.startup_timeout_s)
+        await self.bus.wait_ready(s.bus_layout(worker_ttl_s=s.worker_ttl_s,
+                                                router_heartbeat_s=s.router_heartbeat_s),
+                                  CONTROLPLANE_STREAMS, timeout_s=s.startup_timeout_s)
 
     async def flush_auth_failures(self, *, everything: bool = False) -> int:
         """Write one audit row per ended window of failed authentications; returns how many.
@@ -138,8 +145,7 @@ class ControlPlane:
             log.warning("audited %d failed authentication(s) from %s in one row", w.unrecorded, w.source)
         return len(windows)
 
-    async def _record_auth_failures(self) -> None:
-        interval = min(self.settings.auth_failure_window_s / 4, 5.0)
+    async def _record_auth_failures(self, interval: float) -> None:
         while True:
             await asyncio.sleep(interval)
             try:
@@ -167,54 +173,56 @@ class ControlPlane:
                 "for development")
         log.warning("%s; running anyway (RUDDER_ALLOW_PRIVILEGED_DATABASE_ROLE)", problem)
 
-    def _checkpoint_log(self) -> CheckpointLog | None:
-        """The checkpoint stream with this replica's signer and the trusted keys, or None when
-        checkpoints are off and no verify keys are set. Raises RuntimeError naming a setting."""
+    def _checkpoint_key_files(self) -> tuple[SigningKeyFile | None, KeyringFile | None]:
+        """This replica's checkpoint signing key and the trusted checkpoint keys (files re-read
+        on change). Raises RuntimeError naming a setting."""
         s = self.settings
         try:
-            signer = load_signer(s.audit_signing_key) if s.audit_signing_key else None
-            keys = load_verify_keys(s.audit_verify_keys) if s.audit_verify_keys else {}
-        except KeyFileError as exc:
+            signer = (SigningKeyFile(s.audit_signing_key, field="RUDDER_AUDIT_SIGNING_KEY",
+                                     purpose=Purpose.CHECKPOINT) if s.audit_signing_key else None)
+            verify = (KeyringFile(s.audit_verify_keys, field="RUDDER_AUDIT_VERIFY_KEYS",
+                                  purpose=Purpose.CHECKPOINT) if s.audit_verify_keys else None)
+        except KeyFileInvalid as exc:
             raise RuntimeError(f"{exc.field}: {exc.message}") from exc
         if s.audit_checkpoints and signer is None:
             raise RuntimeError("RUDDER_AUDIT_SIGNING_KEY (an Ed25519 seed file) is required while "
                                "RUDDER_AUDIT_CHECKPOINTS is on")
-        if signer is not None and not keys:
-            keys = {signer.key_id: signer.verify_key}
-        if not s.audit_checkpoints:
-            signer = None
-        if signer is None and not keys:
+        return signer, verify
+
+    def _checkpoint_log(self) -> CheckpointLog | None:
+        """The checkpoint stream with this replica's signer and the trusted keys (the verify
+        keys and the signing key's own), or None when checkpoints are off and no key is set."""
+        signer, verify = self.checkpoint_keys
+        if signer is None and verify is None:
             return None
-        return CheckpointLog(self.nc.jetstream(), keys=keys, signer=signer)
+        return CheckpointLog(
+            self.bus, signer=signer.key if signer is not None and self.settings.audit_checkpoints else None,
+            keyring=verify.keyring if verify is not None else None)
 
     async def stop(self) -> None:
-        await cancel_all(self._tasks)
+        await self.tasks.close()
         if getattr(self, "audit", None) is not None:
             with contextlib.suppress(RudderError):
                 await self.flush_auth_failures(everything=True)
         if getattr(self, "checkpointer", None) is not None:
             assert self.checkpointer is not None
-            await self.checkpointer.stop()
             # A last checkpoint, so what this replica wrote is anchored before it goes away.
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(self.checkpointer.take(), 3.0)
-        if getattr(self, "acks", None) is not None:
-            await self.acks.stop()
         with contextlib.suppress(Exception):
             await self.fleet.stop()
-        with contextlib.suppress(Exception):
-            await self.nc.drain()
+        if getattr(self, "bus", None) is not None:
+            await self.bus.close(drain_s=30.0)
         with contextlib.suppress(Exception):
             await self.audit.close()
 
     async def readiness(self) -> dict[str, str]:
         checks: dict[str, str] = {}
-        checks["nats"] = "ok" if self.nc.is_connected else "disconnected"
+        checks["nats"] = "ok" if self.bus.connected else "disconnected"
         s = self.settings
         layout = s.bus_layout(worker_ttl_s=s.worker_ttl_s, router_heartbeat_s=s.router_heartbeat_s)
         try:
-            for stream in CONTROLPLANE_STREAMS:
-                await asyncio.wait_for(check(self.nc.jetstream(timeout=1.0), layout, stream), 1.5)
+            await self.bus.check_streams(layout, CONTROLPLANE_STREAMS)
             checks["streams"] = "ok"
         except ConfigurationError as exc:
             checks["streams"] = exc.message

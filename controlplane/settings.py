@@ -10,9 +10,9 @@ from pathlib import Path
 from pydantic import Field, SecretStr, field_validator
 from pydantic_settings import SettingsConfigDict
 
+from bus.keyfiles import load_keyring, load_signing_key
 from bus.settings import BusSettings
 from controlplane.protocol.errors import KeyFileInvalid
-from controlplane.protocol.signing import load_keyring, load_signing_key
 from controlplane.protocol.subjects import ACKS_CONSUMER_DEFAULT
 
 
@@ -81,9 +81,11 @@ class ControlPlaneSettings(BusSettings):
     audit_checkpoints: bool = True
     audit_checkpoint_interval_s: float = Field(default=10.0, gt=0)
     audit_checkpoint_every_rows: int = Field(default=256, ge=1, le=1000)
-    #: Ed25519 seed file ("<key id> <base64 seed>"); required while checkpoints are on.
+    #: Checkpoint signing key: a seed file (`rudder keys new --purpose checkpoint`), mode 0600;
+    #: required while checkpoints are on. Re-read when it changes (rotation).
     audit_signing_key: Path | None = None
-    #: Trusted public keys ("<key id> <base64 key>" a line); default: the signing key's own.
+    #: Trusted checkpoint public keys ("<key id> <base64 key>" a line); the signing key's own is
+    #: always trusted. Keep every key that ever signed a checkpoint here.
     audit_verify_keys: Path | None = None
     #: Run even when the database role is a superuser or the audit tables' owner (development
     #: only: such a role can disable the insert-only triggers).

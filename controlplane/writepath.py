@@ -28,7 +28,7 @@ from typing import Any
 from controlplane.audit.records import AuditEntry, AuditStage, Decision
 from controlplane.audit.store import AuditStore
 from controlplane.auth import Action, Principal
-from controlplane.eventlog import Ambiguous, PolicyLog
+from controlplane.eventlog import PolicyLog
 from controlplane.failpoints import Failpoints
 from controlplane.fleet import FleetView
 from controlplane.protocol.errors import (
@@ -36,6 +36,7 @@ from controlplane.protocol.errors import (
     CapabilityMismatch,
     Forbidden,
     InvalidRequest,
+    LogAmbiguous,
     LogUnavailable,
     NotFound,
     RevisionConflict,
@@ -246,7 +247,7 @@ class WritePath:
             a.head_revision = exc.head_revision
             await self.record_rejection(ctx, a, exc)
             raise
-        except Ambiguous:
+        except LogAmbiguous:
             log.warning("publish outcome unknown event_id=%s; left to the reconciler", a.event_id)
             raise
         except LogUnavailable as exc:

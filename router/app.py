@@ -21,32 +21,31 @@ from typing import Any
 import uvicorn
 from fastapi import FastAPI
 from fastapi.responses import Response
-from nats.aio.client import Client as NATS
 
-from bus.connect import connect
-from bus.streams import ROUTER_STREAMS, wait_ready
+from bus.client import Bus
+from bus.keyfiles import KeyringFile
+from bus.streams import ROUTER_STREAMS
+from bus.tasks import Tasks, every
 from controlplane.protocol.errors import KeyFileInvalid, RudderError
 from controlplane.protocol.events import utcnow
 from controlplane.protocol.guard import Drops
 from controlplane.protocol.policy import Number, PolicyKind, startup_values
-from controlplane.protocol.signing import KeyringFile
 from controlplane.protocol.subjects import BUCKET_ROUTERS
 from router.api import build_api, error_response
+from router.commands import UseVerifyKeys
 from router.consumers import (
     KvDumper,
     KvEventSubscriber,
     MembershipConsumer,
     PolicyConsumer,
     StatusPublisher,
-    TaskSet,
-    every,
     tick,
 )
 from router.ingress import IngressLimits, protocol_class
 from router.metrics import RouterMetrics
 from router.policy_state import ApplyResult, Outcome
 from router.proxy import Proxy
-from router.scheduler import Scheduler, UseVerifyKeys
+from router.scheduler import Scheduler
 from router.settings import RouterSettings
 from router.tokenize import TokenizerRegistry
 from router.upstream import UpstreamClient
@@ -83,10 +82,10 @@ class RouterRuntime:
             count=lambda kind, reason: self.metrics.bus_drops.labels(kind, reason).inc(),
         )
         self.tokenizers = TokenizerRegistry()
-        self.tasks = TaskSet()
+        self.tasks = Tasks(f"router {settings.router_id}")
         self.started_at: datetime = utcnow()
         self.draining = False  # a graceful stop began: /health is 503, in-flight work finishes
-        self.nc: NATS | None = None
+        self.bus: Bus | None = None
         self.http = UpstreamClient(connect_timeout_s=settings.connect_timeout_s,
                                    read_timeout_s=settings.request_timeout_s)
         self.proxy: Proxy = Proxy(self.http)
@@ -98,11 +97,10 @@ class RouterRuntime:
     async def start(self) -> None:
         s = self.settings
         self.scheduler.start()
-        self.nc = await connect(s.bus_options(f"rudder-router-{s.router_id}"))
-        js = self.nc.jetstream()
-        await wait_ready(js, s.bus_layout(worker_ttl_s=s.worker_ttl_s, router_heartbeat_s=s.heartbeat_s),
-                         ROUTER_STREAMS, timeout_s=s.stream_wait_s)
-        bucket = await js.key_value(BUCKET_ROUTERS)
+        self.bus = bus = await Bus.connect(s.bus_options(f"rudder-router-{s.router_id}"))
+        await bus.wait_ready(s.bus_layout(worker_ttl_s=s.worker_ttl_s, router_heartbeat_s=s.heartbeat_s),
+                             ROUTER_STREAMS, timeout_s=s.stream_wait_s)
+        bucket = await bus.bucket(BUCKET_ROUTERS)
         self.status = StatusPublisher(
             bucket, self.scheduler, router_id=s.router_id, models=list(s.models), role=s.role,
             mode=s.mode.value, url=s.url(), cache_inputs=self.cache_inputs, startup=self.startup,
@@ -110,16 +108,16 @@ class RouterRuntime:
         )
         dumper = None
         if s.mode.kv_aware and s.kv_events:
-            dumper = KvDumper(self.nc, self.scheduler, self.tasks, timeout_s=s.kvdump_timeout_s,
+            dumper = KvDumper(bus, self.scheduler, self.tasks, timeout_s=s.kvdump_timeout_s,
                               drops=self.drops)
-            self.kv = KvEventSubscriber(self.nc, self.scheduler, dumper, models=list(s.models),
+            self.kv = KvEventSubscriber(bus, self.scheduler, dumper, models=list(s.models),
                                         drops=self.drops)
             await self.kv.start()
-        self.membership = MembershipConsumer(js, self.scheduler, dumper, models=list(s.models),
+        self.membership = MembershipConsumer(bus, self.scheduler, dumper, models=list(s.models),
                                              allow=s.url_allow_list, drops=self.drops)
         await self.membership.start()
         self.policy = PolicyConsumer(
-            self.nc, js, self.scheduler, self.status, router_id=s.router_id,
+            bus, self.scheduler, self.status, router_id=s.router_id,
             models=list(s.models), on_result=self._count, on_resync=self.metrics.policy_resyncs.inc,
         )
         await self.policy.start()
@@ -145,7 +143,7 @@ class RouterRuntime:
         waiting: list[str] = []
         if self.draining:
             waiting.append("draining")
-        if self.nc is None or not self.nc.is_connected:
+        if self.bus is None or not self.bus.connected:
             waiting.append("nats")
         if self.policy is None or not self.policy.loaded.is_set():
             waiting.append("policy")
@@ -190,13 +188,12 @@ class RouterRuntime:
         await self.scheduler.stop()
         if self.status is not None:
             await self.status.delete()
-        if self.nc is not None:
+        if self.bus is not None:
             # Flush what is published (the status delete, last ACKs), then close; a drain could
             # wait out its 30 s timeout on a consumer the server already forgot.
-            with contextlib.suppress(Exception):
-                await self.nc.flush(timeout=1)
-            with contextlib.suppress(Exception):
-                await self.nc.close()
+            with contextlib.suppress(RudderError):
+                await self.bus.flush(1)
+            await self.bus.close()
         if self.http is not None:
             await self.http.aclose()
 

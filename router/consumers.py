@@ -33,17 +33,12 @@ import contextlib
 import functools
 import logging
 import uuid
-from collections.abc import Awaitable, Callable, Coroutine
+from collections.abc import Callable
 from datetime import datetime
 from typing import Any
 
-import nats.errors
-from nats.aio.client import Client as NATS
-from nats.aio.msg import Msg
-from nats.js import JetStreamContext
-from nats.js.api import ConsumerConfig, DeliverPolicy
-from nats.js.kv import KeyValue
-
+from bus.client import Bucket, Bus, Message, StreamState, Subscription
+from bus.tasks import Tasks
 from controlplane.protocol.errors import InvalidRequest, RudderError, SubjectMismatch, ValidationFailed
 from controlplane.protocol.events import (
     AckStatus,
@@ -76,18 +71,18 @@ from controlplane.protocol.subjects import (
     policy_subject,
     router_status_key,
 )
-from router.discovery import Change
-from router.policy_state import ApplyResult, Outcome, stream_went_backwards
-from router.scheduler import (
+from router.commands import (
     ApplyKvEvents,
     ApplyMembership,
     ApplyPolicy,
     DiscoveryComplete,
     LoadKvDump,
     ResyncPolicy,
-    Scheduler,
     Tick,
 )
+from router.discovery import Change
+from router.policy_state import ApplyResult, Outcome, stream_went_backwards
+from router.scheduler import Scheduler
 
 log = logging.getLogger(__name__)
 
@@ -95,71 +90,11 @@ log = logging.getLogger(__name__)
 def _reason(exc: InvalidRequest) -> str:
     return "subject_mismatch" if isinstance(exc, SubjectMismatch) else "malformed"
 
-_NATS_ERRORS = (nats.errors.Error, asyncio.TimeoutError, OSError)
-
-
-# Ordered consumers notice a consumer lost with a node after two missed idle heartbeats: short
-# heartbeats bound how long a router misses policy events after a JetStream node dies.
-IDLE_HEARTBEAT_S = 0.5
-
-
-async def ordered_consumer(js: JetStreamContext, stream: str, filters: list[str],
-                           cb: Callable[[Msg], Awaitable[None]]) -> Any:
-    """An ordered push consumer on ``stream`` over every subject in ``filters``, starting with the
-    last message per subject (the current state), then live."""
-    config = ConsumerConfig(filter_subjects=filters) if len(filters) > 1 else None
-    return await js.subscribe(
-        filters[0] if len(filters) == 1 else "", stream=stream, cb=cb, ordered_consumer=True,
-        deliver_policy=DeliverPolicy.LAST_PER_SUBJECT, idle_heartbeat=IDLE_HEARTBEAT_S, config=config,
-    )
-
-
-async def unsubscribe_all(subs: list[Any]) -> None:
-    """Unsubscribe every subscription (a NATS that is already gone is not an error) and forget them."""
+async def unsubscribe_all(subs: list[Subscription]) -> None:
+    """Stop every subscription (a NATS that is already gone is not an error) and forget them."""
     for sub in subs:
-        try:
-            await sub.unsubscribe()
-        except _NATS_ERRORS:
-            pass
+        await sub.stop()
     subs.clear()
-
-
-class TaskSet:
-    """Background tasks owned by one lifespan: a task that dies is logged with its traceback."""
-
-    def __init__(self) -> None:
-        self._tasks: set[asyncio.Task[Any]] = set()
-
-    def spawn(self, coro: Coroutine[Any, Any, Any], *, name: str) -> asyncio.Task[Any]:
-        task = asyncio.create_task(coro, name=name)
-        self._tasks.add(task)
-        task.add_done_callback(self._done)
-        return task
-
-    def _done(self, task: asyncio.Task[Any]) -> None:
-        self._tasks.discard(task)
-        if not task.cancelled() and task.exception() is not None:
-            log.error("task %s died", task.get_name(), exc_info=task.exception())
-
-    async def close(self) -> None:
-        tasks = list(self._tasks)
-        for t in tasks:
-            t.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
-
-
-async def every(interval: float, fn: Callable[[], Awaitable[Any]], what: str) -> None:
-    """Call ``fn`` every ``interval`` seconds until cancelled; a failure is logged, not fatal."""
-    while True:
-        try:
-            await fn()
-        except asyncio.CancelledError:
-            raise
-        except RudderError as exc:
-            log.debug("%s: %s", what, exc.message)
-        except Exception:
-            log.exception("%s failed", what)
-        await asyncio.sleep(interval)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -167,7 +102,7 @@ async def every(interval: float, fn: Callable[[], Awaitable[Any]], what: str) ->
 
 class StatusPublisher:
     def __init__(
-        self, kv: KeyValue, scheduler: Scheduler, *, router_id: str, models: list[str],
+        self, kv: Bucket, scheduler: Scheduler, *, router_id: str, models: list[str],
         role: RouterRole, mode: str, url: str, cache_inputs: frozenset[CacheInput],
         startup: dict[PolicyKind, dict[str, Number | None]], started_at: datetime,
     ) -> None:
@@ -199,8 +134,8 @@ class StatusPublisher:
                 self._calibration = await self.scheduler.inspect(lambda s: s.calibration_status())
             try:
                 await self.kv.put(router_status_key(self.router_id), self.status().to_bytes())
-            except _NATS_ERRORS as exc:
-                log.warning("router status not written: %s", type(exc).__name__)
+            except RudderError as exc:
+                log.warning("router status not written: %s", exc.message)
 
     def request(self) -> None:
         """Ask for a status write soon, without waiting for it: a burst of applied events costs
@@ -216,30 +151,29 @@ class StatusPublisher:
     async def delete(self) -> None:
         try:
             await self.kv.delete(router_status_key(self.router_id))
-        except _NATS_ERRORS as exc:
-            log.info("router status not deleted: %s", type(exc).__name__)
+        except RudderError as exc:
+            log.info("router status not deleted: %s", exc.message)
 
 
 class PolicyConsumer:
     def __init__(
-        self, nc: NATS, js: JetStreamContext, scheduler: Scheduler, status: StatusPublisher, *,
+        self, bus: Bus, scheduler: Scheduler, status: StatusPublisher, *,
         router_id: str, models: list[str],
         on_result: Callable[[ApplyResult], None] | None = None,
         on_resync: Callable[[], None] | None = None,
     ) -> None:
-        self.nc = nc
-        self.js = js
+        self.bus = bus
         self.scheduler = scheduler
         self.status = status
         self.router_id = router_id
         self.models = models
         self.on_result = on_result
         self.on_resync = on_resync
-        self._subs: list[Any] = []
+        self._subs: list[Subscription] = []
         self._stream_created: datetime | None = None
         self._resync_lock = asyncio.Lock()
         self.resyncs = 0
-        self.acks = AckPublisher(js, router_id)
+        self.acks = AckPublisher(bus, router_id)
         # Set once the replay of every document's head is through (readiness, DESIGN §5).
         self.loaded = asyncio.Event()
 
@@ -249,11 +183,11 @@ class PolicyConsumer:
             self._stream_created = info.created
         await self._subscribe()
 
-    async def _stream_info(self) -> Any:
+    async def _stream_info(self) -> StreamState | None:
         try:
-            return await self.js.stream_info(STREAM_POLICY)
-        except (*_NATS_ERRORS, nats.js.errors.Error) as exc:
-            log.debug("%s info not read: %s", STREAM_POLICY, type(exc).__name__)
+            return await self.bus.stream_state(STREAM_POLICY)
+        except RudderError as exc:
+            log.debug("%s info not read: %s", STREAM_POLICY, exc.message)
             return None
 
     async def check_stream(self) -> bool:
@@ -271,7 +205,7 @@ class PolicyConsumer:
         seen = await self.scheduler.inspect(lambda s: s.policy.max_seen())
         reason = stream_went_backwards(
             known_created=self._stream_created, created=info.created,
-            last_seq=info.state.last_seq, max_seen=seen,
+            last_seq=info.last_seq, max_seen=seen,
         )
         if self._stream_created is None:
             self._stream_created = info.created
@@ -301,31 +235,27 @@ class PolicyConsumer:
     async def _subscribe(self) -> None:
         """One ordered consumer for every served model (a multi-subject filter): a router's
         consumers do not grow with its models (JetStream limits consumers per stream)."""
-        sub = await ordered_consumer(
-            self.js, STREAM_POLICY, [policy_filter(m) for m in self.models], self._on_msg)
+        sub = await self.bus.ordered(STREAM_POLICY, [policy_filter(m) for m in self.models], self._on_msg)
         self._subs.append(sub)
-        try:
-            info = await sub.consumer_info()
-            if info.num_pending == 0 and (info.delivered is None or not info.delivered.consumer_seq):
-                self.loaded.set()  # no document yet: the startup values are the policy
-        except (*_NATS_ERRORS, nats.js.errors.Error):
-            pass
+        if await sub.nothing_to_replay():
+            self.loaded.set()  # no document yet: the startup values are the policy
 
     async def stop(self) -> None:
         await unsubscribe_all(self._subs)
 
-    async def _on_msg(self, msg: Msg) -> None:
+    async def _on_msg(self, msg: Message) -> None:
         try:
-            revision = msg.metadata.sequence.stream
             model, kind_name = parse_policy_subject(msg.subject)
             kind = PolicyKind(kind_name)
         except (InvalidRequest, ValueError) as exc:
             log.warning("ignoring message on %s: %s", msg.subject, exc)
             return
-        await self._apply(model, kind, revision, msg.data, msg.headers)
-        with contextlib.suppress(ValueError, AttributeError):
-            if msg.metadata.num_pending == 0:
-                self.loaded.set()  # the head of every document is applied (or NACKed)
+        if msg.seq is None:
+            log.warning("ignoring message on %s: no stream sequence", msg.subject)
+            return
+        await self._apply(model, kind, msg.seq, msg.data, dict(msg.headers))
+        if msg.pending == 0:
+            self.loaded.set()  # the head of every document is applied (or NACKed)
 
     async def _apply(
         self, model: str, kind: PolicyKind, revision: int, payload: bytes, headers: dict[str, str] | None,
@@ -351,12 +281,12 @@ class PolicyConsumer:
 
     async def _reread(self, model: str, kind: PolicyKind, revision: int) -> None:
         try:
-            msg = await self.js.get_last_msg(STREAM_POLICY, policy_subject(model, kind.value), direct=True)
-        except (*_NATS_ERRORS, nats.js.errors.Error) as exc:
-            log.warning("head of %s|%s not re-read: %s", model, kind.value, type(exc).__name__)
+            msg = await self.bus.last(STREAM_POLICY, policy_subject(model, kind.value))
+        except RudderError as exc:
+            log.warning("head of %s|%s not re-read: %s", model, kind.value, exc.message)
             return
-        if msg.seq is not None and msg.seq > revision and msg.data is not None:
-            await self._apply(model, kind, msg.seq, msg.data, msg.headers)
+        if msg is not None and msg.seq is not None and msg.seq > revision:
+            await self._apply(model, kind, msg.seq, msg.data, dict(msg.headers))
 
     async def _ack(self, result: ApplyResult) -> None:
         ack = ApplyAck(
@@ -375,8 +305,8 @@ class AckPublisher:
     failed is retried until stored, so none is lost while a router runs. Each ACK has its own
     ``Nats-Msg-Id``, so a retry whose first attempt was stored after all is not stored twice."""
 
-    def __init__(self, js: JetStreamContext, router_id: str, *, limit: int = 10_000) -> None:
-        self.js = js
+    def __init__(self, bus: Bus, router_id: str, *, limit: int = 10_000) -> None:
+        self.bus = bus
         self.router_id = router_id
         self._queue: asyncio.Queue[tuple[str, ApplyAck]] = asyncio.Queue(maxsize=limit)
         self.dropped = 0
@@ -394,12 +324,12 @@ class AckPublisher:
             delay = 0.1
             while True:
                 try:
-                    await self.js.publish(acks_subject(self.router_id), ack.to_bytes(),
-                                          headers={HDR_MSG_ID: msg_id})
+                    await self.bus.store(acks_subject(self.router_id), ack.to_bytes(),
+                                         headers={HDR_MSG_ID: msg_id})
                     break
-                except (*_NATS_ERRORS, nats.js.errors.Error) as exc:
+                except RudderError as exc:
                     log.warning("ACK for revision %d not stored yet (%s); retrying", ack.revision,
-                                type(exc).__name__)
+                                exc.message)
                     await asyncio.sleep(delay)
                     delay = min(delay * 2, 2.0)
 
@@ -412,9 +342,9 @@ class AckPublisher:
 
 class KvDumper:
     def __init__(
-        self, nc: NATS, scheduler: Scheduler, tasks: TaskSet, *, timeout_s: float, drops: Drops,
+        self, bus: Bus, scheduler: Scheduler, tasks: Tasks, *, timeout_s: float, drops: Drops,
     ) -> None:
-        self.nc = nc
+        self.bus = bus
         self.scheduler = scheduler
         self.tasks = tasks
         self.timeout_s = timeout_s
@@ -430,14 +360,14 @@ class KvDumper:
     async def _dump(self, instance_id: int) -> None:
         reply = None
         try:
-            msg = await self.nc.request(kvdump_subject(instance_id), b"", timeout=self.timeout_s)
+            msg = await self.bus.request(kvdump_subject(instance_id), wait_s=self.timeout_s)
             reply = decode_kv_dump(msg.data)
             check_kv_dump(instance_id, reply)
         except InvalidRequest as exc:
             reply = None
             self.drops.drop("kvdump", _reason(exc), kvdump_subject(instance_id), exc.message)
-        except _NATS_ERRORS as exc:
-            log.info("no dump from worker %s: %s", instance_id, type(exc).__name__)
+        except RudderError as exc:
+            log.info("no dump from worker %s: %s", instance_id, exc.message)
         finally:
             self._inflight.discard(instance_id)
         self.scheduler.send(LoadKvDump(instance_id, reply))
@@ -445,29 +375,25 @@ class KvDumper:
 
 class MembershipConsumer:
     def __init__(
-        self, js: JetStreamContext, scheduler: Scheduler, dumper: KvDumper | None, *,
+        self, bus: Bus, scheduler: Scheduler, dumper: KvDumper | None, *,
         models: list[str], allow: UrlAllowList, drops: Drops, ready_timeout_s: float = 3.0,
     ) -> None:
-        self.js = js
+        self.bus = bus
         self.scheduler = scheduler
         self.dumper = dumper
         self.models = models
         self.allow = allow
         self.drops = drops
         self.ready_timeout_s = ready_timeout_s
-        self._subs: list[Any] = []
+        self._subs: list[Subscription] = []
         self._complete = asyncio.Event()
 
     async def start(self) -> None:
-        sub = await ordered_consumer(self.js, STREAM_MEMBERSHIP,
-                                     [membership_filter(m) for m in self.models], self._on_msg)
+        sub = await self.bus.ordered(STREAM_MEMBERSHIP, [membership_filter(m) for m in self.models],
+                                     self._on_msg)
         self._subs.append(sub)
-        try:
-            info = await sub.consumer_info()
-            if info.num_pending == 0 and (info.delivered is None or not info.delivered.consumer_seq):
-                self._declare()  # nothing to replay: discovery is complete (and empty)
-        except (*_NATS_ERRORS, nats.js.errors.Error):
-            pass
+        if await sub.nothing_to_replay():
+            self._declare()  # nothing to replay: discovery is complete (and empty)
 
     async def wait_complete(self) -> None:
         """Wait for the first discovery; give up waiting (and declare it) after the timeout."""
@@ -486,7 +412,7 @@ class MembershipConsumer:
     async def stop(self) -> None:
         await unsubscribe_all(self._subs)
 
-    def _accept(self, msg: Msg) -> MembershipEvent | None:
+    def _accept(self, msg: Message) -> MembershipEvent | None:
         """The event, if it speaks for its own subject and names an allowed URL; else None
         (dropped and reported)."""
         try:
@@ -505,48 +431,39 @@ class MembershipConsumer:
             return None
         return event
 
-    async def _on_msg(self, msg: Msg) -> None:
+    async def _on_msg(self, msg: Message) -> None:
         event = self._accept(msg)
         if event is not None:
             try:
-                stored_at: datetime | None = msg.metadata.timestamp
-            except (ValueError, AttributeError, IndexError):
-                stored_at = None
-            try:
-                change = await self.scheduler.call(ApplyMembership(event, stored_at))
+                change = await self.scheduler.call(ApplyMembership(event, msg.stored_at))
             except RudderError:
                 return
             if change is Change.JOINED and self.dumper is not None:
                 self.dumper.request(event.worker.instance_id)
-        try:
-            if msg.metadata.num_pending == 0:
-                self._declare()  # the replay of the last state of every worker is applied
-        except (ValueError, AttributeError):
-            pass
+        if msg.pending == 0:
+            self._declare()  # the replay of the last state of every worker is applied
 
 
 class KvEventSubscriber:
     def __init__(
-        self, nc: NATS, scheduler: Scheduler, dumper: KvDumper, *, models: list[str], drops: Drops,
+        self, bus: Bus, scheduler: Scheduler, dumper: KvDumper, *, models: list[str], drops: Drops,
     ) -> None:
-        self.nc = nc
+        self.bus = bus
         self.scheduler = scheduler
         self.dumper = dumper
         self.models = models
         self.drops = drops
-        self._subs: list[Any] = []
+        self._subs: list[Subscription] = []
         self.received = 0
 
     async def start(self) -> None:
         for model in self.models:
-            self._subs.append(await self.nc.subscribe(
-                kv_filter(model), cb=functools.partial(self._on_msg, model)
-            ))
+            self._subs.append(await self.bus.subscribe(kv_filter(model), functools.partial(self._on_msg, model)))
 
     async def stop(self) -> None:
         await unsubscribe_all(self._subs)
 
-    async def _on_msg(self, model: str, msg: Msg) -> None:
+    async def _on_msg(self, model: str, msg: Message) -> None:
         try:
             event = decode_kv_event(msg.data)
             check_kv_subject(msg.subject, model, event)

@@ -14,6 +14,7 @@ from pathlib import Path
 from pydantic import Field, field_validator, model_validator
 from pydantic_settings import SettingsConfigDict
 
+from bus.keyfiles import load_keyring
 from bus.settings import BusSettings
 from controlplane.protocol.errors import KeyFileInvalid, ValidationFailed
 from controlplane.protocol.events import RouterRole
@@ -25,7 +26,6 @@ from controlplane.protocol.policy import (
     PolicyKind,
     validate_value,
 )
-from controlplane.protocol.signing import load_keyring
 
 
 class RoutingMode(enum.StrEnum):

@@ -17,15 +17,11 @@ from pathlib import Path
 
 from nats.aio.client import Client as NATS
 
+from bus.client import Bus
+from bus.keyfiles import load_keyring, write_keyring, write_signing_key
 from controlplane.eventlog import PolicyLog
 from controlplane.protocol.policy import PolicyKind
-from controlplane.protocol.signing import (
-    Keyring,
-    SigningKey,
-    load_keyring,
-    write_keyring,
-    write_signing_key,
-)
+from controlplane.protocol.signing import Keyring, SigningKey
 from controlplane.protocol.subjects import policy_subject
 
 
@@ -53,7 +49,7 @@ class PolicyKeys:
 
     def policy_log(self, nc: NATS) -> PolicyLog:
         """A PolicyLog that signs and verifies as the test control planes do."""
-        return PolicyLog(nc, signer=self.signer, keyring=self.keyring)
+        return PolicyLog(Bus(nc), signer=self.signer, keyring=self.keyring)
 
 
 def make_policy_keys(directory: Path, *, name: str = "policy") -> PolicyKeys:

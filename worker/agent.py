@@ -20,16 +20,11 @@ import logging
 import signal
 import threading
 from collections.abc import Callable
-from typing import Any
 
-import nats
-from nats.aio.client import Client as NATS
-from nats.aio.msg import Msg
-from nats.js import JetStreamContext
-
-from bus.connect import connect
-from bus.streams import WORKER_STREAMS, wait_ready
-from controlplane.protocol.errors import LogUnavailable
+from bus.client import Bus, Message
+from bus.streams import WORKER_STREAMS
+from bus.tasks import Tasks
+from controlplane.protocol.errors import RudderError
 from controlplane.protocol.events import (
     KvDumpRank,
     KvDumpReply,
@@ -72,14 +67,13 @@ class Worker:
         self.info: EngineInfo | None = None
         self.record: WorkerRecord | None = None
         self.last_event_id = 0
-        self._nc: NATS | None = None
-        self._js: JetStreamContext | None = None
+        self._bus: Bus | None = None
         self._kv_subject = kv_subject(settings.model, settings.instance_id)
         self._membership_subject = membership_subject(settings.model, settings.instance_id)
         self._kv_out: list[bytes] = []
         self._kv_ready = asyncio.Event()
-        self._tasks: list[asyncio.Task[None]] = []
         self._failed = asyncio.Event()
+        self._tasks = Tasks(f"worker {settings.instance_id}", on_death=lambda _t, _e: self._failed.set())
         self._closing = False
 
     @property
@@ -108,18 +102,17 @@ class Worker:
         opts = s.bus_options(f"rudder-worker-{s.instance_id}")
         try:
             # Reconnect forever once connected, but fail start-up when NATS is not there at all.
-            self._nc = await asyncio.wait_for(connect(opts), timeout=s.nats_connect_timeout_s)
-        except (TimeoutError, OSError, nats.errors.Error, LogUnavailable) as exc:
+            self._bus = await asyncio.wait_for(Bus.connect(opts), timeout=s.nats_connect_timeout_s)
+        except (TimeoutError, RudderError) as exc:
             raise ConnectionError(
                 f"cannot connect to NATS at {s.nats_url} (RUDDER_NATS_URL) within "
                 f"{s.nats_connect_timeout_s:g} s"
             ) from exc
         try:
-            self._js = self._nc.jetstream()
-            await wait_ready(self._js, s.bus_layout(worker_ttl_s=s.worker_ttl_s), WORKER_STREAMS,
-                             timeout_s=s.stream_wait_s)
-            await self._nc.subscribe(kvdump_subject(s.instance_id), cb=self._on_dump)
-            self._spawn(self._publish_kv_events(), "kv-publisher")
+            await self._bus.wait_ready(s.bus_layout(worker_ttl_s=s.worker_ttl_s), WORKER_STREAMS,
+                                       timeout_s=s.stream_wait_s)
+            await self._bus.subscribe(kvdump_subject(s.instance_id), self._on_dump)
+            self._tasks.spawn(self._publish_kv_events(), name="kv-publisher")
             self.info = await self.engine.start(self._on_kv)
             self.record = WorkerRecord(
                 instance_id=s.instance_id, model=s.model, role=s.role, url=self.info.url,
@@ -130,7 +123,7 @@ class Worker:
                 engine=self.info.engine, started_at=utcnow(), timing=self.info.timing,
             )
             await self._publish_membership(MembershipOp.JOIN)
-            self._spawn(self._heartbeats(), "heartbeats")
+            self._tasks.spawn(self._heartbeats(), name="heartbeats")
         except BaseException:
             await self._shutdown(leave=False)
             raise
@@ -146,10 +139,9 @@ class Worker:
         if self._closing:
             return
         self._closing = True
-        for task in self._tasks:
-            if task.get_name() == "heartbeats":
-                task.cancel()
-        if leave and self._nc is not None and self._nc.is_connected:
+        self._tasks.closing = True
+        await self._tasks.cancel("heartbeats")
+        if leave and self._bus is not None and self._bus.connected:
             try:
                 await self._publish_membership(MembershipOp.LEAVE, ack_wait=2.0)
                 log.info("worker %d left", self.instance_id)
@@ -160,23 +152,16 @@ class Worker:
         except Exception:
             log.exception("engine stop failed")
         self._kv_ready.set()  # let the publisher flush what the engine reported last
-        for task in self._tasks:
-            if task.get_name() != "kv-publisher":
-                task.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
-        self._tasks.clear()
-        if self._nc is not None and not self._nc.is_closed:
-            with contextlib.suppress(Exception):
-                await asyncio.wait_for(self._nc.drain(), timeout=2.0)
-            with contextlib.suppress(Exception):
-                await self._nc.close()
+        await self._tasks.close(keep=lambda task: task.get_name() == "kv-publisher")
+        if self._bus is not None:
+            await self._bus.close(drain_s=2.0)
 
     # -- membership ------------------------------------------------------------------------
 
     async def _publish_membership(self, op: MembershipOp, *, ack_wait: float = 5.0) -> None:
-        assert self._js is not None and self.record is not None
+        assert self._bus is not None and self.record is not None
         event = MembershipEvent(op=op, worker=self.record, load=self.engine.load(), at=utcnow())
-        await self._js.publish(self._membership_subject, event.to_bytes(), timeout=ack_wait)
+        await self._bus.store(self._membership_subject, event.to_bytes(), ack_wait_s=ack_wait)
 
     async def _heartbeats(self) -> None:
         loop = asyncio.get_running_loop()
@@ -201,20 +186,20 @@ class Worker:
         self._kv_ready.set()
 
     async def _publish_kv_events(self) -> None:
-        assert self._nc is not None
-        nc = self._nc
+        assert self._bus is not None
+        bus = self._bus
         while True:
             await self._kv_ready.wait()
             self._kv_ready.clear()
             batch, self._kv_out = self._kv_out, []
             for payload in batch:
                 try:
-                    await nc.publish(self._kv_subject, payload)
-                except Exception as exc:  # a gap: routers notice it and ask for a dump
-                    log.warning("worker %d dropped a KV event: %r", self.instance_id, exc)
+                    await bus.publish(self._kv_subject, payload)
+                except RudderError as exc:  # a gap: routers notice it and ask for a dump
+                    log.warning("worker %d dropped a KV event: %s", self.instance_id, exc.message)
             if self._closing and not self._kv_out:
-                with contextlib.suppress(Exception):
-                    await nc.flush(timeout=2)
+                with contextlib.suppress(RudderError):
+                    await bus.flush(2)
                 return
 
     def dump(self) -> KvDumpReply:
@@ -223,31 +208,15 @@ class Worker:
         return KvDumpReply(instance_id=self.instance_id, last_event_id=self.last_event_id,
                            ranks=ranks, partial=self.engine.partial_view)
 
-    async def _on_dump(self, msg: Msg) -> None:
+    async def _on_dump(self, msg: Message) -> None:
         reply = self.dump()
         payload = reply.to_bytes()
-        limit = self._nc.max_payload if self._nc is not None else len(payload)
+        limit = self._bus.max_payload if self._bus is not None else len(payload)
         if len(payload) > limit:
             payload = _truncate_dump(reply, limit).to_bytes()
         log.info("worker %d kv dump: %d blocks, last_event_id=%d", self.instance_id,
                  sum(len(r.blocks) for r in reply.ranks), reply.last_event_id)
-        if msg.reply:
-            await msg.respond(payload)
-
-    # -- plumbing --------------------------------------------------------------------------
-
-    def _spawn(self, coro: Any, name: str) -> None:
-        task = asyncio.create_task(coro, name=name)
-        task.add_done_callback(self._task_done)
-        self._tasks.append(task)
-
-    def _task_done(self, task: asyncio.Task[None]) -> None:
-        if task.cancelled() or self._closing:
-            return
-        exc = task.exception()
-        if exc is not None:
-            log.error("worker task %s died", task.get_name(), exc_info=exc)
-            self._failed.set()
+        await msg.respond(payload)
 
 
 def _truncate_dump(reply: KvDumpReply, limit: int) -> KvDumpReply:

@@ -19,7 +19,8 @@
     ├── RevisionConflict             (409) carries expected_revision and head_revision
     ├── ServiceUnavailable           (503) carries retry_after
     │   ├── AuditUnavailable         (503) the audit store could not record: nothing happens
-    │   └── LogUnavailable           (503) NATS/JetStream did not answer
+    │   └── LogUnavailable           (503) NATS/JetStream did not answer, or refused: nothing stored
+    │       └── LogAmbiguous         (503) a publish whose outcome is unknown (the reconciler decides)
     ├── Overloaded                   (529 by default, configurable) every eligible worker is busy
     │   └── QueueFull                (529) the router's selection queue is at its bound
     ├── RateLimited                  (429) carries retry_after (failed authentications of one source)
@@ -163,6 +164,12 @@ class AuditUnavailable(ServiceUnavailable):
 
 class LogUnavailable(ServiceUnavailable):
     code = "log_unavailable"
+
+
+class LogAmbiguous(LogUnavailable):
+    """The publish may or may not have been stored; a reconciler must decide later."""
+
+    code = "log_ambiguous"
 
 
 class Overloaded(RudderError):

@@ -42,6 +42,9 @@ HDR_SIGNATURE = "Rudder-Signature"
 
 # JetStream API error codes we branch on.
 JS_ERR_WRONG_LAST_SEQUENCE = 10071
+# Every code a "wrong last sequence" (a stale compare-and-set) comes with: 10071 from a single
+# server, 10164 (no sequence in the text) from a clustered nats-server 2.15.
+JS_ERRS_WRONG_LAST_SEQUENCE = frozenset({JS_ERR_WRONG_LAST_SEQUENCE, 10164})
 JS_ERR_STREAM_NOT_FOUND = 10059
 
 _SAFE = re.compile(r"[A-Za-z0-9-]")

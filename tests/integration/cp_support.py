@@ -12,10 +12,11 @@ from typing import Any
 import httpx
 from pydantic import SecretStr
 
+from bus.keyfiles import write_signing_key
 from controlplane.audit.store import AuditStore
 from controlplane.auth import Role, TokenStore
-from controlplane.checkpoints import generate_key_file
 from controlplane.failpoints import Failpoints
+from controlplane.protocol.signing import Purpose, SigningKey
 from controlplane.server import Running, serving
 from controlplane.settings import ControlPlaneSettings
 from tests import buskit
@@ -23,7 +24,8 @@ from tests.policy_keys import session_keys
 
 #: The checkpoint signing key of every test control plane (one per test session).
 AUDIT_KEY = Path(tempfile.mkdtemp(prefix="rudder-audit-key-")) / "audit-signing.key"
-AUDIT_SIGNER = generate_key_file(AUDIT_KEY)
+AUDIT_SIGNER = SigningKey.generate(Purpose.CHECKPOINT)
+write_signing_key(AUDIT_KEY, AUDIT_SIGNER)
 
 
 def settings_for(nats_url: str, database_url: str, **overrides: Any) -> ControlPlaneSettings:

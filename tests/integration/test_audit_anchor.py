@@ -24,20 +24,26 @@ from pathlib import Path
 from typing import Any
 
 import asyncpg
-import nacl.signing
 import nats
 import nats.js.errors
 import pytest
 
 import migrations
+from bus.client import Bus
 from cli.embedded import DatabaseAccess, EmbeddedNats, EmbeddedPostgres
 from controlplane.audit.records import AuditEntry, AuditStage, Decision
 from controlplane.audit.store import AuditStore, Chain, chain_rows
-from controlplane.checkpoints import CheckpointLog, Signer, key_id_of
+from controlplane.checkpoints import CheckpointLog
 from controlplane.protocol.checkpoints import AuditCheckpoint, ChainSegment
 from controlplane.protocol.events import AckStatus, ApplyAck
 from controlplane.protocol.policy import PolicyKind
-from controlplane.protocol.subjects import AUDIT_CHECKPOINTS_SUBJECT, STREAM_AUDIT_CHECKPOINTS
+from controlplane.protocol.signing import Purpose, SigningKey
+from controlplane.protocol.subjects import (
+    AUDIT_CHECKPOINTS_SUBJECT,
+    HDR_EXPECTED_LAST_SUBJECT_SEQ,
+    HDR_KEY_ID,
+    STREAM_AUDIT_CHECKPOINTS,
+)
 from controlplane.server import ControlPlane, Running
 from tests import buskit
 from tests.conftest import fresh_database
@@ -297,15 +303,15 @@ async def test_a_checkpoint_not_signed_by_a_trusted_key_fails_verify(
     async with controlplane(own_nats.url, access.app_url, audit_checkpoint_interval_s=3600) as running:
         nc = await buskit.admin_connect(own_nats.url)
         try:
-            forger = nacl.signing.SigningKey.generate()
-            signer = Signer(key_id=AUDIT_SIGNER.key_id, key=forger)  # claims the trusted key id
-            other = Signer(key_id=key_id_of(forger.verify_key), key=forger)
-            for s in (signer, other):
-                log = CheckpointLog(nc.jetstream(), keys={}, signer=s)
-                empty = ChainSegment(last_id=0, last_hash="0" * 64)
+            forger = SigningKey.generate(Purpose.CHECKPOINT)
+            log = CheckpointLog(Bus(nc), signer=forger)
+            empty = ChainSegment(last_id=0, last_hash="0" * 64)
+            for claimed in (AUDIT_SIGNER.key_id, forger.key_id):  # the trusted key id, then its own
                 newest = await log.newest()
-                await log.publish(AuditCheckpoint(at=datetime.now(UTC), writer="forger", audit=empty, acks=empty),
-                                  expected_seq=newest.seq if newest else 0)
+                payload = AuditCheckpoint(at=datetime.now(UTC), writer="forger", audit=empty, acks=empty).to_bytes()
+                headers = {**forger.sign(AUDIT_CHECKPOINTS_SUBJECT, payload), HDR_KEY_ID: claimed,
+                           HDR_EXPECTED_LAST_SUBJECT_SEQ: str(newest.seq if newest else 0)}
+                await nc.jetstream().publish(AUDIT_CHECKPOINTS_SUBJECT, payload, headers=headers)
         finally:
             await nc.close()
         code, body, _ = await rudder_verify(running, tokens.auditor)

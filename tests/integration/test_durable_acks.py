@@ -19,6 +19,8 @@ import nats.js.errors
 import pytest
 from nats.aio.client import Client as NATS
 
+from bus.client import Bus
+from bus.tasks import Tasks
 from controlplane.acks import AckConsumer
 from controlplane.audit.store import ACK_CHAIN_LOCK_KEY, AckRecord, AuditStore, Chain
 from controlplane.protocol.events import AckStatus, ApplyAck
@@ -140,7 +142,8 @@ async def test_acks_redelivered_to_another_replica_while_the_first_is_stuck_are_
     durable = f"redelivery-{uuid.uuid4().hex[:6]}"
     js = client.jetstream()
     stores = [AuditStore.from_url(db, timeout_s=5.0) for _ in range(2)]
-    consumers = [AckConsumer(js, s, durable=durable, ack_wait_s=0.5, batch=50) for s in stores]
+    consumers = [AckConsumer(Bus(client), s, durable=durable, ack_wait_s=0.5, batch=50) for s in stores]
+    tasks = Tasks("test")
     blocker = await asyncpg.connect(db.replace("postgresql+asyncpg://", "postgresql://", 1))
     n = 50
     # Only this test's ACKs on the stream (earlier tests' would be fetched first by a new durable).
@@ -150,7 +153,7 @@ async def test_acks_redelivered_to_another_replica_while_the_first_is_stuck_are_
         for i in range(n):
             await js.publish(acks_subject(router_id), ack(router_id, i + 1).to_bytes())
         for c in consumers:
-            c.start()
+            tasks.spawn(c.run(), name="ack-consumer")
 
         async def redelivered() -> bool:
             try:
@@ -168,8 +171,7 @@ async def test_acks_redelivered_to_another_replica_while_the_first_is_stuck_are_
         await wait_for(drained, within=20)
     finally:
         await blocker.close()
-        for c in consumers:
-            await c.stop()
+        await tasks.close()
         for s in stores:
             await s.close()
     rows = await store.acks(router_id=router_id, limit=1000)

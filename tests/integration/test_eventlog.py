@@ -74,7 +74,7 @@ async def test_retry_after_a_lost_ack_is_recognised_as_our_own_write(log: Policy
 
 
 async def test_policy_stream_settings(log: PolicyLog) -> None:
-    info = await log.js.stream_info(STREAM_POLICY)
+    info = await log.bus.nc.jetstream().stream_info(STREAM_POLICY)
     cfg = info.config
     assert cfg.max_msgs_per_subject == 64 and cfg.allow_direct and cfg.deny_delete and cfg.deny_purge
     assert cfg.duplicate_window == 120

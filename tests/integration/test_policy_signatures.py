@@ -25,13 +25,14 @@ import pytest
 from nats.aio.client import Client as NATS
 from typer.testing import CliRunner
 
+from bus.keyfiles import write_keyring, write_signing_key
 from cli.embedded import EmbeddedNats
 from cli.main import app as cli_app
 from controlplane.audit.records import AuditEntry, AuditStage, Decision
 from controlplane.audit.store import AuditStore
 from controlplane.protocol.events import AckStatus, ApplyAck, PolicyEvent, decode_apply_ack
 from controlplane.protocol.policy import PolicyKind, PolicyOp
-from controlplane.protocol.signing import Keyring, SigningKey, write_keyring, write_signing_key
+from controlplane.protocol.signing import Keyring, SigningKey
 from controlplane.protocol.subjects import (
     HDR_EXPECTED_LAST_SUBJECT_SEQ,
     HDR_KEY_ID,

@@ -19,9 +19,9 @@ from pathlib import Path
 
 import pytest
 
+from bus.keyfiles import load_signing_key
 from cli.config import read_credentials
 from cli.embedded import free_port
-from controlplane.protocol.signing import load_signing_key
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(400)]
 

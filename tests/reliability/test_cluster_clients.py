@@ -25,7 +25,7 @@ async def test_router_and_worker_on_a_cluster_url_list(tmp_path: Path) -> None:
         await asyncio.to_thread(buskit.init_streams, cluster.url, BusLayout(replicas=3))
         async with mock_fleet(cluster.url, MODEL, workers=1, stream_replicas=3) as router:
             assert (await chat(router.url, MODEL))["usage"]["completion_tokens"] == 3
-            nc = router.runtime.nc
+            nc = router.runtime.bus.nc
             assert nc is not None and nc.is_connected
             connected_port = nc.connected_url.port if nc.connected_url else None
             victim = next(n for n, p in cluster.client_ports.items() if p == connected_port)

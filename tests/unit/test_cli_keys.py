@@ -7,9 +7,9 @@ from pathlib import Path
 
 from typer.testing import CliRunner
 
+from bus.keyfiles import load_keyring, load_signing_key
 from cli.keys import ensure_keys
 from cli.main import app
-from controlplane.protocol.signing import load_keyring, load_signing_key
 
 
 def run(*args: str) -> tuple[int, str, str]:

@@ -35,9 +35,10 @@ from typer.testing import CliRunner
 
 from bus.identities import Identity, IdentityKind, permissions
 from bus.jwt import decode_unverified, jwt_from_creds
+from bus.keyfiles import load_signing_key
 from cli.embedded import free_port, nats_server_binary
 from cli.main import app
-from controlplane.checkpoints import load_signer
+from controlplane.protocol.signing import Purpose
 from tests.unit.deploy_checks import (
     BUILDS_SETTINGS,
     SETTINGS_OF,
@@ -441,14 +442,15 @@ def test_migration_job_passes_db_upgrade_configuration(rendered: Rendered) -> No
 
 def test_init_containers_copy_files(rendered: Rendered) -> None:
     """The only init containers copy a Secret file into memory with a stricter mode (the control
-    plane's signing key must be 0600, a Secret volume under fsGroup is group-readable)."""
+    plane's two signing keys, policy and checkpoint, must be 0600, a Secret volume under fsGroup
+    is group-readable)."""
     found = 0
     for c in containers(rendered):
         if c.init:
             (copy,) = [v for v in _init_copies(c).values() if v[0] is c.spec]
             assert copy[2] == "0600"
             found += 1
-    assert found == 1
+    assert found == 2
 
 
 def test_a_wrong_option_or_command_fails_the_check() -> None:
@@ -510,7 +512,7 @@ def test_rudder_variables_are_real_settings(rendered: Rendered, tmp_path: Path) 
             if path == ("serve", "controlplane") and built.audit_checkpoints:
                 # Checked at start (controlplane/server.py), not by the settings: the same loader.
                 assert built.audit_signing_key, f"{c.where}: checkpoints on, no RUDDER_AUDIT_SIGNING_KEY"
-                load_signer(built.audit_signing_key)
+                load_signing_key(built.audit_signing_key, purpose=Purpose.CHECKPOINT)
     assert not unknown, "\n".join(unknown)
 
 

@@ -8,6 +8,7 @@ from datetime import UTC, datetime, timedelta
 
 from nats.aio.client import Client as NATS
 
+from bus.client import Bus
 from controlplane.fleet import FleetView
 from controlplane.protocol.events import RouterStatus
 from controlplane.protocol.liveness import BusClock
@@ -29,7 +30,7 @@ def test_bus_clock_counts_part_of_a_silence_up_to_the_grace() -> None:
 
 
 def _view(now: list[datetime]) -> FleetView:
-    return FleetView(NATS(), worker_ttl_s=10, router_heartbeat_s=1.0, clock=lambda: now[0])
+    return FleetView(Bus(NATS()), worker_ttl_s=10, router_heartbeat_s=1.0, clock=lambda: now[0])
 
 
 def _status(router_id: str, at: datetime) -> bytes:

@@ -10,6 +10,14 @@ from pathlib import Path
 
 import pytest
 
+from bus.keyfiles import (
+    KeyringFile,
+    SigningKeyFile,
+    load_keyring,
+    load_signing_key,
+    write_keyring,
+    write_signing_key,
+)
 from controlplane.protocol.errors import KeyFileInvalid, SignatureInvalid
 from controlplane.protocol.policy import ALL_CACHE_INPUTS, PolicyKind, startup_values
 from controlplane.protocol.signing import (
@@ -17,16 +25,10 @@ from controlplane.protocol.signing import (
     SIGNATURE_MISSING,
     SIGNATURE_UNKNOWN_KEY,
     Keyring,
-    KeyringFile,
     SigningKey,
-    SigningKeyFile,
     format_keyring,
     key_id,
-    load_keyring,
-    load_signing_key,
     parse_keyring,
-    write_keyring,
-    write_signing_key,
 )
 from controlplane.protocol.subjects import HDR_KEY_ID, HDR_SIGNATURE, policy_subject
 from router.policy_state import Outcome, PolicyState
