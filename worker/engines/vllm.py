@@ -29,6 +29,7 @@ import httpx
 import zmq
 import zmq.asyncio
 
+from bus.tasks import Tasks
 from controlplane.protocol.events import (
     DEFAULT_DECODE_MIN_MS,
     DEFAULT_DECODE_MS,
@@ -138,7 +139,7 @@ class VllmEngine:
         self._ctx: zmq.asyncio.Context | None = None
         self._sub: Any = None
         self._http: httpx.AsyncClient | None = None
-        self._tasks: list[asyncio.Task[None]] = []
+        self._tasks = Tasks("vllm engine")
         self._sink: KvSink | None = None
         self._kv_total_blocks = 1
 
@@ -180,8 +181,8 @@ class VllmEngine:
                         self.metrics.block_size, v.block_size)
         block_size = self.metrics.block_size or v.block_size
         self.translator.block_size = block_size
-        self._tasks.append(asyncio.create_task(self._read_events(), name="vllm-kv-events"))
-        self._tasks.append(asyncio.create_task(self._poll_metrics(), name="vllm-metrics"))
+        self._tasks.spawn(self._read_events(), name="vllm-kv-events")
+        self._tasks.spawn(self._poll_metrics(), name="vllm-metrics")
         tokenizer = str(v.model_path) if v.model_path is not None else s.model
         return EngineInfo(
             url=self.url, block_size=block_size, kv_total_blocks=self._kv_total_blocks,
@@ -193,10 +194,7 @@ class VllmEngine:
         )
 
     async def stop(self) -> None:
-        for task in self._tasks:
-            task.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
-        self._tasks.clear()
+        await self._tasks.close()
         if self.proc is not None and self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)  # the API server stops its engine processes
             try:

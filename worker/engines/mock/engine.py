@@ -13,6 +13,7 @@ import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
+from bus.tasks import Tasks
 from controlplane.protocol.events import KvDumpRank, RankLoad, WorkerRole
 from controlplane.protocol.hashing import block_hashes
 from worker.engines.base import KvSink
@@ -173,25 +174,20 @@ class MockCore:
         self.timing = TimingModel.from_settings(settings)
         self.ranks = [RankEngine(r, settings, self.timing, kv_sink, token_source) for r in range(dp_size)]
         self._ids = itertools.count(1)
-        self._tasks: list[asyncio.Task[None]] = []
+        # A rank that dies stops the engine: /health turns 503 (the traceback is logged).
+        self._tasks = Tasks("mock engine", on_death=lambda _task, _exc: self._died())
         self.stopped = False
 
     def start(self) -> None:
         for rank in self.ranks:
-            task = asyncio.create_task(rank.run(), name=f"mock-rank-{rank.rank}")
-            task.add_done_callback(self._rank_done)
-            self._tasks.append(task)
+            self._tasks.spawn(rank.run(), name=f"mock-rank-{rank.rank}")
 
     async def stop(self) -> None:
         self.stopped = True
-        for task in self._tasks:
-            task.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
-        self._tasks.clear()
+        await self._tasks.close()
 
-    def _rank_done(self, task: asyncio.Task[None]) -> None:
-        if not task.cancelled() and task.exception() is not None:
-            self.stopped = True  # /health turns 503; the traceback was logged by the loop
+    def _died(self) -> None:
+        self.stopped = True
 
     def pick_rank(self, requested: int | None) -> RankEngine:
         """The named rank, else the least busy one. Raises RequestRejected when out of range."""
