@@ -46,16 +46,9 @@ from controlplane.protocol.events import (
 from controlplane.protocol.hashing import block_hashes, chain_hashes
 from controlplane.protocol.policy import ALL_CACHE_INPUTS, PolicyKind, startup_values
 from controlplane.protocol.signing import Keyring
+from router.commands import ApplyKvEvents, ApplyMembership, LoadKvDump, RequestDone, RoutingRequest, SelectWorker
 from router.loadvec import VECTOR_MIN_CANDIDATES
-from router.scheduler import (
-    ApplyKvEvents,
-    ApplyMembership,
-    LoadKvDump,
-    RequestDone,
-    RoutingRequest,
-    Scheduler,
-    SelectWorker,
-)
+from router.scheduler import Scheduler
 from router.settings import RoutingMode
 
 BLOCK = 64

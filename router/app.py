@@ -32,6 +32,7 @@ from controlplane.protocol.policy import Number, PolicyKind, startup_values
 from controlplane.protocol.signing import KeyringFile
 from controlplane.protocol.subjects import BUCKET_ROUTERS
 from router.api import build_api, error_response
+from router.commands import UseVerifyKeys
 from router.consumers import (
     KvDumper,
     KvEventSubscriber,
@@ -46,7 +47,7 @@ from router.ingress import IngressLimits, protocol_class
 from router.metrics import RouterMetrics
 from router.policy_state import ApplyResult, Outcome
 from router.proxy import Proxy
-from router.scheduler import Scheduler, UseVerifyKeys
+from router.scheduler import Scheduler
 from router.settings import RouterSettings
 from router.tokenize import TokenizerRegistry
 from router.upstream import UpstreamClient

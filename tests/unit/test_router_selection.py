@@ -13,7 +13,7 @@ from datetime import UTC, datetime
 import numpy as np
 import pytest
 
-import router.scheduler as scheduler_mod
+import router.choose as choose_mod
 from controlplane.protocol.events import (
     KvEvent,
     KvRemoved,
@@ -26,9 +26,18 @@ from controlplane.protocol.events import (
     WorkerRecord,
 )
 from controlplane.protocol.policy import ALL_CACHE_INPUTS, CacheInput, PolicyKind, startup_values
+from router.commands import (
+    ApplyKvEvents,
+    ApplyMembership,
+    LoadKvDump,
+    RequestDone,
+    RequestFirstToken,
+    RoutingRequest,
+    SelectWorker,
+)
 from router.index import PrefixIndex
 from router.loadvec import LoadTable, pick_index
-from router.scheduler import RequestDone, RequestFirstToken, RoutingRequest, Scheduler, SelectWorker
+from router.scheduler import Scheduler
 from router.selection import (
     NO_OVERLAP,
     Candidate,
@@ -397,17 +406,17 @@ def _fleet_scheduler(
                            kv_total_blocks=4096, max_num_batched_tokens=8192, started_at=now)
         load = [RankLoad(dp_rank=r, active_decode_blocks=rng.randrange(50), active_prefill_tokens=rng.randrange(300),
                          running=rng.randrange(4)) for r in range(2)]
-        s._dispatch(scheduler_mod.ApplyMembership(MembershipEvent(op=MembershipOp.JOIN, worker=rec, load=load, at=now)))
-        s._dispatch(scheduler_mod.LoadKvDump(wid, None))
+        s._dispatch(ApplyMembership(MembershipEvent(op=MembershipOp.JOIN, worker=rec, load=load, at=now)))
+        s._dispatch(LoadKvDump(wid, None))
         eid = itertools.count()
         for chain in rng.sample(chains, 2):
             blocks = [StoredBlock(block_hash=h, tokens_hash=h) for h in chain[: rng.randrange(1, 13)]]
             tier = rng.choice([CacheInput.DEVICE, CacheInput.DEVICE, CacheInput.HOST])
-            s._dispatch(scheduler_mod.ApplyKvEvents([KvEvent(
+            s._dispatch(ApplyKvEvents([KvEvent(
                 instance_id=wid, dp_rank=rng.randrange(2), event_id=next(eid), tier=tier,
                 data=KvStored(blocks=blocks))]))
         if wid % 5 == 0:
-            s._dispatch(scheduler_mod.ApplyKvEvents([KvEvent(
+            s._dispatch(ApplyKvEvents([KvEvent(
                 instance_id=wid, event_id=next(eid), data=KvRemoved(block_hashes=chains[0][3:5]))]))
     return s, chains
 
@@ -429,7 +438,7 @@ def test_scheduler_selects_the_same_with_and_without_numpy(
     def both(cmd_of: object) -> tuple[object, object]:
         out = []
         for s, threshold in ((scalar, 10**9), (vector, 0)):
-            monkeypatch.setattr(scheduler_mod, "VECTOR_MIN_CANDIDATES", threshold)
+            monkeypatch.setattr(choose_mod, "VECTOR_MIN_CANDIDATES", threshold)
             out.append(s._dispatch(cmd_of()))  # type: ignore[operator]
         return out[0], out[1]
 
@@ -457,5 +466,5 @@ def test_scheduler_selects_the_same_with_and_without_numpy(
                                kv_total_blocks=4096, max_num_batched_tokens=8192, started_at=now)
             load = [RankLoad(dp_rank=0, active_decode_blocks=rng.randrange(80), running=rng.randrange(6))]
             op = MembershipOp.LEAVE if i % 115 == 0 else MembershipOp.HEARTBEAT
-            both(lambda rec=rec, load=load, op=op: scheduler_mod.ApplyMembership(
+            both(lambda rec=rec, load=load, op=op: ApplyMembership(
                 MembershipEvent(op=op, worker=rec, load=load, at=now)))
