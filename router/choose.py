@@ -11,7 +11,7 @@ a TTFT objective is scored with the time cost too, for its predicted TTFT, and p
 ranks predicted to meet it. ``round_robin``, ``random`` and ``least_loaded`` are comparison modes:
 load only, no cache credit.
 
-A pool of fewer than ``VECTOR_MIN_CANDIDATES`` ranks is scored by the scalar form of its cost
+A pool of fewer than :data:`VECTOR_MIN_CANDIDATES` ranks is scored by the scalar form of its cost
 over the rows its load table keeps; a larger one by the vectorised form over the table's numpy
 columns. The same candidates in the same order either way, so ties break with the same random
 draw.
@@ -32,14 +32,28 @@ import numpy as np
 from controlplane.protocol.errors import Overloaded, RudderError
 from controlplane.protocol.events import RouterRole, WorkerRole
 from router.commands import Phase, RoutingRequest
-from router.cost import consolidate, row_costs
+from router.cost.blocks import costs, vector_costs
+from router.cost.common import (
+    NO_OVERLAP,
+    Candidate,
+    Overlap,
+    SelectionParams,
+    WorkerKey,
+    consolidate,
+    pick,
+    pick_index,
+)
+from router.cost.time import row_costs, vector_time_costs
 from router.discovery import Discovery, WorkerState
-from router.index import PrefixIndex, WorkerKey
-from router.loadvec import VECTOR_MIN_CANDIDATES, LoadTable, pick_index
+from router.index import PrefixIndex
+from router.loadvec import LoadTable
 from router.pools import Pools, Slot
-from router.selection import NO_OVERLAP, Overlap, RoundRobin, SelectionParams, costs, least_loaded, pick
 from router.settings import RoutingMode
 from router.targets import Pin, pool_of, prefill_not_allowed, resolve_pin
+
+# Below this many ranks the scalar form of a cost is as fast or faster (measured with
+# bench/selection.py on 2 cores: equal at ~100, numpy ahead from 128, 4x ahead at 4096).
+VECTOR_MIN_CANDIDATES = 96
 
 
 class Choice(NamedTuple):
@@ -192,11 +206,12 @@ class Chooser:
         tcost: Any = None
         ttft: Any = None
         if vector:
+            cols = table.columns(rows, timing=timed)
             if timed:
-                tcost, ttft = table.time_costs(rows, params, p, overlaps=overlaps, request_blocks=request_blocks,
-                                               booked_shared=shared, decode_tokens=decode_tokens)
-            cost = tcost if self.cost_mode is RoutingMode.KV_TIME else table.costs(
-                rows, params, p, overlaps=overlaps, request_blocks=request_blocks, booked_shared=shared)
+                tcost, ttft = vector_time_costs(cols, params, p, overlaps=overlaps, request_blocks=request_blocks,
+                                                booked_shared=shared, decode_tokens=decode_tokens)
+            cost = tcost if self.cost_mode is RoutingMode.KV_TIME else vector_costs(
+                cols, params, p, overlaps=overlaps, request_blocks=request_blocks, booked_shared=shared)
             return Scored((), rows, table, overlaps, cost, ttft)
         if timed:
             tcost, ttft = row_costs(chosen_from.time_rows, params, p, overlaps=overlaps,
@@ -249,3 +264,40 @@ class Chooser:
             hits[pos] = [scored.overlaps[k].total for k in keys]
         return consolidate(cost, meet, hits, self.rng), True
 
+
+# -- the comparison modes ----------------------------------------------------------------------
+
+
+def least_loaded(candidates: Sequence[Candidate], rng: random.Random) -> int:
+    """The candidate with the least load in blocks (queued prefill + active decode blocks), then
+    fewest requests; ties uniformly at random. No cache credit."""
+    if not candidates:
+        raise ValueError("no candidates")
+    loads = [
+        (c.active_prefill_tokens / c.block_size + c.decode_blocks, c.active_requests)
+        for c in candidates
+    ]
+    best = min(loads)
+    ties = [i for i, load in enumerate(loads) if load == best]
+    return ties[rng.randrange(len(ties))]
+
+
+class RoundRobin:
+    """The next candidate after the last one chosen, by instance id order."""
+
+    def __init__(self) -> None:
+        self._last: tuple[int, int] | None = None
+
+    def pick(self, candidates: Sequence[Candidate]) -> int:
+        if not candidates:
+            raise ValueError("no candidates")
+        order = sorted(range(len(candidates)), key=lambda i: (candidates[i].instance_id, candidates[i].dp_rank))
+        if self._last is not None:
+            for i in order:
+                c = candidates[i]
+                if (c.instance_id, c.dp_rank) > self._last:
+                    self._last = (c.instance_id, c.dp_rank)
+                    return i
+        first = order[0]
+        self._last = (candidates[first].instance_id, candidates[first].dp_rank)
+        return first

@@ -69,12 +69,12 @@ from router.commands import (
     Tick,
     UseVerifyKeys,
 )
-from router.cost import Timing, predict_row, time_row
+from router.cost.common import SelectionParams
+from router.cost.time import Timing, predict_row, time_row
 from router.discovery import Change, Discovery
 from router.index import KvApplied, PrefixIndex, WorkerKey
 from router.policy_state import Outcome, PolicyState
 from router.pools import Pools, Slot
-from router.selection import SelectionParams
 from router.settings import RoutingMode
 from router.targets import pool_of
 

@@ -1,6 +1,7 @@
-"""The cost function, temperature sampling and tie-breaking of DESIGN §5, in both its forms: the
-Python loop (router.selection) and the numpy columns (router.loadvec) used for large pools, checked
-against each other bit for bit and against a plain reading of the formula; and the prefix index query."""
+"""The block cost, temperature sampling and tie-breaking of DESIGN §5, in both forms of the block
+cost (router.cost.blocks): the Python loop and the numpy columns of a load table (router.loadvec) used
+for large pools, checked against each other bit for bit and against a plain reading of the formula;
+the comparison modes (router.choose); and the prefix index query."""
 
 from __future__ import annotations
 
@@ -26,6 +27,7 @@ from controlplane.protocol.events import (
     WorkerRecord,
 )
 from controlplane.protocol.policy import ALL_CACHE_INPUTS, CacheInput, PolicyKind, startup_values
+from router.choose import RoundRobin, least_loaded
 from router.commands import (
     ApplyKvEvents,
     ApplyMembership,
@@ -35,20 +37,19 @@ from router.commands import (
     RoutingRequest,
     SelectWorker,
 )
-from router.index import PrefixIndex
-from router.loadvec import LoadTable, pick_index
-from router.scheduler import Scheduler
-from router.selection import (
+from router.cost.blocks import costs, vector_costs
+from router.cost.common import (
     NO_OVERLAP,
     Candidate,
     Overlap,
-    RoundRobin,
     SelectionParams,
-    costs,
-    least_loaded,
     pick,
+    pick_index,
     probabilities,
 )
+from router.index import PrefixIndex
+from router.loadvec import LoadTable
+from router.scheduler import Scheduler
 from router.settings import RoutingMode
 from tests.policy_keys import session_keys
 
@@ -152,7 +153,7 @@ def test_least_loaded_ignores_cache() -> None:
     assert least_loaded(cands, random.Random(0)) == 1
 
 
-# -- the vectorised path (router.loadvec) against a plain reading of DESIGN §5 -------------------
+# -- the vectorised form (router.cost.blocks over router.loadvec's columns) against a plain reading of DESIGN §5
 
 
 
@@ -227,7 +228,8 @@ def test_vectorised_costs_equal_the_loop_bit_for_bit_and_match_the_reference(see
     if not chosen:
         return
     loop = costs(chosen, params, p, overlaps=overlaps, request_blocks=request_blocks, booked_shared=shared)
-    vec = table.costs(rows, params, p, overlaps=overlaps, request_blocks=request_blocks, booked_shared=shared)
+    vec = vector_costs(table.columns(rows), params, p, overlaps=overlaps, request_blocks=request_blocks,
+                       booked_shared=shared)
     assert vec.tolist() == loop  # exactly: same operations, same order
     ref = reference_costs(chosen, params, p, overlaps, shared)
     assert loop == pytest.approx(ref, rel=1e-12, abs=1e-9)
@@ -242,7 +244,8 @@ def test_vectorised_worked_example_costs_18_10_11_picks_the_second() -> None:
     for c in cands:
         table[c.key] = c
     overlaps = {c.key: c.overlap for c in cands}
-    c = table.costs(table.eligible_rows(), SelectionParams(overlap_score_credit=1.0), 160, overlaps=overlaps)
+    c = vector_costs(table.columns(table.eligible_rows()), SelectionParams(overlap_score_credit=1.0), 160,
+                     overlaps=overlaps)
     assert c.tolist() == [18.0, 10.0, 11.0]
     assert pick_index(c, 0.0, random.Random(0)) == 1
 
@@ -322,7 +325,7 @@ def test_load_table_keeps_columns_in_step_with_the_dict() -> None:
             chosen = list(plain.values()) if rows is None else [table.row(i) for i in rows.tolist()]
             assert chosen == [c for c in plain.values() if _eligible(c)]
             if chosen:
-                got = table.costs(rows, params, 300, overlaps={}, request_blocks={16: 19, 32: 10})
+                got = vector_costs(table.columns(rows), params, 300, overlaps={}, request_blocks={16: 19, 32: 10})
                 assert got.tolist() == costs(chosen, params, 300, overlaps={}, request_blocks={16: 19, 32: 10})
     with pytest.raises(ValueError):
         table[(1, 0)] = Candidate(2, 0, 16, 0, 0, 0)

@@ -36,7 +36,7 @@ from router.commands import (
     RoutingRequest,
     SelectWorker,
 )
-from router.cost import DEFAULT_TIMING
+from router.cost.time import DEFAULT_TIMING
 from router.scheduler import Scheduler
 from router.settings import RoutingMode
 from tests.policy_keys import session_keys
