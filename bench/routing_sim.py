@@ -66,17 +66,17 @@ from controlplane.protocol.hashing import chain_hashes
 from controlplane.protocol.policy import ALL_CACHE_INPUTS, CacheInput, PolicyKind, startup_values
 from controlplane.protocol.signing import Keyring
 from controlplane.protocol.tokenizer import encode_chat
-from router.scheduler import (
+from router.commands import (
     ApplyKvEvents,
     ApplyMembership,
     LoadKvDump,
     RequestDone,
     RequestFirstToken,
     RoutingRequest,
-    Scheduler,
     SelectWorker,
     Tick,
 )
+from router.scheduler import Scheduler
 from router.settings import RoutingMode
 from worker.engines.mock.blocks import KvData
 from worker.engines.mock.engine import RankEngine

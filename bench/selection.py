@@ -7,8 +7,9 @@ prompts and 64-token blocks, at router
 temperature 0 and 0.7. Hashing the prompt (done on the HTTP side, outside the actor) is measured
 separately. No network: the pure core is driven through the actor's dispatch directly.
 
-Pools of ``VECTOR_MIN_CANDIDATES`` ranks or more take the numpy path (router.loadvec), smaller ones
-the Python loop (router.selection); each case records which (``path``). Each request is freed
+Pools of ``VECTOR_MIN_CANDIDATES`` ranks or more take the numpy path (each cost's vectorised form
+over router.loadvec's columns), smaller ones the Python loop (its scalar form; router.cost); each
+case records which (``path``). Each request is freed
 before the next (the booked-shared-blocks scan then has nothing to scan), except in the cases
 with requests in flight (4 per worker), which keep their bookings while later requests select.
 
@@ -46,16 +47,9 @@ from controlplane.protocol.events import (
 from controlplane.protocol.hashing import block_hashes, chain_hashes
 from controlplane.protocol.policy import ALL_CACHE_INPUTS, PolicyKind, startup_values
 from controlplane.protocol.signing import Keyring
-from router.loadvec import VECTOR_MIN_CANDIDATES
-from router.scheduler import (
-    ApplyKvEvents,
-    ApplyMembership,
-    LoadKvDump,
-    RequestDone,
-    RoutingRequest,
-    Scheduler,
-    SelectWorker,
-)
+from router.choose import VECTOR_MIN_CANDIDATES
+from router.commands import ApplyKvEvents, ApplyMembership, LoadKvDump, RequestDone, RoutingRequest, SelectWorker
+from router.scheduler import Scheduler
 from router.settings import RoutingMode
 
 BLOCK = 64

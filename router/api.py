@@ -41,19 +41,19 @@ from controlplane.protocol.errors import (
     ServiceUnavailable,
 )
 from controlplane.protocol.hashing import chain_hashes
-from router.ingress import read_body
-from router.metrics import RouterMetrics
-from router.proxy import Proxy, WorkerUnreachable, forward_headers
-from router.scheduler import (
+from router.commands import (
     MarkUnavailable,
     Phase,
     RequestDone,
     RequestFirstToken,
     RoutingRequest,
-    Scheduler,
     Selection,
     SelectWorker,
 )
+from router.ingress import read_body
+from router.metrics import RouterMetrics
+from router.proxy import Proxy, WorkerUnreachable, forward_headers
+from router.scheduler import Scheduler
 from router.settings import RouterSettings
 from router.sse import FirstTokenDetector
 from router.targets import (

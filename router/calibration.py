@@ -1,6 +1,6 @@
 """Per-worker calibration of the time cost's timing model (issue 9). Pure: no I/O, no clock.
 
-Every worker starts from a prior (:class:`router.cost.Timing`: the timing model its membership
+Every worker starts from a prior (:class:`router.cost.time.Timing`: the timing model its membership
 record advertises, or the default) and the router fits it online from what it observes of that
 worker's finished requests:
 
@@ -36,7 +36,7 @@ import numpy as np
 import numpy.typing as npt
 
 from controlplane.protocol.events import WorkerCalibration
-from router.cost import DEFAULT_DECODE_TOKENS, Prediction, Timing
+from router.cost.time import DEFAULT_DECODE_TOKENS, Prediction, Timing
 
 Floats = npt.NDArray[np.float64]
 

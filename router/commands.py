@@ -80,7 +80,7 @@ class Selection(NamedTuple):
     booking_id: str = ""
     # True for the prefill phase of a disaggregated request: a decode phase must follow.
     disaggregated: bool = False
-    # The chosen worker's predicted engine time to first token (router.cost), in ms.
+    # The chosen worker's predicted engine time to first token (router.cost.time), in ms.
     predicted_ttft_ms: float | None = None
     # With a TTFT objective: whether the chosen worker was predicted to meet it.
     slo_predicted_met: bool | None = None

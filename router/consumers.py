@@ -7,7 +7,7 @@ keeps serving with its last good state while NATS is away.
 - :class:`PolicyConsumer`: one ordered consumer for all served models (a multi-subject filter of
   ``rudder.policy.<key>.*``), starting with the last message per subject, then live. The
   revision is the message's stream sequence. Each event goes through
-  :class:`~router.scheduler.ApplyPolicy` with its headers, so its signature is checked (replayed
+  :class:`~router.commands.ApplyPolicy` with its headers, so its signature is checked (replayed
   or live, re-read or not) in the policy state; the answer is published as an :class:`ApplyAck`
   on ``rudder.acks.<router_id>`` (the ``RUDDER_ACKS`` stream, from a queue that retries, so
   neither a lost ACK nor a slow stream holds up the policy path) and a status write is

@@ -20,7 +20,7 @@ from typing import cast
 
 from controlplane.protocol.events import KvCleared, KvDumpReply, KvEvent, KvRemoved, KvStored
 from controlplane.protocol.policy import CacheInput
-from router.selection import Overlap
+from router.cost.common import Overlap
 
 WorkerKey = tuple[int, int]  # (instance_id, dp_rank)
 

@@ -1,7 +1,7 @@
 """The scheduler's pools and load tables: one persistent :class:`Slot` per (worker, dp rank).
 
 For speed at thousands of workers each (worker, dp rank) has one slot (a
-:class:`~router.selection.Candidate`), updated in place when its load, bookings, health, busy flag
+:class:`~router.cost.common.Candidate`), updated in place when its load, bookings, health, busy flag
 or timing model change, so a selection only scans the eligible slots once. Each (model, worker
 role) pool is a :class:`~router.loadvec.LoadTable` that mirrors its slots as numpy columns.
 
@@ -17,12 +17,12 @@ from controlplane.protocol.errors import Overloaded, ServiceUnavailable
 from controlplane.protocol.events import WorkerRole
 from router.bookings import Bookings
 from router.busy import Thresholds, rank_busy
-from router.cost import Timing
+from router.cost.common import Candidate
+from router.cost.time import Timing
 from router.discovery import Discovery, Health, WorkerState
 from router.index import WorkerKey
 from router.loadvec import LoadTable, Selectable
 from router.returns import Returns
-from router.selection import Candidate
 
 
 class Slot(Candidate):

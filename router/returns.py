@@ -1,4 +1,4 @@
-"""Requests expected back: the arrival rate the time cost's wait term reads (router.cost's λ). Pure.
+"""Requests expected back: the arrival rate the time cost's wait term reads (router.cost.time's λ). Pure.
 
 A chat session or an agent loop sends its next request some time after its previous one finished,
 and that request carries the previous prompt (and its answer): it is expected back on the rank that
@@ -68,7 +68,7 @@ class Returns:
         return (self._returned + PRIOR_FRACTION * PRIOR_WEIGHT) / (self._finished + PRIOR_WEIGHT)
 
     def rate(self, key: WorkerKey, now: float) -> float:
-        """Returns expected at the rank per ms from ``now`` (router.cost's λ)."""
+        """Returns expected at the rank per ms from ``now`` (router.cost.time's λ)."""
         entries = self._ranks.get(key)
         if not entries:
             return 0.0

@@ -11,29 +11,24 @@ client went away and cancelled it) is skipped. :meth:`Scheduler.stop` answers ev
 queued with ``ServiceUnavailable`` and then returns; an unexpected error in a handler fails that
 command's future (logged with its traceback) and the actor carries on.
 
-The pure parts it drives: :mod:`router.pools` (slots and load tables), :mod:`router.selection`
-(block cost, comparison modes, pick), :mod:`router.cost` (predicted-time cost),
-:mod:`router.calibration` (per-worker timing fit), :mod:`router.index`, :mod:`router.bookings`.
+The pure parts it drives: :mod:`router.pools` (slots and load tables), :mod:`router.choose`
+(the routing mode's choice of a rank, by :mod:`router.cost`), :mod:`router.calibration`
+(per-worker timing fit), :mod:`router.index`, :mod:`router.bookings`.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import itertools
 import logging
 import random
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
 from datetime import datetime
 from typing import Any, TypeVar
 
-import numpy as np
-
 from controlplane.protocol.errors import (
     InvalidRequest,
-    Overloaded,
     QueueFull,
     RudderError,
     ServiceUnavailable,
@@ -52,6 +47,7 @@ from controlplane.protocol.signing import Keyring
 from router.bookings import Booking, Bookings
 from router.busy import Thresholds
 from router.calibration import Calibration, Calibrations, Pending
+from router.choose import Choice, Chooser
 from router.commands import (
     PREFILL_BOOKING,
     ApplyKvEvents,
@@ -62,7 +58,6 @@ from router.commands import (
     Inspect,
     LoadKvDump,
     MarkUnavailable,
-    Phase,
     PolicyApplied,
     RequestDone,
     RequestFirstToken,
@@ -74,66 +69,18 @@ from router.commands import (
     Tick,
     UseVerifyKeys,
 )
-from router.cost import Timing, consolidate, predict_row, row_costs, time_row
+from router.cost.common import SelectionParams
+from router.cost.time import Timing, predict_row, time_row
 from router.discovery import Change, Discovery
 from router.index import KvApplied, PrefixIndex, WorkerKey
-from router.loadvec import VECTOR_MIN_CANDIDATES, LoadTable, pick_index
 from router.policy_state import Outcome, PolicyState
-from router.pools import Pools, Slot, selectable
-from router.selection import (
-    NO_OVERLAP,
-    Overlap,
-    RoundRobin,
-    SelectionParams,
-    costs,
-    least_loaded,
-    pick,
-)
+from router.pools import Pools, Slot
 from router.settings import RoutingMode
-from router.targets import Pin, pool_of, prefill_not_allowed, resolve_pin
-
-__all__ = [  # the vocabulary, re-exported for the modules and tests that import it from here
-    "PREFILL_BOOKING",
-    "VECTOR_MIN_CANDIDATES",
-    "ApplyKvEvents",
-    "ApplyMembership",
-    "ApplyPolicy",
-    "DiscoveryComplete",
-    "Inspect",
-    "LoadKvDump",
-    "MarkUnavailable",
-    "Phase",
-    "PolicyApplied",
-    "RequestDone",
-    "RequestFirstToken",
-    "ResyncPolicy",
-    "RouterView",
-    "RoutingRequest",
-    "Scheduler",
-    "SelectWorker",
-    "Selection",
-    "Slot",
-    "Tick",
-    "UseVerifyKeys",
-    "cancel_quietly",
-    "selectable",
-]
+from router.targets import pool_of
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 _STOP = object()
-
-
-@dataclass(slots=True)
-class _Scored:
-    """One selection's candidates and what the cost said of them."""
-
-    slots: Sequence[Slot]  # the eligible slots, in row order (LoadTable or list)
-    rows: Any  # numpy rows into the table, or None (every row / the list itself)
-    table: LoadTable[Slot] | None
-    overlaps: dict[WorkerKey, Overlap]
-    cost: Any  # list[float] or numpy array
-    ttft: Any  # list[float] or numpy array or None (block cost without an objective)
 
 
 class Scheduler:
@@ -158,14 +105,12 @@ class Scheduler:
             frozenset(WorkerRole) if role is RouterRole.AGGREGATED else frozenset({self.pool})
         )
         self.mode = mode
-        self.cost_mode = mode.cost  # KV_BLOCKS, KV_TIME or None (load-only)
         self.kv_events = kv_events
         self.approximate = mode.kv_aware and not kv_events
         self.use_index = mode.kv_aware and role is not RouterRole.DECODE
         self.approx_ttl_s = approx_ttl_s
         self.clock = clock
         self.wall = wall
-        self.rng = rng or random.Random()
         self.policy = PolicyState(
             router_id=router_id, models=models, startup=startup, cache_inputs=cache_inputs,
             keyring=keyring,
@@ -174,15 +119,16 @@ class Scheduler:
                                    outage_grace_s=bus_outage_grace_s)
         self.index = PrefixIndex()
         self.bookings = Bookings()
-        self.round_robin = {m: RoundRobin() for m in models}
         # Per-worker timing models (router.calibration) and the predictions awaiting their outcome.
         self.timings = Calibrations(models)
-        self.slo = {m: {"requests": 0, "predicted_met": 0, "rejected": 0} for m in models}
         self._epochs: dict[str, Number | None] = {}
         self.tables = Pools(
             models=models, roles=self.pools, discovery=self.discovery, bookings=self.bookings,
             clock=clock, timing=self.timings.timing,
         )
+        # Where a selection goes: its pool, its rank (and the round-robin positions, the objective counters).
+        self.chooser = Chooser(mode=mode, role=role, models=models, pools=self.tables, discovery=self.discovery,
+                               index=self.index if self.use_index else None, rng=rng or random.Random())
         self._params: dict[str, SelectionParams] = {}
         self._revisions: dict[str, dict[str, int]] = {}  # model → revisions (Scheduler.revisions)
         for m in models:
@@ -514,189 +460,24 @@ class Scheduler:
 
     # -- selection ---------------------------------------------------------------------------
 
-    def disaggregated(self, model: str) -> bool:
-        """The model's snapshot holds prefill and decode workers (and this router runs both)."""
-        tables = self.tables.tables
-        return bool(
-            self.role is RouterRole.AGGREGATED
-            and tables[(model, WorkerRole.PREFILL)] and tables[(model, WorkerRole.DECODE)]
-        )
-
-    def _plan(self, req: RoutingRequest) -> tuple[WorkerRole, Pin | None, bool]:
-        """(pool, explicit target, whether a decode phase follows) of a selection.
-        Raises InvalidRequest for a prefill target on an aggregated deployment."""
-        t = req.targets
-        if self.role is not RouterRole.AGGREGATED:
-            if t is None:
-                return self.pool, req.pin, False
-            return self.pool, t.prefill if self.pool is WorkerRole.PREFILL else t.decode, False
-        decode_pin = req.pin if t is None else t.decode
-        if req.phase is Phase.DECODE:
-            return WorkerRole.DECODE, decode_pin, False
-        if self.disaggregated(req.model):
-            return WorkerRole.PREFILL, None if t is None else t.prefill, True
-        if t is not None and t.prefill_field is not None:
-            raise prefill_not_allowed(t.prefill_field)
-        tables = self.tables.tables
-        if not tables[(req.model, WorkerRole.AGGREGATED)] and tables[(req.model, WorkerRole.DECODE)]:
-            # Decode workers and no prefill worker: they prefill locally (as vLLM does without
-            # remote KV), so they serve whole requests rather than none.
-            return WorkerRole.DECODE, decode_pin, False
-        return WorkerRole.AGGREGATED, decode_pin, False
-
     def _select(self, req: RoutingRequest, seq: int) -> Selection:
         model = req.model
         if model not in self._slots:
             raise InvalidRequest(f"model {model!r} is not served by this router", field="model")
         revisions = self.revisions(model)
-        pool, pin, then_decode = self._plan(req)
+        pool, pin, then_decode = self.chooser.plan(req)
         if pin is not None:
-            return self._select_pinned(req, seq, revisions, pool, pin, then_decode)
-        table = self.tables.table(model, pool)
-        if self.cost_mode is None:
-            eligible = self.tables.eligible(req.model, table, pool, req.exclude).candidates
-            if self.mode is RoutingMode.ROUND_ROBIN:
-                i = self.round_robin[model].pick(eligible)
-            elif self.mode is RoutingMode.RANDOM:
-                i = self.rng.randrange(len(eligible))
-            else:
-                i = least_loaded(eligible, self.rng)
-            return self._book(req, seq, revisions, eligible[i], NO_OVERLAP, None, len(eligible),
-                              disaggregated=then_decode)
-        scored = self._score(req, table, pool)
-        i, met = self._choose(req, scored)
-        if scored.table is None:
-            chosen = scored.slots[i]
+            choice = self.chooser.pinned(req, pool, pin, self.clock())
         else:
-            chosen = table.row(i if scored.rows is None else int(scored.rows[i]))
-        n = len(scored.cost)
-        return self._book(
-            req, seq, revisions, chosen, scored.overlaps.get(chosen.key, NO_OVERLAP),
-            float(scored.cost[i]), n, disaggregated=then_decode, slo_met=met,
-        )
-
-    def _score(self, req: RoutingRequest, table: LoadTable[Slot], pool: WorkerRole) -> _Scored:
-        """The KV-aware cost of every eligible rank: the Python loop for a small pool, numpy
-        columns (router.loadvec) for a large one; the same candidates in the same order either
-        way, so ties break with the same random draw."""
-        model = req.model
-        params = self._params[model]
-        p = req.prompt_tokens
-        vector = len(table) >= VECTOR_MIN_CANDIDATES
-        rows: Any = None
-        slots: Sequence[Slot]
-        if vector:
-            rows = table.eligible_rows(req.exclude)
-            if (len(table) if rows is None else len(rows)) == 0:
-                self.tables.none_eligible(req.model, table, pool, req.exclude)
-            slots = table.row(0 if rows is None else int(rows[0])),  # only its block size is read
-        else:
-            chosen_from = self.tables.eligible(req.model, table, pool, req.exclude)
-            slots = chosen_from.candidates
-        overlaps: dict[WorkerKey, Overlap] = {}
-        if self.use_index:
-            for hashes in req.hashes.values():
-                if hashes:
-                    overlaps.update(self.index.overlaps(hashes))
-        size = slots[0].block_size
-        request_blocks = {bs: -(-p // bs) for bs in req.hashes} or {size: -(-p // size)}
-        timed = self.cost_mode is RoutingMode.KV_TIME or req.ttft_slo_ms is not None
-        # Blocks of the request already booked on each rank: the block cost's distinct decode
-        # blocks, and the time cost's decode-growth term only.
-        shared = (self.tables.booked_shared(req.hashes, table)
-                  if self.cost_mode is not RoutingMode.KV_TIME or params.decode_slowdown_weight else {})
-        decode_tokens = self.timings.decode_tokens[model].value
-        cost: Any
-        tcost: Any = None
-        ttft: Any = None
-        if vector:
-            if timed:
-                tcost, ttft = table.time_costs(rows, params, p, overlaps=overlaps, request_blocks=request_blocks,
-                                               booked_shared=shared, decode_tokens=decode_tokens)
-            cost = tcost if self.cost_mode is RoutingMode.KV_TIME else table.costs(
-                rows, params, p, overlaps=overlaps, request_blocks=request_blocks, booked_shared=shared)
-            return _Scored((), rows, table, overlaps, cost, ttft)
-        if timed:
-            tcost, ttft = row_costs(chosen_from.time_rows, params, p, overlaps=overlaps,
-                                    request_blocks=request_blocks, booked_shared=shared,
-                                    decode_tokens=decode_tokens, positions=chosen_from.positions,
-                                    argmin_only=req.ttft_slo_ms is None and params.router_temperature <= 0.0,
-                                    order=chosen_from.order)
-        cost = tcost if self.cost_mode is RoutingMode.KV_TIME else costs(
-            slots, params, p, overlaps=overlaps, request_blocks=request_blocks, booked_shared=shared)
-        return _Scored(slots, None, None, overlaps, cost, ttft)
-
-    def _choose(self, req: RoutingRequest, scored: _Scored) -> tuple[int, bool | None]:
-        """Index of the chosen candidate, and whether it is predicted to meet the request's TTFT
-        objective (None without one). With an objective: among the candidates predicted to meet
-        it, the one with the most cached tokens, then the least cost (ties at random); none → the
-        overload status if ``ttft_slo_reject``, else the usual pick (best effort)."""
-        params = self._params[req.model]
-        temperature = params.router_temperature
-        slo = req.ttft_slo_ms
-        if slo is None:
-            if scored.table is not None:
-                return pick_index(scored.cost, temperature, self.rng), None
-            return pick(scored.cost, temperature, self.rng), None
-        stats = self.slo[req.model]
-        stats["requests"] += 1
-        cost = np.asarray(scored.cost, dtype=np.float64)
-        meet = np.asarray(scored.ttft, dtype=np.float64) <= slo
-        if not bool(meet.any()):
-            if params.ttft_slo_reject:
-                stats["rejected"] += 1
-                best = float(np.min(scored.ttft))
-                raise Overloaded(
-                    f"no worker of model {req.model} is predicted to meet the TTFT objective of "
-                    f"{slo:g} ms (best predicted {best:.0f} ms)", model=req.model,
-                )
-            if scored.table is None:
-                return pick(scored.cost, temperature, self.rng), False
-            return pick_index(cost, temperature, self.rng), False
-        stats["predicted_met"] += 1
-        hits = np.zeros(len(cost))
-        if scored.overlaps:
-            keys = list(scored.overlaps)
-            if scored.table is not None:
-                pos, keep = scored.table.locate(scored.rows, keys)
-                keys = [k for k, kept in zip(keys, keep.tolist(), strict=True) if kept]
-            else:
-                where = {s.key: i for i, s in enumerate(scored.slots)}
-                pairs = [(where[k], k) for k in keys if k in where]
-                pos = np.array([i for i, _ in pairs], dtype=np.intp)
-                keys = [k for _, k in pairs]
-            hits[pos] = [scored.overlaps[k].total for k in keys]
-        return consolidate(cost, meet, hits, self.rng), True
-
-    def _select_pinned(
-        self, req: RoutingRequest, seq: int, revisions: Mapping[str, int], pool: WorkerRole, pin: Pin,
-        then_decode: bool,
-    ) -> Selection:
-        model = req.model
-
-        def busy(state: Any, rank: int) -> bool:
-            slot = self._slots[model].get((state.instance_id, rank))
-            return slot is not None and slot.busy
-
-        state, rank = resolve_pin(
-            pin, self.discovery, model=model, pool=pool, now=self.clock(), rank_busy=busy,
-        )
-        slot = self._slots[model].get((state.instance_id, rank))
-        if slot is None:  # role mismatch is caught by resolve_pin; this is a bug
-            raise RudderError(f"no slot for pinned worker {state.instance_id} rank {rank}")
-        overlap = NO_OVERLAP
-        hashes = req.hashes.get(slot.block_size, ())
-        if self.use_index and hashes:
-            overlap = self.index.overlaps(hashes).get(slot.key, NO_OVERLAP)
-        return self._book(
-            req, seq, revisions, slot, overlap, None, 1, pinned=True, disaggregated=then_decode
-        )
+            choice = self.chooser.choose(req, self.tables.table(model, pool), pool, self._params[model],
+                                         self.timings.decode_tokens[model].value)
+        return self._book(req, seq, revisions, choice, pinned=pin is not None, disaggregated=then_decode)
 
     def _book(
-        self, req: RoutingRequest, seq: int, revisions: Mapping[str, int], slot: Slot,
-        overlap: Overlap, cost: float | None, candidates: int, *, pinned: bool = False,
-        disaggregated: bool = False, slo_met: bool | None = None,
+        self, req: RoutingRequest, seq: int, revisions: Mapping[str, int], choice: Choice, *, pinned: bool,
+        disaggregated: bool,
     ) -> Selection:
+        slot, overlap, cost = choice.slot, choice.overlap, choice.cost
         p = req.prompt_tokens
         hit = overlap.total
         # As vLLM does (and the mock engine), the last prompt token is always computed, so a hit
@@ -731,8 +512,8 @@ class Scheduler:
             request_id=req.request_id, model=req.model, instance_id=slot.instance_id,
             dp_rank=slot.dp_rank, url=slot.url, revisions=revisions, seq=seq, cost=cost,
             overlap_blocks=hit, cached_tokens=cached, prompt_tokens=p,
-            candidates=candidates, pinned=pinned, pool=slot.role, booking_id=booking_id,
-            disaggregated=disaggregated, predicted_ttft_ms=pred.ttft_ms, slo_predicted_met=slo_met,
+            candidates=choice.candidates, pinned=pinned, pool=slot.role, booking_id=booking_id,
+            disaggregated=disaggregated, predicted_ttft_ms=pred.ttft_ms, slo_predicted_met=choice.slo_met,
         )
 
     def _returned(self, booking: Booking) -> None:
@@ -764,8 +545,3 @@ class Scheduler:
             applied=self.policy.applied(),
         )
 
-
-async def cancel_quietly(task: asyncio.Task[Any]) -> None:
-    task.cancel()
-    with contextlib.suppress(asyncio.CancelledError, Exception):
-        await task

@@ -30,7 +30,7 @@ from controlplane.protocol.policy import (
 
 class RoutingMode(enum.StrEnum):
     """``kv`` is KV-aware routing with the default cost (:data:`DEFAULT_KV_COST`); ``kv-blocks``
-    and ``kv-time`` name a cost explicitly (DESIGN §5's block cost; router.cost's predicted time).
+    and ``kv-time`` name a cost explicitly (DESIGN §5's block cost; router.cost.time's predicted time).
     The others are load-only comparison modes."""
 
     KV = "kv"

@@ -57,7 +57,7 @@ async def fleet(nats_url: str) -> AsyncIterator[Fleet]:
     router = await InProcessRouter(router_settings(nats_url, MODEL)).start()
     sched = router.runtime.scheduler
     await wait_for(lambda: sched.view.workers.get(MODEL) == 4, within=10)
-    assert await sched.inspect(lambda s: s.disaggregated(MODEL))
+    assert await sched.inspect(lambda s: s.chooser.disaggregated(MODEL))
     async with httpx.AsyncClient(base_url=router.url, timeout=20) as http:
         yield Fleet(router, workers[WorkerRole.PREFILL], workers[WorkerRole.DECODE], http)
     await router.stop()

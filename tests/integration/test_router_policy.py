@@ -17,7 +17,7 @@ from nats.aio.client import Client as NATS
 from controlplane.protocol.events import decode_apply_ack, decode_router_status
 from controlplane.protocol.policy import PolicyKind
 from controlplane.protocol.subjects import BUCKET_ROUTERS, HDR_MSG_ID, acks_subject
-from router.scheduler import RoutingRequest, SelectWorker
+from router.commands import RoutingRequest, SelectWorker
 from tests import buskit
 from tests.support_router.policy import publish_policy, publish_raw
 from tests.support_router.workers import InProcessRouter, TestWorker, router_settings, wait_for

@@ -13,7 +13,7 @@ import pytest
 
 from controlplane.protocol.hashing import chain_hashes
 from controlplane.protocol.tokenizer import encode, encode_chat
-from router.selection import NO_OVERLAP
+from router.cost.common import NO_OVERLAP
 from tests import buskit
 from tests.support_router.workers import InProcessRouter, router_settings, wait_for
 

@@ -66,7 +66,7 @@ async def test_leave_removes_worker_and_its_bookings(nats_url: str) -> None:
     sched = router.runtime.scheduler
     try:
         await wait_for(lambda: sched.view.workers.get(model) == 1)
-        from router.scheduler import RoutingRequest
+        from router.commands import RoutingRequest
 
         await sched.select(RoutingRequest(request_id="held", model=model, prompt_tokens=10, hashes={}))
         assert await sched.inspect(lambda s: len(s.bookings)) == 1

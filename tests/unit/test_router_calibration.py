@@ -1,4 +1,5 @@
-"""The per-worker timing fit (router.calibration) and the time cost (router.cost). No network."""
+"""The per-worker timing fit (router.calibration) and the time cost (router.cost.time), in both its forms.
+No network."""
 
 from __future__ import annotations
 
@@ -8,9 +9,17 @@ import random
 import pytest
 
 from router.calibration import Calibration, PrefillObservation, RunningMean
-from router.cost import DEFAULT_TIMING, Timing, predict, row_costs, time_costs, time_row
+from router.cost.common import NO_OVERLAP, Candidate, Overlap, SelectionParams, pick
+from router.cost.time import (
+    DEFAULT_TIMING,
+    Timing,
+    predict,
+    row_costs,
+    time_costs,
+    time_row,
+    vector_time_costs,
+)
 from router.loadvec import LoadTable
-from router.selection import NO_OVERLAP, Candidate, Overlap, SelectionParams, pick
 
 TRUE = Timing(p0=33.0, p1=0.03, p2=8.4e-7, d0=11.5, d1=108.0, d2=-51.5, decode_min_ms=2.0)
 BUDGET = 8192
@@ -240,6 +249,40 @@ def test_plain_rows_cost_what_predict_says() -> None:
     for c, want_cost, want_ttft in zip(cands, cost, ttft, strict=True):
         pred = predict(c, params, 3000, NO_OVERLAP)
         assert pred.cost_ms == pytest.approx(want_cost) and pred.ttft_ms == pytest.approx(want_ttft)
+
+
+@pytest.mark.parametrize("seed", range(30))
+def test_vectorised_time_costs_equal_the_loop_up_to_rounding(seed: int) -> None:
+    """The numpy form over a load table's columns gives the scalar form's costs and TTFTs for the
+    eligible rows, in the same order, with every term of the cost in play."""
+    rng = random.Random(seed)
+    sizes = (64,) if seed % 3 else (16, 64)
+    params = SelectionParams(
+        overlap_score_credit_decay=rng.choice((0.0, 0.5)), host_cache_hit_weight=rng.random(),
+        decode_slowdown_weight=rng.choice((0.0, 1.0)), prefill_interference_weight=rng.choice((0.0, 0.1, 2.0)),
+        arrival_wait_weight=rng.choice((0.0, 1.0)))
+    timings = [_random_timing(rng) for _ in range(3)]
+    cands = [Candidate(i, 0, rng.choice(sizes), rng.choice((0, rng.randrange(20000))), rng.randrange(8000),
+                       rng.choice((0, rng.randrange(30))), kv_total_blocks=16384, batch_tokens=8192,
+                       timing=rng.choice(timings), arrival_rate=rng.choice((0.0, rng.random() / 100)))
+             for i in range(1, rng.randrange(2, 200))]
+    table: LoadTable[Candidate] = LoadTable(lambda c: c.active_requests != 13)
+    for c in cands:
+        table[c.key] = c
+    p = rng.choice((1, 64, 4096, 9000, rng.randrange(1, 20000)))
+    overlaps = {c.key: Overlap(rng.randrange(0, 80), rng.randrange(0, 5)) for c in rng.sample(cands, len(cands) // 3)}
+    shared = {c.key: rng.randrange(0, 10) for c in rng.sample(cands, len(cands) // 4)}
+    request_blocks = {b: -(-p // b) for b in sizes}
+    rows = table.eligible_rows()
+    chosen = cands if rows is None else [cands[i] for i in rows.tolist()]
+    if not chosen:
+        return
+    loop = time_costs(chosen, params, p, overlaps=overlaps, request_blocks=request_blocks, booked_shared=shared,
+                      decode_tokens=20)
+    vec = vector_time_costs(table.columns(rows, timing=True), params, p, overlaps=overlaps,
+                            request_blocks=request_blocks, booked_shared=shared, decode_tokens=20)
+    assert vec[0].tolist() == pytest.approx(loop[0], rel=1e-9)
+    assert vec[1].tolist() == pytest.approx(loop[1], rel=1e-9)
 
 
 def test_load_table_keeps_its_selectable_rows_and_floor_order_current() -> None:

@@ -22,10 +22,10 @@ from controlplane.protocol.hashing import block_hashes
 from controlplane.protocol.policy import ALL_CACHE_INPUTS, CacheInput, PolicyKind, startup_values
 from router.bookings import Bookings
 from router.busy import Thresholds, rank_busy
+from router.cost.common import Overlap
 from router.discovery import Change, Discovery, Health
 from router.index import KvApplied, PrefixIndex
 from router.policy_state import ApplyResult, Outcome, PolicyState
-from router.selection import Overlap
 from tests.policy_keys import session_keys
 
 T0 = datetime(2025, 1, 1, tzinfo=UTC)

@@ -20,7 +20,7 @@ from controlplane.protocol.events import (
     WorkerRole,
 )
 from controlplane.protocol.policy import ALL_CACHE_INPUTS, PolicyKind, startup_values
-from router.scheduler import (
+from router.commands import (
     PREFILL_BOOKING,
     ApplyMembership,
     ApplyPolicy,
@@ -28,10 +28,10 @@ from router.scheduler import (
     RequestDone,
     RequestFirstToken,
     RoutingRequest,
-    Scheduler,
     SelectWorker,
     Tick,
 )
+from router.scheduler import Scheduler
 from router.settings import RoutingMode
 from router.targets import parse_pin, parse_targets
 from tests.policy_keys import session_keys
@@ -228,7 +228,7 @@ async def test_disaggregated_selection_runs_prefill_then_decode_pool() -> None:
     s.send(ApplyMembership(_join_role(2, WorkerRole.DECODE)))
     s.start()
     try:
-        assert await s.inspect(lambda x: x.disaggregated("m"))
+        assert await s.inspect(lambda x: x.chooser.disaggregated("m"))
         first = await s.select(_req(1, targets=parse_targets({}, {})))
         assert (first.instance_id, first.pool, first.disaggregated) == (1, WorkerRole.PREFILL, True)
         assert first.booking_id == "q1" + PREFILL_BOOKING

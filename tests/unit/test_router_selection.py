@@ -1,6 +1,7 @@
-"""The cost function, temperature sampling and tie-breaking of DESIGN §5, in both its forms: the
-Python loop (router.selection) and the numpy columns (router.loadvec) used for large pools, checked
-against each other bit for bit and against a plain reading of the formula; and the prefix index query."""
+"""The block cost, temperature sampling and tie-breaking of DESIGN §5, in both forms of the block
+cost (router.cost.blocks): the Python loop and the numpy columns of a load table (router.loadvec) used
+for large pools, checked against each other bit for bit and against a plain reading of the formula;
+the comparison modes (router.choose); and the prefix index query."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from datetime import UTC, datetime
 import numpy as np
 import pytest
 
-import router.scheduler as scheduler_mod
+import router.choose as choose_mod
 from controlplane.protocol.events import (
     KvEvent,
     KvRemoved,
@@ -26,20 +27,29 @@ from controlplane.protocol.events import (
     WorkerRecord,
 )
 from controlplane.protocol.policy import ALL_CACHE_INPUTS, CacheInput, PolicyKind, startup_values
-from router.index import PrefixIndex
-from router.loadvec import LoadTable, pick_index
-from router.scheduler import RequestDone, RequestFirstToken, RoutingRequest, Scheduler, SelectWorker
-from router.selection import (
+from router.choose import RoundRobin, least_loaded
+from router.commands import (
+    ApplyKvEvents,
+    ApplyMembership,
+    LoadKvDump,
+    RequestDone,
+    RequestFirstToken,
+    RoutingRequest,
+    SelectWorker,
+)
+from router.cost.blocks import costs, vector_costs
+from router.cost.common import (
     NO_OVERLAP,
     Candidate,
     Overlap,
-    RoundRobin,
     SelectionParams,
-    costs,
-    least_loaded,
     pick,
+    pick_index,
     probabilities,
 )
+from router.index import PrefixIndex
+from router.loadvec import LoadTable
+from router.scheduler import Scheduler
 from router.settings import RoutingMode
 from tests.policy_keys import session_keys
 
@@ -143,7 +153,7 @@ def test_least_loaded_ignores_cache() -> None:
     assert least_loaded(cands, random.Random(0)) == 1
 
 
-# -- the vectorised path (router.loadvec) against a plain reading of DESIGN §5 -------------------
+# -- the vectorised form (router.cost.blocks over router.loadvec's columns) against a plain reading of DESIGN §5
 
 
 
@@ -218,7 +228,8 @@ def test_vectorised_costs_equal_the_loop_bit_for_bit_and_match_the_reference(see
     if not chosen:
         return
     loop = costs(chosen, params, p, overlaps=overlaps, request_blocks=request_blocks, booked_shared=shared)
-    vec = table.costs(rows, params, p, overlaps=overlaps, request_blocks=request_blocks, booked_shared=shared)
+    vec = vector_costs(table.columns(rows), params, p, overlaps=overlaps, request_blocks=request_blocks,
+                       booked_shared=shared)
     assert vec.tolist() == loop  # exactly: same operations, same order
     ref = reference_costs(chosen, params, p, overlaps, shared)
     assert loop == pytest.approx(ref, rel=1e-12, abs=1e-9)
@@ -233,7 +244,8 @@ def test_vectorised_worked_example_costs_18_10_11_picks_the_second() -> None:
     for c in cands:
         table[c.key] = c
     overlaps = {c.key: c.overlap for c in cands}
-    c = table.costs(table.eligible_rows(), SelectionParams(overlap_score_credit=1.0), 160, overlaps=overlaps)
+    c = vector_costs(table.columns(table.eligible_rows()), SelectionParams(overlap_score_credit=1.0), 160,
+                     overlaps=overlaps)
     assert c.tolist() == [18.0, 10.0, 11.0]
     assert pick_index(c, 0.0, random.Random(0)) == 1
 
@@ -313,7 +325,7 @@ def test_load_table_keeps_columns_in_step_with_the_dict() -> None:
             chosen = list(plain.values()) if rows is None else [table.row(i) for i in rows.tolist()]
             assert chosen == [c for c in plain.values() if _eligible(c)]
             if chosen:
-                got = table.costs(rows, params, 300, overlaps={}, request_blocks={16: 19, 32: 10})
+                got = vector_costs(table.columns(rows), params, 300, overlaps={}, request_blocks={16: 19, 32: 10})
                 assert got.tolist() == costs(chosen, params, 300, overlaps={}, request_blocks={16: 19, 32: 10})
     with pytest.raises(ValueError):
         table[(1, 0)] = Candidate(2, 0, 16, 0, 0, 0)
@@ -397,17 +409,17 @@ def _fleet_scheduler(
                            kv_total_blocks=4096, max_num_batched_tokens=8192, started_at=now)
         load = [RankLoad(dp_rank=r, active_decode_blocks=rng.randrange(50), active_prefill_tokens=rng.randrange(300),
                          running=rng.randrange(4)) for r in range(2)]
-        s._dispatch(scheduler_mod.ApplyMembership(MembershipEvent(op=MembershipOp.JOIN, worker=rec, load=load, at=now)))
-        s._dispatch(scheduler_mod.LoadKvDump(wid, None))
+        s._dispatch(ApplyMembership(MembershipEvent(op=MembershipOp.JOIN, worker=rec, load=load, at=now)))
+        s._dispatch(LoadKvDump(wid, None))
         eid = itertools.count()
         for chain in rng.sample(chains, 2):
             blocks = [StoredBlock(block_hash=h, tokens_hash=h) for h in chain[: rng.randrange(1, 13)]]
             tier = rng.choice([CacheInput.DEVICE, CacheInput.DEVICE, CacheInput.HOST])
-            s._dispatch(scheduler_mod.ApplyKvEvents([KvEvent(
+            s._dispatch(ApplyKvEvents([KvEvent(
                 instance_id=wid, dp_rank=rng.randrange(2), event_id=next(eid), tier=tier,
                 data=KvStored(blocks=blocks))]))
         if wid % 5 == 0:
-            s._dispatch(scheduler_mod.ApplyKvEvents([KvEvent(
+            s._dispatch(ApplyKvEvents([KvEvent(
                 instance_id=wid, event_id=next(eid), data=KvRemoved(block_hashes=chains[0][3:5]))]))
     return s, chains
 
@@ -429,7 +441,7 @@ def test_scheduler_selects_the_same_with_and_without_numpy(
     def both(cmd_of: object) -> tuple[object, object]:
         out = []
         for s, threshold in ((scalar, 10**9), (vector, 0)):
-            monkeypatch.setattr(scheduler_mod, "VECTOR_MIN_CANDIDATES", threshold)
+            monkeypatch.setattr(choose_mod, "VECTOR_MIN_CANDIDATES", threshold)
             out.append(s._dispatch(cmd_of()))  # type: ignore[operator]
         return out[0], out[1]
 
@@ -457,5 +469,5 @@ def test_scheduler_selects_the_same_with_and_without_numpy(
                                kv_total_blocks=4096, max_num_batched_tokens=8192, started_at=now)
             load = [RankLoad(dp_rank=0, active_decode_blocks=rng.randrange(80), running=rng.randrange(6))]
             op = MembershipOp.LEAVE if i % 115 == 0 else MembershipOp.HEARTBEAT
-            both(lambda rec=rec, load=load, op=op: scheduler_mod.ApplyMembership(
+            both(lambda rec=rec, load=load, op=op: ApplyMembership(
                 MembershipEvent(op=op, worker=rec, load=load, at=now)))

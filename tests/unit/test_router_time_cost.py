@@ -26,8 +26,7 @@ from controlplane.protocol.events import (
 from controlplane.protocol.hashing import block_hashes, chain_hashes
 from controlplane.protocol.policy import ALL_CACHE_INPUTS, PolicyKind, startup_values
 from router.calibration import Calibration
-from router.cost import DEFAULT_TIMING
-from router.scheduler import (
+from router.commands import (
     ApplyKvEvents,
     ApplyMembership,
     ApplyPolicy,
@@ -35,9 +34,10 @@ from router.scheduler import (
     RequestDone,
     RequestFirstToken,
     RoutingRequest,
-    Scheduler,
     SelectWorker,
 )
+from router.cost.time import DEFAULT_TIMING
+from router.scheduler import Scheduler
 from router.settings import RoutingMode
 from tests.policy_keys import session_keys
 
@@ -140,7 +140,7 @@ def test_objective_only_the_least_loaded_meets_goes_there() -> None:
         sel = s._dispatch(SelectWorker(req(i, tokens, ttft_slo_ms=150.0), seq=i))
         assert sel.instance_id == 2 and sel.slo_predicted_met is True
         s._dispatch(RequestDone(f"q{i}"))
-    assert s.slo["m"]["predicted_met"] == 20
+    assert s.chooser.slo["m"]["predicted_met"] == 20
 
 
 def test_objective_prefers_the_most_cache_reuse_among_those_that_meet_it() -> None:
@@ -166,7 +166,7 @@ def test_impossible_objective_is_refused_or_best_effort_as_the_policy_says() -> 
     assert ack.result.outcome.value == "ACK"
     with pytest.raises(Overloaded, match="TTFT objective of 1 ms"):
         s._dispatch(SelectWorker(req(2, tokens, ttft_slo_ms=1.0), seq=2))
-    assert s.slo["m"]["rejected"] == 1
+    assert s.chooser.slo["m"]["rejected"] == 1
     # Without an objective nothing changes.
     assert s._dispatch(SelectWorker(req(3, tokens), seq=3)).instance_id == 2
 
@@ -218,6 +218,13 @@ def test_objective_parsing_names_the_field() -> None:
         assert err.value.field == field
 
 
+def score(s: Scheduler, r: RoutingRequest) -> list[float]:
+    """The cost of each eligible rank of model m's pool, as the scheduler scores a selection."""
+    table = s.tables.table("m", s.pool)
+    cost: list[float] = s.chooser.score(r, table, s.pool, s.params("m"), s.timings.decode_tokens["m"].value).cost
+    return cost
+
+
 def test_a_long_prefill_goes_where_no_session_is_expected_back_a_returning_turn_stays_on_its_cache() -> None:
     """Two idle workers; four sessions finished a turn on worker 1 and have not come back yet
     (router.returns). A long uncached prompt there would hold up their returns for its whole
@@ -243,7 +250,7 @@ def test_a_long_prefill_goes_where_no_session_is_expected_back_a_returning_turn_
     assert len(s.tables.returns) == 4
     assert slot1.arrival_rate > 0.0 == slot2.arrival_rate
     long_prompt = [rng.randrange(256) for _ in range(6000)]
-    costs = s._score(req(100, long_prompt), s.tables.table("m", s.pool), s.pool).cost
+    costs = score(s, req(100, long_prompt))
     assert costs[0] > costs[1]  # the wait it would cause at worker 1
     assert s._dispatch(SelectWorker(req(100, long_prompt), seq=100)).instance_id == 2
     s._dispatch(RequestDone("q100"))
@@ -262,7 +269,7 @@ def test_a_long_prefill_goes_where_no_session_is_expected_back_a_returning_turn_
     for i, prompt in enumerate(turns):
         off._dispatch(RequestDone(off._dispatch(SelectWorker(req(i, prompt), seq=i)).booking_id))
     assert off._slots["m"][(1, 0)].arrival_rate > 0.0 or off._slots["m"][(2, 0)].arrival_rate > 0.0
-    a, b = off._score(req(102, long_prompt), off.tables.table("m", off.pool), off.pool).cost
+    a, b = score(off, req(102, long_prompt))
     assert a == b
 
 

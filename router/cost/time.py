@@ -1,4 +1,5 @@
-"""The predicted-time cost (selection mode ``kv``, issue 9). Pure: no I/O, no clock.
+"""The time cost: the predicted time to first token, in ms (modes ``kv``, the default, and
+``kv-time``; issue 9). Pure: no I/O, no clock.
 
 Each candidate (one worker dp rank) is scored by the time the request would take to its first
 token there, in milliseconds of that worker's own timing model (:class:`Timing`, fitted per worker
@@ -32,19 +33,23 @@ are credits in the same unit: a block held in a tier removes its tokens (times t
 from the prefill, i.e. it is worth the prefill time it saves on that worker. ``decay`` is the
 block cost's (DESIGN §5): ``1 / (1 + overlap_score_credit_decay · excess / R)``.
 
-Temperature and ties are DESIGN §5's (:func:`router.selection.pick`) over these costs.
+Temperature and ties are DESIGN §5's (:mod:`router.cost.common`) over these costs.
+
+:func:`row_costs` scores a pool's rows in Python (the rows kept by its load table, with two fast
+paths: the ranks holding part of the prompt scored apart from the rest, and an argmin-only scan
+that skips every row whose lower bound is above the least cost so far); :func:`vector_time_costs`
+computes the same over the table's numpy columns for large pools, equal up to float rounding
+(a few terms are grouped differently).
 """
 
 from __future__ import annotations
 
 import math
-import random
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import Any, NamedTuple, cast
 
 import numpy as np
-import numpy.typing as npt
 
 from controlplane.protocol.events import (
     DEFAULT_DECODE_MIN_MS,
@@ -52,7 +57,16 @@ from controlplane.protocol.events import (
     DEFAULT_PREFILL_MS,
     EngineTiming,
 )
-from router.selection import TIE_EPS, Candidate, Overlap, SelectionParams
+from router.cost.common import (
+    TIE_EPS,
+    Candidate,
+    Columns,
+    Floats,
+    Overlap,
+    SelectionParams,
+    WorkerKey,
+    located_overlaps,
+)
 
 # Decode tokens per request assumed until a model's requests have been observed.
 DEFAULT_DECODE_TOKENS = 32.0
@@ -130,8 +144,9 @@ class TimeRest(NamedTuple):
 
 class TimeRow(NamedTuple):
     """What the time cost needs of one candidate, computed when its load or timing model changes
-    rather than at every selection (a :class:`router.loadvec.LoadTable` keeps one per row): the
-    request-independent parts of the module docstring's formula."""
+    rather than at every selection (a :class:`router.loadvec.LoadTable` keeps one per row, and
+    its :func:`timing_figures` as numpy columns): the request-independent parts of the module
+    docstring's formula."""
 
     key: tuple[int, int]
     block_size: int
@@ -341,12 +356,95 @@ def predict(
                        decode_tokens=decode_tokens, uncached_tokens=uncached_tokens)
 
 
-def consolidate(cost: npt.NDArray[np.float64], meet: npt.NDArray[np.bool_], hits: npt.NDArray[np.float64],
-                rng: random.Random) -> int:
-    """A TTFT objective's pick (issue 9): among the candidates predicted to meet it (``meet``, at
-    least one), those with the most cached blocks (``hits``), and among them the least cost, ties
-    uniformly at random (DESIGN §5's tie-break)."""
-    best_hit = hits[meet].max()
-    masked = np.where(meet & (hits >= best_hit), cost, np.inf)
-    ties = np.flatnonzero(masked - masked.min() <= 1e-9)
-    return int(ties[0]) if len(ties) == 1 else int(ties[rng.randrange(len(ties))])
+
+def timing_figures(tr: TimeRow) -> tuple[float, ...]:
+    """A row's figures as :func:`vector_time_costs` reads them (a load table keeps them as
+    :class:`router.cost.common.Columns` ``timing``, one array per figure), in this order: KV blocks,
+    step budget M, p0, p1, p2, d0, d1, d2, decode_min_ms, prefill(M), prefill(Q), decode_step(u), λ/2."""
+    t = tr.rest.timing
+    return (tr.rest.kv_blocks, tr.budget, tr.p0, tr.p1, tr.p2, t.d0, t.d1, t.d2,
+            t.decode_min_ms, tr.full_step_ms, tr.ahead_ms, tr.decode_step_ms, tr.wait_rate)
+
+
+TIMING_FIGURES = 13  # len(timing_figures(row))
+
+
+def vector_time_costs(
+    cols: Columns, params: SelectionParams, prompt_tokens: int, *,
+    overlaps: Mapping[WorkerKey, Overlap],
+    request_blocks: Mapping[int, int] | None = None,
+    booked_shared: Mapping[WorkerKey, int] | None = None,
+    decode_tokens: float = DEFAULT_DECODE_TOKENS,
+) -> tuple[Floats, Floats]:
+    """(cost, predicted TTFT) in ms of each row of ``cols``, as :func:`time_costs` computes them
+    for those candidates (equal up to float rounding). Raises ValueError on columns without the
+    time cost's figures."""
+    b = cols.block
+    m_rows = len(b)
+    if m_rows == 0:
+        empty = np.zeros(0, dtype=np.float64)
+        return empty, empty
+    a, decode, requests = cols.prefill, cols.decode, cols.requests
+    t = cols.timing
+    if t is None:
+        raise ValueError("the time cost needs the table's timing columns")
+    kv, budget = t[0], t[1]
+    p0, p1, p2 = t[2], t[3], t[4]
+    step_full, ahead, step = t[9], t[10], t[11]
+    p = prompt_tokens
+    x = cast(Floats, a + float(p))
+    if overlaps:
+        pos, ov = located_overlaps(cols, overlaps)
+        if len(pos):
+            bp = b[pos]
+            credit = params.overlap_score_credit * ov[:, 0]
+            if params.overlap_score_credit_decay:
+                r = np.maximum(1, -(-p // bp))
+                excess = (a[pos] - a.min()) / bp
+                credit = credit / (1.0 + params.overlap_score_credit_decay * excess / r)
+            credit = (credit + params.host_cache_hit_weight * ov[:, 1]
+                      + params.disk_cache_hit_weight * ov[:, 2] + params.shared_cache_multiplier * ov[:, 3])
+            limit = (p - 1) // bp if p > 0 else np.zeros_like(bp)
+            x[pos] = x[pos] - np.minimum(credit, limit) * bp
+    full = np.floor_divide(x, budget)
+    rem = x - full * budget
+    # x > 0 always for a prompt of ≥ 1 token (the last one is never a hit); rem = 0 adds
+    # max(p0, 0) · 0 below only when p0 ≤ 0, so the where on rem > 0 is kept.
+    part = np.maximum(p0 + rem * (p1 + p2 * rem), 0.0)
+    has_rem = rem > 0
+    prefill = full * step_full + np.where(has_rem, part, 0.0)
+    steps = full + has_rem
+    ttft = prefill + steps * step  # step is 0 on a rank that runs nothing
+    cost = ttft
+    added = prefill - ahead
+    if params.arrival_wait_weight:
+        cost = cost + (params.arrival_wait_weight * t[12]) * (added * (added + 2.0 * ahead))
+    slow_w = params.decode_slowdown_weight
+    inter_w = params.prefill_interference_weight
+    if inter_w or slow_w:
+        active = requests > 0
+        if not bool(active.any()):
+            return cost, ttft
+        extra = inter_w * added if inter_w else np.zeros(m_rows)
+        if slow_w:
+            d0, d1, d2, dmin = t[5], t[6], t[7], t[8]
+            if request_blocks and len(request_blocks) == 1:
+                (only,) = request_blocks.values()
+                r_all: Any = np.full(m_rows, only, dtype=np.int64)
+            else:
+                r_all = -(-p // b)
+                if request_blocks:
+                    for size, count in request_blocks.items():
+                        r_all = np.where(b == size, count, r_all)
+            if booked_shared:
+                items = [(k, v) for k, v in booked_shared.items() if v]
+                if items:
+                    spos, keep = cols.locate([k for k, _ in items])
+                    vals = np.array([v for _, v in items], dtype=np.int64)[keep]
+                    r_all = r_all.copy()
+                    r_all[spos] = r_all[spos] - vals
+            v = np.minimum((decode + np.maximum(r_all, 0)) / kv, 1.0)
+            grown = np.maximum(d0 + d1 * v + d2 * v * v, dmin)
+            extra = extra + np.where(grown > step, slow_w * (grown - step) * decode_tokens, 0.0)
+        cost = cost + requests * extra  # requests = 0: no one to slow down
+    return cost, ttft
