@@ -207,15 +207,13 @@ class AuditChain:
             raise
 
     def _ensure_writer(self) -> asyncio.Queue[_Pending | None]:
-        loop = asyncio.get_running_loop()
-        if self._writer is not None and not self._writer.done():
-            if self._writer.get_loop() is loop:
-                assert self._queue is not None
-                return self._queue
-        if self._writer is not None and self._writer.get_loop() is not loop:
-            # Used from a new event loop: the old writer belongs to the old loop, as do its
-            # task group and connection; start afresh.
+        if self._writer is not None and self._writer.get_loop() is not asyncio.get_running_loop():
+            # Used from a new event loop: the old writer belongs to the old loop, as does its
+            # task group; start afresh.
             self._tasks = Tasks("audit store")
+        elif self._writer is not None and not self._writer.done():
+            assert self._queue is not None
+            return self._queue
         queue: asyncio.Queue[_Pending | None] = asyncio.Queue()
         self._queue = queue
         self._writer_conn = None  # a connection of a previous writer belongs to its event loop
