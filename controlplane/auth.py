@@ -28,8 +28,8 @@ from typing import Any
 from sqlalchemy import func, insert, select, update
 from sqlalchemy.ext.asyncio import AsyncEngine
 
+from controlplane.audit.db import bounded, make_engine
 from controlplane.audit.records import AuditEntry, AuditStage, Decision, format_time
-from controlplane.audit.store import bounded, make_engine
 from controlplane.audit.tables import api_tokens
 from controlplane.protocol.errors import InvalidRequest
 

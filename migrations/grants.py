@@ -8,8 +8,9 @@ may only read and append to the audit and ACK tables, and create, read and revok
 
 It owns nothing, so it cannot ALTER a table, disable a trigger, TRUNCATE, UPDATE or DELETE an
 audit row. ``apply(connection, role)`` creates the role (NOLOGIN, when the owner may create roles)
-unless it exists, and (re)grants; it is idempotent and run by migration 0002 and after every
-``upgrade``, so a renamed role or a table added later gets its grants from the same place.
+unless it exists, and (re)grants; it is idempotent and run after every ``upgrade`` to head, so a
+renamed role or a table added later gets its grants from the same place. Migration 0002 runs it
+too, with the list of its own time (a frozen copy: a table added later does not exist yet there).
 Raises ``GrantError`` for a role name that is the owner itself or that cannot be created.
 """
 
@@ -17,6 +18,7 @@ from __future__ import annotations
 
 import os
 import re
+from collections.abc import Mapping
 
 from sqlalchemy import text
 from sqlalchemy.engine import Connection
@@ -46,8 +48,13 @@ def app_role_name(explicit: str | None = None) -> str:
     return name
 
 
-def apply(connection: Connection, role: str) -> None:
-    """Create ``role`` if missing (NOLOGIN) and grant it exactly ``APP_GRANTS`` (idempotent)."""
+def apply(connection: Connection, role: str, *,
+          privileges: Mapping[str, tuple[str, ...]] = APP_GRANTS) -> None:
+    """Create ``role`` if missing (NOLOGIN) and grant it exactly ``privileges`` (idempotent).
+
+    ``privileges`` is ``APP_GRANTS`` but for a migration, which passes the list of its own time
+    (the tables it knows).
+    """
     role = app_role_name(role)
     owner = connection.execute(text("SELECT current_user")).scalar_one()
     if role == owner:
@@ -66,8 +73,8 @@ def apply(connection: Connection, role: str) -> None:
                 f"(CREATE ROLE {role} LOGIN PASSWORD ...) or grant CREATEROLE to the owner")
         connection.execute(text(f'CREATE ROLE "{role}" NOLOGIN'))
     # Nothing more than listed: start from nothing on every table we grant on.
-    for table, privileges in APP_GRANTS.items():
+    for table, granted in privileges.items():
         connection.execute(text(f'REVOKE ALL ON TABLE {table} FROM "{role}"'))
         connection.execute(text(f'REVOKE ALL ON TABLE {table} FROM PUBLIC'))
-        connection.execute(text(f'GRANT {", ".join(privileges)} ON TABLE {table} TO "{role}"'))
+        connection.execute(text(f'GRANT {", ".join(granted)} ON TABLE {table} TO "{role}"'))
     connection.execute(text(f'GRANT USAGE ON SCHEMA public TO "{role}"'))

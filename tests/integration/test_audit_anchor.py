@@ -31,8 +31,9 @@ import pytest
 import migrations
 from bus.client import Bus
 from cli.embedded import DatabaseAccess, EmbeddedNats, EmbeddedPostgres
+from controlplane.audit.audit_chain import chain_rows
 from controlplane.audit.records import AuditEntry, AuditStage, Decision
-from controlplane.audit.store import AuditStore, Chain, chain_rows
+from controlplane.audit.store import AuditStore, Chain
 from controlplane.checkpoints import CheckpointLog
 from controlplane.protocol.checkpoints import AuditCheckpoint, ChainSegment
 from controlplane.protocol.events import AckStatus, ApplyAck

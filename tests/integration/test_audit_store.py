@@ -22,7 +22,7 @@ from sqlalchemy import text
 import migrations
 from cli.embedded import DatabaseAccess, EmbeddedPostgres
 from controlplane.audit.records import GENESIS_HASH, AuditEntry, AuditRow, AuditStage, Decision
-from controlplane.audit.store import AuditStore
+from controlplane.audit.store import AuditStore, Chain
 from controlplane.audit.tables import metadata
 from controlplane.protocol.errors import AuditUnavailable, InvalidRequest
 from controlplane.protocol.events import AckStatus, ApplyAck
@@ -131,6 +131,39 @@ async def test_migrated_schema_matches_the_models(db: str, store: AuditStore) ->
         differences = await conn.run_sync(diff)
     # alembic_version is not ours to model; anything else is a drift between models and migration.
     assert [d for d in differences if "alembic_version" not in repr(d)] == []
+
+
+async def test_0002_links_the_acks_stored_before_it_into_a_chain_the_store_verifies(
+        another_database: Callable[[], DatabaseAccess]) -> None:
+    # Rows written at 0001 (no hashes) are hashed by 0002's frozen copy of the chain hash; the
+    # live store must verify them and go on chaining after them.
+    access = another_database()
+    await migrations.upgrade_async(access.owner_url, "0001")
+    conn = await asyncpg.connect(raw_url(access.owner_url))
+    try:
+        for i, (event_id, effective) in enumerate([
+            (uuid.uuid4(), '{"router_temperature": 0.5, "overlap_score_credit": 1.0}'),
+            (None, "{}"),
+            (uuid.uuid4(), '{"nested": {"b": [1, 2.5, null], "a": 1e20}, "x": "\u00fc"}'),
+        ]):
+            await conn.execute(
+                "INSERT INTO router_acks (router_id, model, kind, revision, status, detail, "
+                "event_id, effective, at) VALUES ($1, 'm', 'selection', $2, $3, $4, $5, $6::jsonb, $7)",
+                f"r{i}", i + 1, "NACK" if i == 1 else "ACK", "bad" if i == 1 else "", event_id,
+                effective, datetime(2026, 11, 30, 1, 2, 3, 456789 + i, tzinfo=UTC))
+    finally:
+        await conn.close()
+    await migrations.upgrade_async(access.owner_url)
+    s = AuditStore.from_url(access.app_url)
+    try:
+        result = await s.verify(chain=Chain.ACKS)
+        assert result.ok and result.checked == 3, result
+        await s.record_ack(ApplyAck(router_id="r", model="m", kind=PolicyKind.SELECTION,
+                                    revision=4, status=AckStatus.ACK, at=datetime.now(UTC)))
+        result = await s.verify(chain=Chain.ACKS)
+        assert result.ok and result.checked == 4, result
+    finally:
+        await s.close()
 
 
 async def test_upgrade_of_an_unreachable_database_is_audit_unavailable() -> None:

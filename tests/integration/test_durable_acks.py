@@ -22,7 +22,8 @@ from nats.aio.client import Client as NATS
 from bus.client import Bus
 from bus.tasks import Tasks
 from controlplane.acks import AckConsumer
-from controlplane.audit.store import ACK_CHAIN_LOCK_KEY, AckRecord, AuditStore, Chain
+from controlplane.audit.ack_chain import ACK_CHAIN_LOCK_KEY
+from controlplane.audit.store import AckRecord, AuditStore, Chain
 from controlplane.protocol.events import AckStatus, ApplyAck
 from controlplane.protocol.policy import PolicyKind
 from controlplane.protocol.subjects import STREAM_ACKS, acks_subject

@@ -11,6 +11,7 @@ from typing import Any
 
 import pytest
 
+from controlplane.audit.audit_chain import chain_rows, decode_cursor, encode_cursor
 from controlplane.audit.records import (
     GENESIS_HASH,
     AuditEntry,
@@ -20,7 +21,6 @@ from controlplane.audit.records import (
     canonical_json,
     compute_row_hash,
 )
-from controlplane.audit.store import chain_rows, decode_cursor, encode_cursor
 from controlplane.protocol.errors import InvalidRequest
 
 AT = datetime(2026, 1, 2, 3, 4, 5, 678901, tzinfo=UTC)
