@@ -203,6 +203,27 @@ def asks_nothing(body: Body) -> bool:
             and not body.field("unset"))
 
 
+def _threshold_changes(parameters: Mapping[str, Any], unset: list[str]) -> dict[str, Any]:
+    """What a threshold write records as its changes: the values it sets, None for each unset."""
+    changes = {k: v for k, v in parameters.items() if v is not None}
+    changes.update({name: None for name in unset})
+    return changes
+
+
+def _threshold_notes(a: Attempt) -> Callable[[str, Any], None]:
+    """Note a threshold body's fields as they pass; once ``create`` has (every field but the
+    expected revision), the attempt's changes are known and recorded with a later refusal."""
+    seen: dict[str, Any] = {}
+
+    def note(name: str, value: Any) -> None:
+        a.note(name, value)
+        seen[name] = value
+        if name == "create":
+            a.changes = _threshold_changes({k: seen[k] for k in THRESHOLD_FIELDS}, seen["unset"])
+
+    return note
+
+
 R = TypeVar("R", bound=WriteRequest)
 T = TypeVar("T")
 
@@ -262,14 +283,16 @@ class WritePath:
             raise await self.refusal(ctx, a, exc) from exc
 
     @staticmethod
-    def _admit(ctx: RequestContext, a: Attempt, body: Body, request: type[R]) -> R:
+    def _admit(ctx: RequestContext, a: Attempt, body: Body, request: type[R],
+               note: Callable[[str, Any], None] | None = None) -> R:
         """Steps 1-2: whether the caller may write (answered first, whatever the body), then the
-        body, checked against the write's model; every field that passes is noted in ``a``."""
+        body, checked against the write's model; every field that passes is noted in ``a``
+        (by ``note``, if given)."""
         _hint(a, body.json)
         ctx.authorize(Action.WRITE_POLICY)
         if body.error is not None:
             raise body.error
-        return parse(request, body.json, note=a.note)
+        return parse(request, body.json, note=note or a.note)
 
     # ---- the commit (steps 5-7) ----------------------------------------------------------
 
@@ -459,11 +482,10 @@ class WritePath:
             a = Attempt(op=PolicyOp.PATCH, kind=PolicyKind.BUSY_THRESHOLD)
 
             async def prepare(a: Attempt = a) -> None:
-                request = self._admit(ctx, a, body, ThresholdsUpdate)
+                request = self._admit(ctx, a, body, ThresholdsUpdate, note=_threshold_notes(a))
                 model = request.model
                 parameters = {k: getattr(request, k) for k in THRESHOLD_FIELDS if k in request.model_fields_set}
-                a.changes = {k: v for k, v in parameters.items() if v is not None}
-                a.changes.update({name: None for name in request.unset})
+                a.changes = _threshold_changes(parameters, request.unset)
                 a.before = await self._head(a)
                 if a.head_revision == 0 and not request.create and not self.fleet.serves(model):
                     raise NotFound(f"model {model!r} is not served by any live worker or router and "

@@ -250,7 +250,8 @@ def _check_of(request: type[WriteRequest], field: str) -> Check:
 
 def parse(request: type[R], body: Any, *, note: Callable[[str, Any], None] = _ignore) -> R:
     """``body`` (decoded JSON) as a ``request``; raises the RudderError naming the first bad field
-    (see the module docstring for the order). ``note(field, value)`` hears each field that passed."""
+    (see the module docstring for the order). ``note(field, value)`` hears each field that passed,
+    in order (an absent optional field passes with its default)."""
     if not isinstance(body, Mapping):
         raise InvalidRequest("request body must be a JSON object", field="body")
     fields = request.model_fields
@@ -264,6 +265,8 @@ def parse(request: type[R], body: Any, *, note: Callable[[str, Any], None] = _ig
             note(name, check.check(body[name], name))
         elif info.is_required():
             raise check.refuse_missing(name)
+        else:
+            note(name, info.get_default(call_default_factory=True))
     try:
         return request.model_validate(body)
     except ValidationError as exc:  # the model's own checks, or a type a field's check let through
