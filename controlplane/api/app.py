@@ -14,6 +14,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse
+from fastapi.routing import APIRoute
 from pydantic.json_schema import models_json_schema
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.routing import Match
@@ -85,12 +86,13 @@ def as_rudder_error(request: Request, exc: Exception) -> RudderError:
 
 
 def allowed_methods(request: Request) -> list[str]:
-    """The methods some route serves at the request's path."""
+    """The methods the routes of the request's path serve (Starlette's own ``Allow`` names only
+    the first route it tried)."""
     methods: set[str] = set()
-    for route in request.app.router.routes:
-        match, _ = route.matches(request.scope)
-        if match is not Match.NONE:
-            methods.update(getattr(route, "methods", None) or ())
+    for router in ROUTERS:
+        for route in router.routes:
+            if isinstance(route, APIRoute) and route.matches(request.scope)[0] is not Match.NONE:
+                methods.update(route.methods or ())
     return sorted(methods)
 
 

@@ -7,7 +7,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from controlplane.api.deps import Svc
-from controlplane.api.models import Health, Readiness, operation, responses
+from controlplane.api.models import ERRORS, REF, ErrorBody, Health, Readiness, operation, responses
 
 router = APIRouter(tags=["health"])
 
@@ -34,7 +34,9 @@ async def readyz(svc: Svc) -> JSONResponse:
 @router.get("/metrics", response_class=PlainTextResponse, openapi_extra=operation(None), responses={
     200: {"content": {CONTENT_TYPE_LATEST.split(";")[0]: {"schema": {"type": "string"}}},
           "description": "Prometheus text exposition"},
-    **responses(500)})
+    # Named by its content: the route's own media type (text) is not the error body's.
+    500: {"content": {"application/json": {"schema": {"$ref": REF.format(model=ErrorBody.__name__)}}},
+          "description": ERRORS[500]}})
 async def prom(svc: Svc) -> PlainTextResponse:
     """Prometheus metrics of the admin API, the write path, the reconciler and the bus."""
     svc.metrics.observe_reconcile(svc.cp.reconciler.last_report, svc.cp.reconciler.last_run_at)
