@@ -39,6 +39,7 @@ from pydantic_core import CoreSchema, PydanticCustomError, core_schema
 
 from controlplane.protocol.errors import InvalidRequest, RudderError, ValidationFailed
 from controlplane.protocol.policy import (
+    PARAMETERS,
     THRESHOLD_PARAMETERS,
     PolicyKind,
     parse_kind,
@@ -52,11 +53,11 @@ from controlplane.protocol.subjects import MAX_MODEL_NAME_BYTES, encode_model_ke
 
 @dataclass(frozen=True, slots=True)
 class Check:
-    """A field's pure check, as ``Annotated`` metadata: ``check(value, field)`` returns the value
+    """A field's pure check, as ``Annotated`` metadata: ``fn(value, field)`` returns the value
     (normalised) or raises the RudderError that names the field. ``missing`` is the message of a
-    required field that is absent (default: what ``check`` says of ``None``)."""
+    required field that is absent (default: what ``fn`` says of ``None``)."""
 
-    check: Callable[[Any, str], Any]
+    fn: Callable[[Any, str], Any]
     missing: str | None = None
 
     def __get_pydantic_core_schema__(self, source: Any, handler: GetCoreSchemaHandler) -> CoreSchema:
@@ -64,21 +65,21 @@ class Check:
 
     def _validate(self, value: Any, info: core_schema.ValidationInfo) -> Any:
         try:
-            return self.check(value, info.field_name or "")
+            return self.fn(value, info.field_name or "")
         except RudderError as exc:
-            raise refusal(exc) from None
+            raise _carried(exc) from None
 
     def refuse_missing(self, field: str) -> RudderError:
         if self.missing is not None:
             return InvalidRequest(self.missing, field=field)
         try:
-            self.check(None, field)
+            self.fn(None, field)
         except RudderError as exc:
             return exc
         return InvalidRequest(f"{field} is required", field=field)
 
 
-def refusal(error: RudderError) -> PydanticCustomError:
+def _carried(error: RudderError) -> PydanticCustomError:
     """A check's RudderError as pydantic's error, carrying it (``ctx["error"]``) for :func:`parse`."""
     return PydanticCustomError("rudder", "{message}", {"message": error.message, "error": error})
 
@@ -137,10 +138,20 @@ ExpectedRevision = Annotated[int, Field(ge=0, description=(
     Check(check_revision, missing="expected_revision is required (use the current revision, or 0 "
                                   "for a new document)")]
 DryRun = Annotated[bool, Field(description="Check and show the result; publish nothing."), Check(check_flag)]
+
+
+def _parameters_described() -> str:
+    """Every kind's parameters and their ranges (from the policy module's tables)."""
+    kinds = "; ".join(f"{kind.value}: " + ", ".join(f"{name} ({spec.describe_range()})"
+                                                      for name, spec in specs.items())
+                      for kind, specs in PARAMETERS.items())
+    return ("The patch: parameter name → new value, or null to remove the override; the names "
+            f"are the kind's. {kinds}.")
+
+
 Parameters = Annotated[Any, WithJsonSchema({
     "type": "object",
-    "description": ("The patch: parameter name → new value, or null to remove the override. The "
-                    "names and ranges are the kind's parameters (docs/policy.md); finite numbers only."),
+    "description": _parameters_described(),
     "additionalProperties": {"anyOf": [{"type": "number"}, {"type": "null"}]},
 }), Check(_any)]
 
@@ -188,7 +199,7 @@ class PolicyPatch(WriteRequest):
                 return self
             checked = validate_changes(self.kind, self.parameters)
         except RudderError as exc:
-            raise refusal(exc) from None
+            raise _carried(exc) from None
         return self.model_copy(update={"parameters": checked})
 
 
@@ -262,7 +273,7 @@ def parse(request: type[R], body: Any, *, note: Callable[[str, Any], None] = _ig
     for name, info in fields.items():
         check = _check_of(request, name)
         if name in body:
-            note(name, check.check(body[name], name))
+            note(name, check.fn(body[name], name))
         elif info.is_required():
             raise check.refuse_missing(name)
         else:
