@@ -208,6 +208,8 @@ class Routers(Open):
 
 
 class WorkerView(Open):
+    """A live worker: its membership record, when it was last seen, and its load by rank."""
+
     instance_id: int | None = None
     model: str | None = None
     role: str | None = None
@@ -215,9 +217,14 @@ class WorkerView(Open):
     dp_size: int | None = None
     block_size: int | None = None
     kv_total_blocks: int | None = None
+    max_num_batched_tokens: int | None = None
+    tokenizer: str | None = None
+    cache_tiers: list[str] | None = None
     engine: str | None = None
+    started_at: str | None = None
+    timing: dict[str, Any] | None = None
     last_seen: str | None = None
-    state: str | None = None
+    state: str | None = Field(default=None, description="The last membership op (join, heartbeat)")
     load: list[dict[str, Any]] | None = None
 
 
