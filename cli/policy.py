@@ -161,7 +161,7 @@ def get(
 @app.command("set")
 def set_(
     model: Model,
-    assignments: Annotated[
+    parameters: Annotated[
         list[str], typer.Argument(help="name=value pairs; value is a JSON number or null.")
     ],
     kind: KindOpt = PolicyKind.SELECTION,
@@ -170,13 +170,11 @@ def set_(
     dry_run: DryRunOpt = False,
 ) -> None:
     """Set overrides: `rudder policy set MODEL overlap_score_credit=0.5 --revision 7`."""
-    changes = shared.pairs(assignments)
+    body: dict[str, Any] = {"model": model, "kind": kind.value,
+                            "parameters": shared.parameters(parameters), "dry_run": dry_run}
     with shared.client() as api:
-        expected = expected_revision(api, model, kind, revision, latest)
-        result = api.patch("/router_policy", {
-            "model": model, "kind": kind.value, "expected_revision": expected,
-            "parameters": changes, "dry_run": dry_run,
-        })
+        body["expected_revision"] = expected_revision(api, model, kind, revision, latest)
+        result = api.patch("/router_policy", body)
     _print_write(result)
 
 
