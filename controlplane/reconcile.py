@@ -11,7 +11,9 @@ the control plane's valid keys (``bad_signatures``: unsigned, unknown key, or no
 each event's ``document`` equals its accepted audit record's ``after`` (``document_mismatches``),
 and no ``Nats-Msg-Id`` appears on more than one event (``reused_msg_ids``). A policy event written
 around the control plane therefore shows up at least twice: as a bad signature and as an event
-without a decision.
+without a decision. A signed event published again (a replay: its payload's event was accepted
+at another revision) is a ``replayed`` finding, from the stream while it holds it and, for good,
+from the routers' ``replayed`` NACKs in the ACK chain.
 
 The server runs :meth:`Reconciler.check` every ``reconcile_interval_s`` and exports the counts of
 the last report as ``rudder_reconcile_problems{kind=...}``.
@@ -48,9 +50,10 @@ class ReconcileReport:
     bad_signatures: list[dict[str, Any]] = field(default_factory=list)
     document_mismatches: list[dict[str, Any]] = field(default_factory=list)
     reused_msg_ids: list[dict[str, Any]] = field(default_factory=list)
+    replayed: list[dict[str, Any]] = field(default_factory=list)
 
     PROBLEM_KINDS = ("events_without_decision", "decisions_without_event", "duplicate_decisions",
-                     "bad_signatures", "document_mismatches", "reused_msg_ids")
+                     "bad_signatures", "document_mismatches", "reused_msg_ids", "replayed")
 
     def problems(self) -> dict[str, int]:
         """Number of findings of each kind (the ``rudder_reconcile_problems`` metric)."""
@@ -104,8 +107,11 @@ class Reconciler:
         documents: dict[str, dict[str, Any]] = {}
         first_retained: dict[str, int] = {}
         scanned_upto = 0  # the newest revision the scan saw: later writes are checked next time
+        payload_ids: dict[int, tuple[str, str]] = {}  # revision -> (payload event id, subject)
         async for stored in self.log.all_events():
             report.checked_events += 1
+            if stored.event is not None:
+                payload_ids[stored.revision] = (str(stored.event.event_id), stored.subject)
             scanned_upto = max(scanned_upto, stored.revision)
             first_retained.setdefault(stored.subject, stored.revision)
             if stored.signature_error is not None:
@@ -143,6 +149,7 @@ class Reconciler:
                 report.document_mismatches.append(
                     {"event_id": msg_id, "revision": revision, "subject": subject, "audit_id": rows[0].id,
                      "document": document, "after": after})
+        report.replayed = await self._replays(payload_ids, accepted)
         for event_id, rows in accepted.items():
             if event_id in events:
                 continue
@@ -159,6 +166,24 @@ class Reconciler:
         report.ok = not any(report.problems().values())
         self.last_report, self.last_run_at = report, datetime.now(UTC)
         return report
+
+    async def _replays(self, payload_ids: dict[int, tuple[str, str]],
+                       accepted: dict[str, list[Any]]) -> list[dict[str, Any]]:
+        """Signed events stored at a revision other than the one they were accepted as (on the
+        stream now), and every revision routers NACKed as ``replayed`` (in the ACK chain for good)."""
+        found: dict[tuple[str, int], dict[str, Any]] = {}
+        for revision, (event_id, subject) in sorted(payload_ids.items()):
+            written = [r.new_revision for r in accepted.get(event_id, [])]
+            if written and revision not in written:
+                found[(subject, revision)] = {"revision": revision, "subject": subject,
+                                              "event_id": event_id, "written_as": written[0]}
+        for nack in await self.audit.replay_nacks():
+            subject = policy_subject(nack["model"], nack["kind"])
+            entry = found.setdefault((subject, nack["revision"]),
+                                     {"revision": nack["revision"], "subject": subject})
+            entry["routers"] = nack["routers"]
+            entry["detail"] = nack["detail"]
+        return [found[k] for k in sorted(found, key=lambda k: (k[1], k[0]))]
 
     async def run_periodically(self, interval_s: float) -> None:
         """Background loop owned by the server's lifespan: settle pending records, then check

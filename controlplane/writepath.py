@@ -9,12 +9,16 @@ write's model (controlplane/protocol/requests.py), and records every refusal.
 
 Fail closed: if the audit store cannot record, nothing is published and the answer is 503.
 
-A head message that is not a valid policy event (written around the control plane) does not jam
-its document: a write that names it, ``expected_revision`` = that head's revision, replaces it.
-The malformed head's contents are not carried over (``before`` is ``{}``): a PATCH's document is
-exactly its parameters, a reset is ``{}``, a rollback the target's document. The decision is
-recorded with ``reason_code`` ``replaced_malformed_head`` and the head's error as ``reason``, and
-the publish is compare-and-set against that revision like any other. A write that does not name
+A head message that is not a valid policy event (written around the control plane), or a valid
+signed event that this control plane did not write at that revision (a replay of an old one:
+its accepted audit record names another revision, or there is none), is not a head: it does not
+jam its document, and nothing is built on it. A write that names it, ``expected_revision`` = that
+head's revision, replaces it; its contents are not carried over: ``before`` is the last document
+the audit log says the control plane wrote (the newest accepted decision's ``after``), so one
+intruder never drops the other overrides. The decision is recorded with ``reason_code``
+``replaced_malformed_head`` (``replaced_unaudited_head`` for a replayed or unaudited signed event)
+and the head's error as ``reason``, and the publish is compare-and-set against that revision like
+any other. A write that does not name
 the revision (the compatible threshold API without ``expected_revision``) is refused with 409.
 Every rejection of steps 1-4, and a 409 at publish, is itself recorded. A publish whose outcome is
 unknown leaves its "received" row without a decision; the reconciler settles it from the stream.
@@ -317,7 +321,8 @@ class WritePath:
         code = "recovered" if result.recovered else None
         reason = None
         if a.replaces_malformed is not None:
-            code = code or "replaced_malformed_head"
+            replay = a.replaces_malformed.startswith(("replayed", "not_audited"))
+            code = code or ("replaced_unaudited_head" if replay else "replaced_malformed_head")
             reason = (f"replaced malformed head revision {a.head_revision}: "
                       f"{a.replaces_malformed}")[:2000]
         await self.audit.append(self._entry(
@@ -339,24 +344,56 @@ class WritePath:
         )
 
     async def _head(self, a: Attempt) -> Document:
+        """The document a write builds on: the head's, when the head is an event this control
+        plane wrote (its accepted audit record names that revision). A head that is not (a
+        malformed or unsigned message, or a replay of an old signed event) is an intruder: a write
+        must name its revision to replace it, and then builds on the last audited document."""
         assert a.model is not None and a.kind is not None
         head = await self.log.head(a.model, a.kind)
         a.head_revision = head.revision if head else 0
-        if head is not None and head.event is None:
-            # The newest message is not a valid event (written around the control plane). Never
-            # build on it; a write naming its revision replaces it (CAS-checked and audited).
-            if a.expected_revision == head.revision:
-                a.replaces_malformed = head.error or "not a valid policy event"
-                log.warning("model=%s kind=%s: replacing malformed head revision %d (%s)",
-                            a.model, a.kind.value, head.revision, a.replaces_malformed)
-                return {}
-            raise RevisionConflict(
-                f"head revision {head.revision} of {a.model}/{a.kind.value} is not a valid policy "
-                f"event ({head.error}); replace it with a write whose expected_revision is "
-                f"{head.revision}", expected_revision=a.expected_revision, head_revision=head.revision,
-                malformed_head=True,
-            )
-        return dict(head.event.document) if head and head.event else {}
+        if head is None:
+            return {}
+        if head.event is None:
+            intruder: str | None = head.error or "not a valid policy event"
+        else:
+            intruder = await self._unaudited(head.revision, head.event)
+        if intruder is None:
+            assert head.event is not None
+            return dict(head.event.document)
+        # Never build on it; a write naming its revision replaces it (CAS-checked and audited).
+        if a.expected_revision == head.revision:
+            a.replaces_malformed = intruder
+            log.warning("model=%s kind=%s: replacing head revision %d (%s)",
+                        a.model, a.kind.value, head.revision, intruder)
+            last = await self.audit.last_accepted(a.model, a.kind.value)
+            return dict(last.after or {}) if last is not None else {}
+        raise RevisionConflict(
+            f"head revision {head.revision} of {a.model}/{a.kind.value} is not a valid policy "
+            f"event ({intruder}); replace it with a write whose expected_revision is "
+            f"{head.revision}", expected_revision=a.expected_revision, head_revision=head.revision,
+            malformed_head=True,
+        )
+
+    async def _unaudited(self, revision: int, event: PolicyEvent) -> str | None:
+        """Why a signed head at ``revision`` is not one this control plane wrote there, or None.
+
+        Its event is ours at that revision when its accepted decision names the revision, or when
+        its publish is not decided yet (a "received" row and no decision: an ambiguous publish
+        the reconciler settles, or another replica's write in flight). An event accepted at
+        another revision is a replay of it; one without any record was never written by us."""
+        rows = await self.audit.rows_for_event(event.event_id)
+        accepted = [r.new_revision for r in rows
+                    if r.stage is AuditStage.DECISION and r.decision is Decision.ACCEPTED
+                    and r.new_revision is not None]
+        if revision in accepted:
+            return None
+        if accepted:
+            return (f"replayed: event {event.event_id} was written as revision "
+                    f"{accepted[0]}, not {revision}")
+        if any(r.stage is AuditStage.RECEIVED for r in rows) and not any(
+                r.stage is AuditStage.DECISION for r in rows):
+            return None
+        return f"not_audited: event {event.event_id} has no accepted audit record"
 
     def _check_capabilities(self, a: Attempt) -> None:
         assert a.model is not None and a.kind is not None and a.after is not None
@@ -453,13 +490,7 @@ class WritePath:
             if target_rev == 0:
                 target_doc: Document = {}
             else:
-                target = await self.log.get(model, kind, target_rev)
-                if target is None or target.event is None:
-                    raise NotFound(
-                        f"revision {target_rev} is not in the retained history of {model}/{kind.value}",
-                        field="to_revision",
-                    )
-                target_doc = dict(target.event.document)
+                target_doc = await self._revision_document(model, kind, target_rev)
             a.before = await self._head(a)
             _require_head(a)
             a.after = dict(sorted(target_doc.items()))
@@ -468,6 +499,21 @@ class WritePath:
             self._check_capabilities(a)
 
         return await self._run(ctx, a, prepare)
+
+    async def _revision_document(self, model: str, kind: PolicyKind, revision: int) -> Document:
+        """The document of an older revision: from the audit log (the accepted decision that wrote
+        it), so any revision the control plane ever wrote can be rolled back to, not only the
+        stream's retained history; else from the stream. Raises NotFound."""
+        row = await self.audit.accepted_at(model, kind.value, revision)
+        if row is not None and isinstance(row.after, Mapping):
+            return dict(row.after)
+        target = await self.log.get(model, kind, revision)
+        if target is None or target.event is None:
+            raise NotFound(
+                f"revision {revision} is neither in the audit log nor in the retained history of "
+                f"{model}/{kind.value}", field="to_revision",
+            )
+        return dict(target.event.document)
 
     async def set_thresholds(self, ctx: RequestContext, body: Body) -> WriteResult | None:
         """Compatible busy-threshold write. Returns None when the body asks for nothing (a read).

@@ -129,6 +129,7 @@ class ApplyPolicy(Command[PolicyApplied]):
     revision: int
     payload: bytes
     headers: dict[str, str] | None  # the message's headers: the signature is among them
+    previous: int | None = None  # what precedes ``revision`` on its subject (the chain check)
 
 
 @dataclass(slots=True)

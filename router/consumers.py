@@ -54,6 +54,7 @@ from controlplane.protocol.events import (
     decode_kv_dump,
     decode_kv_event,
     decode_membership_event,
+    decode_policy_event,
     utcnow,
 )
 from controlplane.protocol.guard import Drops, UrlAllowList
@@ -85,6 +86,14 @@ from router.policy_state import ApplyResult, Outcome, stream_went_backwards
 from router.scheduler import Scheduler
 
 log = logging.getLogger(__name__)
+
+
+def expected_revision_of(payload: bytes) -> int | None:
+    """The ``expected_revision`` a policy event names, or None when it is not one."""
+    try:
+        return decode_policy_event(payload).expected_revision
+    except InvalidRequest:
+        return None
 
 
 def _reason(exc: InvalidRequest) -> str:
@@ -260,8 +269,10 @@ class PolicyConsumer:
     async def _apply(
         self, model: str, kind: PolicyKind, revision: int, payload: bytes, headers: dict[str, str] | None,
     ) -> None:
+        previous = await self._previous(model, kind, revision, payload)
         try:
-            applied = await self.scheduler.call(ApplyPolicy(model, kind, revision, payload, headers))
+            applied = await self.scheduler.call(
+                ApplyPolicy(model, kind, revision, payload, headers, previous))
         except RudderError as exc:
             log.warning("policy %s|%s revision %d not applied: %s", model, kind.value, revision, exc)
             return
@@ -278,6 +289,25 @@ class PolicyConsumer:
                 revision,
             )
             await self._reread(model, kind, revision)
+
+    async def _previous(self, model: str, kind: PolicyKind, revision: int, payload: bytes) -> int | None:
+        """The chain check's evidence: the first message of the event's subject after the revision
+        it was written on. For an event in its place that is the event itself (returned as its
+        ``expected_revision``); for a replay, a message in between. None when it cannot be told
+        (not an event: the policy state refuses it anyway; or NATS away: the state then checks
+        against the revision it saw last)."""
+        expected = expected_revision_of(payload)
+        if expected is None or expected >= revision:
+            return None
+        try:
+            msg = await self.bus.get(STREAM_POLICY, expected + 1, subject=policy_subject(model, kind.value))
+        except RudderError as exc:
+            log.warning("chain of %s|%s revision %d not checked: %s", model, kind.value, revision,
+                        exc.message)
+            return None
+        if msg is None or msg.seq is None:
+            return None
+        return expected if msg.seq == revision else msg.seq
 
     async def _reread(self, model: str, kind: PolicyKind, revision: int) -> None:
         try:

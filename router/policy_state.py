@@ -12,9 +12,17 @@ signature does not verify is refused first, before its payload is even decoded, 
 detail starts with the reason code (``signature_missing``, ``signature_unknown_key``,
 ``signature_invalid``). The keyring is replaced as a whole when the verify-keys file changes.
 
-A gap is reported when an event's ``expected_revision`` is not the revision seen last for its
-document (after the first one: a router starts from the last message per subject on purpose);
-the consumer then re-reads the document's head.
+Every event is bound to its place in its document's chain (issue 17): its signed
+``expected_revision`` is the revision the control plane wrote it on (the publish is
+compare-and-set on it), so it must be the sequence of the message before it on its subject. An
+event that names an older place than the one this router saw last, or whose subject has another
+message in between (``previous``: what the consumer read from the stream), is a replay of an old
+signed event (its bytes and headers published again) and is refused (NACK, detail starting with
+``replayed``); the last good values stay.
+
+A gap is reported when an event's ``expected_revision`` is newer than the revision seen last for
+its document (messages this router never received; after the first one: a router starts from the
+last message per subject on purpose); the consumer then re-reads the document's head.
 """
 
 from __future__ import annotations
@@ -96,10 +104,12 @@ class PolicyState:
 
     def apply(
         self, model: str, kind: PolicyKind, revision: int, payload: bytes,
-        headers: Mapping[str, str] | None,
+        headers: Mapping[str, str] | None, *, previous: int | None = None,
     ) -> ApplyResult:
         """Apply the event stored at ``revision`` on the (model, kind) subject, with the message
-        ``headers`` that carry its signature."""
+        ``headers`` that carry its signature. ``previous``, when the caller read it from the
+        stream, is the sequence of the subject's message before ``revision`` (or of any message
+        of the subject between the event's ``expected_revision`` and ``revision``)."""
         doc = self.docs.get((model, kind))
         if doc is None:
             return ApplyResult(Outcome.SKIP, model, kind, revision, "not a document this router serves")
@@ -113,6 +123,9 @@ class PolicyState:
             event = decode_policy_event(payload)
         except InvalidRequest as exc:
             return self._nack(doc, revision, f"malformed policy event: {exc.message}", None, False)
+        replayed = replay_reason(event.expected_revision, revision, seen=doc.seen, previous=previous)
+        if replayed is not None:
+            return self._nack(doc, revision, replayed, event.event_id, False)
         gap = doc.seen > 0 and event.expected_revision != doc.seen
         if event.model != model or event.kind is not kind:
             return self._nack(
@@ -182,6 +195,25 @@ class PolicyState:
             d.seen = 0
             d.revision = 0
         return forgotten
+
+
+REPLAYED = "replayed"
+
+
+def replay_reason(expected: int, revision: int, *, seen: int, previous: int | None) -> str | None:
+    """Why an event stored at ``revision`` that was written on ``expected`` cannot be in its place
+    in the chain (a replay), or None. ``seen`` is the revision this router saw last for the
+    document (0: none yet), ``previous`` what the stream says precedes ``revision``."""
+    if expected >= revision:
+        return (f"{REPLAYED}: event written on revision {expected} stored at revision {revision} "
+                "(a replay of an old event)")
+    if seen > 0 and expected < seen:
+        return (f"{REPLAYED}: event written on revision {expected} arrived after revision {seen} "
+                "(a replay of an old event)")
+    if previous is not None and previous != expected:
+        return (f"{REPLAYED}: event written on revision {expected}, but revision {previous} "
+                f"precedes revision {revision} on its subject (a replay of an old event)")
+    return None
 
 
 def stream_went_backwards(

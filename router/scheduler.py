@@ -335,7 +335,8 @@ class Scheduler:
             log.info("model %s: calibration reset (calibration_epoch %s)", model, epoch)
 
     def _apply_policy(self, cmd: ApplyPolicy) -> PolicyApplied:
-        result = self.policy.apply(cmd.model, cmd.kind, cmd.revision, cmd.payload, cmd.headers)
+        result = self.policy.apply(cmd.model, cmd.kind, cmd.revision, cmd.payload, cmd.headers,
+                                   previous=cmd.previous)
         self._revisions.pop(cmd.model, None)
         if result.outcome is Outcome.ACK:
             self.stats["applied"] += 1

@@ -316,6 +316,7 @@ class Reconciliation(Open):
     bad_signatures: list[dict[str, Any]] | None = None
     document_mismatches: list[dict[str, Any]] | None = None
     reused_msg_ids: list[dict[str, Any]] | None = None
+    replayed: list[dict[str, Any]] | None = None
 
 
 class Ignored(Open):

@@ -174,6 +174,23 @@ class AckChain:
             result = (await conn.execute(stmt)).all()
         return [_ack_to_dict(r) for r in result]
 
+    async def replay_nacks(self, *, limit: int = MAX_LIMIT) -> list[dict[str, Any]]:
+        """Every revision routers refused as a replay (NACK detail ``replayed: ...``), with the
+        routers that did, oldest first: the record of a replay outlives the stream's history."""
+        c = router_acks.c
+        stmt = (
+            select(c.model, c.kind, c.revision, func.array_agg(func.distinct(c.router_id)),
+                   func.min(c.detail))
+            .where(c.status == AckStatus.NACK.value, c.detail.like("replayed:%"))
+            .group_by(c.model, c.kind, c.revision)
+            .order_by(c.revision)
+            .limit(limit)
+        )
+        async with self._db.read("replay_nacks") as conn:
+            result = (await conn.execute(stmt)).all()
+        return [{"model": m, "kind": k, "revision": rev, "routers": sorted(routers), "detail": detail}
+                for m, k, rev, routers, detail in result]
+
     # -- the chain ---------------------------------------------------------------------------
 
     async def verify(self, *, batch: int = 1000) -> VerifyResult:

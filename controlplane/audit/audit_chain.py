@@ -360,6 +360,33 @@ class AuditChain:
         )
         return await self._fetch_rows("decisions_for_event", stmt)
 
+    async def rows_for_event(self, event_id: uuid.UUID | str) -> list[AuditRow]:
+        """Every row (received and decision) of one event, oldest first."""
+        c = audit_log.c
+        stmt = select(audit_log).where(c.event_id == _uuid(event_id)).order_by(c.id)
+        return await self._fetch_rows("rows_for_event", stmt)
+
+    async def last_accepted(self, model: str, kind: str, *, revision: int | None = None) -> AuditRow | None:
+        """The newest accepted, non-dry-run decision of a document that names a new revision
+        (that names ``revision``, if given): the last document the control plane wrote there
+        (its ``after``)."""
+        c = audit_log.c
+        at = c.new_revision == revision if revision is not None else c.new_revision.is_not(None)
+        stmt = (
+            select(audit_log)
+            .where(
+                c.model == model, c.kind == kind, at,
+                c.stage == AuditStage.DECISION.value,
+                c.decision == Decision.ACCEPTED.value,
+                c.new_revision.is_not(None),
+                c.dry_run.is_(False),
+            )
+            .order_by(c.id.desc())
+            .limit(1)
+        )
+        rows = await self._fetch_rows("last_accepted", stmt)
+        return rows[0] if rows else None
+
     async def accepted_decisions(self) -> list[AuditRow]:
         """Every accepted, non-dry-run decision that names a new revision, oldest first."""
         c = audit_log.c

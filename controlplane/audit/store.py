@@ -144,6 +144,17 @@ class AuditStore:
     async def decisions_for_event(self, event_id: uuid.UUID | str) -> list[AuditRow]:
         return await self.audit_log.decisions_for_event(event_id)
 
+    async def rows_for_event(self, event_id: uuid.UUID | str) -> list[AuditRow]:
+        return await self.audit_log.rows_for_event(event_id)
+
+    async def last_accepted(self, model: str, kind: str) -> AuditRow | None:
+        """The last document the control plane wrote for (model, kind): its accepted decision."""
+        return await self.audit_log.last_accepted(model, kind)
+
+    async def accepted_at(self, model: str, kind: str, revision: int) -> AuditRow | None:
+        """The accepted decision that wrote ``revision`` of (model, kind), if any."""
+        return await self.audit_log.last_accepted(model, kind, revision=revision)
+
     async def accepted_decisions(self) -> list[AuditRow]:
         """Every accepted, non-dry-run decision that names a new revision, oldest first."""
         return await self.audit_log.accepted_decisions()
@@ -152,6 +163,10 @@ class AuditStore:
 
     async def record_ack(self, ack: ApplyAck, *, stream_seq: int | None = None) -> None:
         await self.router_acks.record_ack(ack, stream_seq=stream_seq)
+
+    async def replay_nacks(self) -> list[dict[str, Any]]:
+        """Revisions routers refused as replays (``AckChain.replay_nacks``)."""
+        return await self.router_acks.replay_nacks()
 
     async def record_acks(self, records: Sequence[AckRecord]) -> int:
         """Store ACK/NACKs as consecutive rows of the ACK chain, skipping stream sequences
