@@ -7,7 +7,9 @@ Taking
     lists the rows of each chain after that checkpoint's heads (at most ``MAX_SEGMENT_ROWS`` per
     chain and message; a backlog takes several) and publishes with
     ``Nats-Expected-Last-Subject-Sequence``: replicas never publish overlapping checkpoints, the
-    one that loses the race just skips its turn.
+    one that loses the race just skips its turn. A newest message that is not a good checkpoint
+    (unsigned, an untrusted key, malformed) is reported once and skipped: the next checkpoint
+    continues from the newest good one (issue 17), so one message cannot stop anchoring.
 
 Signing
     With the one signature scheme (:mod:`controlplane.protocol.signing`, purpose
@@ -115,6 +117,11 @@ class CheckpointLog:
         msg = await self.bus.last(STREAM_AUDIT_CHECKPOINTS, AUDIT_CHECKPOINTS_SUBJECT)
         return self._stored(msg) if msg is not None else None
 
+    async def at(self, seq: int) -> StoredCheckpoint | None:
+        """The message at ``seq`` of the checkpoint stream, or None."""
+        msg = await self.bus.get(STREAM_AUDIT_CHECKPOINTS, seq)
+        return self._stored(msg) if msg is not None and msg.subject == AUDIT_CHECKPOINTS_SUBJECT else None
+
     async def publish(self, checkpoint: AuditCheckpoint, *, expected_seq: int) -> int | None:
         """Publish signed, if the newest checkpoint is still ``expected_seq``; its sequence, or
         None when another replica published first. Raises LogUnavailable."""
@@ -164,6 +171,7 @@ class Checkpointer:
         # The checkpoint we published last: while our CAS publishes succeed it is the newest,
         # so the stream is read (and the checkpoint decoded) only after another replica's turn.
         self._last: StoredCheckpoint | None = None
+        self.skipped: set[int] = set()  # sequences of bad checkpoints reported and skipped
 
     def notify(self, rows: int) -> None:
         """Called by the store after it committed ``rows`` rows (no I/O, any task)."""
@@ -188,16 +196,36 @@ class Checkpointer:
             except Exception:
                 log.exception("audit checkpoint failed")
 
+    async def _newest_good(self, newest: StoredCheckpoint) -> StoredCheckpoint | None:
+        """The newest checkpoint without a problem before ``newest`` (which has one), or None.
+        A message on the subject that is not a checkpoint signed by a trusted key (anyone with
+        the control plane's NATS credential can publish one) is reported once and skipped: the
+        next checkpoint continues from the newest good one, published with compare-and-set on
+        the stream's real last sequence, so one message cannot stop anchoring."""
+        bad = newest
+        while True:
+            if bad.seq not in self.skipped:
+                self.skipped.add(bad.seq)
+                log.error("audit checkpoint seq %d %s: skipped; continuing from the newest good one",
+                          bad.seq, bad.problem)
+            seq = bad.seq - 1
+            found: StoredCheckpoint | None = None
+            while seq > 0 and found is None:
+                found = await self.log.at(seq)
+                seq -= 1
+            if found is None or found.problem is None:
+                return found
+            bad = found
+
     async def take(self) -> int:
         """Publish checkpoints until both chains are covered; returns how many were published."""
         published = 0
         while True:
             newest = self._last or await self.log.newest()
-            base = newest.checkpoint if newest is not None else None
+            good = newest
             if newest is not None and newest.problem is not None:
-                log.error("newest audit checkpoint (seq %d) %s: not continuing from it",
-                          newest.seq, newest.problem)
-                return published
+                good = await self._newest_good(newest)
+            base = good.checkpoint if good is not None else None
             audit_rows = await self.store.row_hashes(
                 Chain.AUDIT, after_id=base.audit.last_id if base else 0, limit=MAX_SEGMENT_ROWS)
             ack_rows = await self.store.row_hashes(
@@ -214,9 +242,11 @@ class Checkpointer:
             except BaseException:
                 self._last = None  # outcome unknown: read the stream next time
                 raise
-            if seq is None:  # another replica took it; its checkpoint covers these rows
-                self._last = None
-                return published
+            if seq is None:
+                if self._last is not None:  # the stream moved past ours: read it, then go on
+                    self._last = None
+                    continue
+                return published  # another replica took it; its checkpoint covers these rows
             self._last = StoredCheckpoint(seq=seq, checkpoint=checkpoint,
                                           key_id=self.log.signer.key_id if self.log.signer else None,
                                           problem=None)

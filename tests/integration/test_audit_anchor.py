@@ -30,6 +30,7 @@ import pytest
 
 import migrations
 from bus.client import Bus
+from bus.identities import Identity, IdentityKind
 from cli.embedded import DatabaseAccess, EmbeddedNats, EmbeddedPostgres
 from controlplane.audit.audit_chain import chain_rows
 from controlplane.audit.records import AuditEntry, AuditStage, Decision
@@ -321,6 +322,48 @@ async def test_a_checkpoint_not_signed_by_a_trusted_key_fails_verify(
     assert len(problems) == 2
     assert "does not verify" in problems[0] and "not trusted" in problems[1]
     assert AUDIT_CHECKPOINTS_SUBJECT  # the one subject they were published on
+
+
+async def test_an_unsigned_checkpoint_is_reported_and_skipped_and_anchoring_goes_on(
+        access: DatabaseAccess, own_nats: EmbeddedNats) -> None:
+    """Issue 17 item 4: one message on the checkpoint subject (the control plane's NATS
+    credential may publish there, its signing key is elsewhere) no longer stops anchoring."""
+    tokens = await make_tokens(access.app_url)
+    async with controlplane(own_nats.url, access.app_url, audit_checkpoint_every_rows=3,
+                            audit_checkpoint_interval_s=3600) as running:
+        cp = running.controlplane
+        rows = await cp.audit.append_many([entry(i) for i in range(3)])
+        await anchored(running, audit_id=rows[-1].id)
+        log = cp.checkpoints
+        assert log is not None and cp.checkpointer is not None
+        thief = await buskit.connect_as(own_nats.url, Identity(IdentityKind.CONTROLPLANE))
+        try:
+            junk = []
+            for payload in (b"not a checkpoint", AuditCheckpoint(
+                    at=datetime.now(UTC), writer="thief", audit=ChainSegment(last_id=10**9, last_hash="f" * 64),
+                    acks=ChainSegment(last_id=0, last_hash="0" * 64)).to_bytes()):
+                newest = await log.newest()
+                assert newest is not None
+                ack = await thief.jetstream().publish(
+                    AUDIT_CHECKPOINTS_SUBJECT, payload,
+                    headers={HDR_EXPECTED_LAST_SUBJECT_SEQ: str(newest.seq)})
+                junk.append(int(ack.seq))
+        finally:
+            await thief.close()
+        more = await cp.audit.append_many([entry(i) for i in range(3, 6)])
+
+        async def good_and_newest() -> bool:
+            newest = await log.newest()
+            return newest is not None and newest.problem is None and newest.seq > junk[-1]
+        await wait_for(good_and_newest, within=15)
+        newest = await log.newest()
+        assert newest is not None
+        assert newest.checkpoint is not None
+        assert [i for i, _ in newest.checkpoint.audit.rows] == [r.id for r in more]  # continues
+        assert set(junk) <= cp.checkpointer.skipped
+        code, body, _ = await rudder_verify(running, tokens.auditor)
+    assert code == 1 and len(body["bad_checkpoints"]) == 2  # the junk stays reported
+    assert "is not signed" in body["bad_checkpoints"][0]
 
 
 # ---- the grants migration ------------------------------------------------------------------------
