@@ -32,6 +32,7 @@ from controlplane.protocol.subjects import (
     KV_PREFIX,
     KVDUMP_PREFIX,
     POLICY_PREFIX,
+    RESTORE_PREFIX,
     STREAM_ACKS,
     STREAM_AUDIT_CHECKPOINTS,
     STREAM_MEMBERSHIP,
@@ -39,6 +40,7 @@ from controlplane.protocol.subjects import (
     kv_subject,
     kvdump_subject,
     membership_subject,
+    restore_subject,
 )
 
 _ID = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
@@ -104,15 +106,21 @@ def permissions(identity: Identity) -> Permissions:
         return Permissions(publish=(">",), subscribe=(">",))
     if kind is IdentityKind.CONTROLPLANE:
         pub = [f"{POLICY_PREFIX}.>", f"{AUDIT_PREFIX}.>", "$JS.API.INFO", "$JS.API.STREAM.NAMES"]
-        for stream in (STREAM_POLICY, STREAM_MEMBERSHIP, STREAM_ACKS, KV_STREAM_ROUTERS,
-                       STREAM_AUDIT_CHECKPOINTS):
+        # Consumers only where it consumes (ACKs, membership, router status); the policy and
+        # checkpoint streams it reads by direct get. The JWT must fit NATS's control line (4 KB).
+        for stream in (STREAM_MEMBERSHIP, STREAM_ACKS, KV_STREAM_ROUTERS):
             pub += _js_read(stream, consumers=True)
+        for stream in (STREAM_POLICY, STREAM_AUDIT_CHECKPOINTS):
+            pub += _js_read(stream, consumers=False)
         pub += [f"$JS.API.CONSUMER.DURABLE.CREATE.{STREAM_ACKS}.*"]
-        return Permissions(publish=tuple(pub), subscribe=(inbox, f"{ACKS_PREFIX}.>"))
+        # Answers to routers' restore questions go to their inboxes (NATS allow_responses).
+        return Permissions(publish=tuple(pub), subscribe=(inbox, f"{ACKS_PREFIX}.>", f"{RESTORE_PREFIX}.*"),
+                           responses=True)
     if kind is IdentityKind.ROUTER:
         assert identity.router_id is not None
         pub = [
             f"{ACKS_PREFIX}.{identity.router_id}",
+            restore_subject(identity.router_id),
             f"$KV.{BUCKET_ROUTERS}.{identity.router_id}",
             f"{KVDUMP_PREFIX}.*",
             "$JS.API.INFO", "$JS.API.STREAM.NAMES",

@@ -29,6 +29,7 @@ from controlplane.protocol.errors import ConfigurationError, KeyFileInvalid, Rud
 from controlplane.protocol.signing import Keyring, Purpose
 from controlplane.queries import Queries
 from controlplane.reconcile import Reconciler
+from controlplane.restore import RestoreResponder
 from controlplane.settings import ControlPlaneSettings
 from controlplane.writepath import WritePath
 
@@ -74,6 +75,8 @@ class ControlPlane:
         self.tasks.spawn(self.acks.run(), name="ack-consumer")
         self.tasks.spawn(self.fleet.watch_routers(), name="fleet-routers")
         await self.fleet.start()
+        self.restore = RestoreResponder(self.bus, self.audit, self.log, drops=self.fleet.drops)
+        await self.restore.start()
         self.writes = WritePath(self.log, self.audit, self.fleet,
                                 busy_threshold_retries=s.busy_threshold_retries, failpoints=self.failpoints)
         self.queries = Queries(self.log, self.fleet)

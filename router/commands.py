@@ -133,6 +133,16 @@ class ApplyPolicy(Command[PolicyApplied]):
 
 
 @dataclass(slots=True)
+class RestorePolicy(Command[PolicyApplied]):
+    """The control plane's signed answer to a restore request (``PolicyState.restore``)."""
+
+    model: str
+    kind: PolicyKind
+    answer: bytes
+    nonce: str
+
+
+@dataclass(slots=True)
 class UseVerifyKeys(Command[None]):
     """The verify-keys file changed: check policy signatures against this keyring from now on."""
 

@@ -32,6 +32,7 @@ import asyncio
 import contextlib
 import functools
 import logging
+import secrets
 import uuid
 from collections.abc import Callable
 from datetime import datetime
@@ -45,6 +46,7 @@ from controlplane.protocol.events import (
     ApplyAck,
     MembershipEvent,
     PolicyResync,
+    RestoreRequest,
     RouterRole,
     RouterStatus,
     WorkerCalibration,
@@ -70,6 +72,7 @@ from controlplane.protocol.subjects import (
     parse_policy_subject,
     policy_filter,
     policy_subject,
+    restore_subject,
     router_status_key,
 )
 from router.commands import (
@@ -78,6 +81,7 @@ from router.commands import (
     ApplyPolicy,
     DiscoveryComplete,
     LoadKvDump,
+    RestorePolicy,
     ResyncPolicy,
     Tick,
 )
@@ -86,6 +90,9 @@ from router.policy_state import ApplyResult, Outcome, stream_went_backwards
 from router.scheduler import Scheduler
 
 log = logging.getLogger(__name__)
+
+#: How often a router asks the control plane for a document's last good version at most.
+RESTORE_EVERY_S = 5.0
 
 
 def expected_revision_of(payload: bytes) -> int | None:
@@ -169,7 +176,7 @@ class PolicyConsumer:
         self, bus: Bus, scheduler: Scheduler, status: StatusPublisher, *,
         router_id: str, models: list[str],
         on_result: Callable[[ApplyResult], None] | None = None,
-        on_resync: Callable[[], None] | None = None,
+        on_resync: Callable[[], None] | None = None, restore_wait_s: float = 1.0,
     ) -> None:
         self.bus = bus
         self.scheduler = scheduler
@@ -183,6 +190,8 @@ class PolicyConsumer:
         self._resync_lock = asyncio.Lock()
         self.resyncs = 0
         self.acks = AckPublisher(bus, router_id)
+        self.restore_wait_s = restore_wait_s
+        self._restore_asked: dict[tuple[str, PolicyKind], float] = {}
         # Set once the replay of every document's head is through (readiness, DESIGN §5).
         self.loaded = asyncio.Event()
 
@@ -280,6 +289,8 @@ class PolicyConsumer:
         if result.outcome is Outcome.SKIP:
             return
         await self._ack(result)
+        if result.outcome is Outcome.NACK:
+            await self._restore(model, kind)
         if self.on_result is not None:
             self.on_result(result)
         self.status.request()
@@ -289,6 +300,34 @@ class PolicyConsumer:
                 revision,
             )
             await self._reread(model, kind, revision)
+
+    async def _restore(self, model: str, kind: PolicyKind) -> None:
+        """A document whose head was refused and that has no applied revision (a start after
+        junk evicted every good revision, or a replay as the head) runs its startup values: ask
+        the control plane for the last document it wrote (a signed answer to this question's
+        nonce) rather than serve them. At most once per document per ``RESTORE_EVERY_S``."""
+        now = asyncio.get_running_loop().time()
+        if now - self._restore_asked.get((model, kind), -RESTORE_EVERY_S) < RESTORE_EVERY_S:
+            return
+        self._restore_asked[(model, kind)] = now
+        if await self.scheduler.inspect(lambda s: s.policy.get(model, kind).revision):
+            return
+        nonce = secrets.token_hex(16)
+        question = RestoreRequest(router_id=self.router_id, model=model, kind=kind, nonce=nonce)
+        try:
+            reply = await self.bus.request(restore_subject(self.router_id), question.to_bytes(),
+                                           wait_s=self.restore_wait_s)
+            applied = await self.scheduler.call(RestorePolicy(model, kind, reply.data, nonce))
+        except RudderError as exc:
+            log.warning("policy %s|%s: no last good document from the control plane: %s",
+                        model, kind.value, exc.message)
+            return
+        result = applied.result
+        if result.outcome is Outcome.ACK:
+            log.warning("policy %s|%s: no valid signed head; %s", model, kind.value, result.detail)
+            self.status.request()
+        elif result.outcome is Outcome.NACK:
+            log.error("policy %s|%s: %s", model, kind.value, result.detail)
 
     async def _previous(self, model: str, kind: PolicyKind, revision: int, payload: bytes) -> int | None:
         """The chain check's evidence: the first message of the event's subject after the revision

@@ -34,7 +34,13 @@ from dataclasses import dataclass, field
 from datetime import datetime
 
 from controlplane.protocol.errors import InvalidRequest, SignatureInvalid
-from controlplane.protocol.events import AppliedDocument, decode_policy_event, doc_key
+from controlplane.protocol.events import (
+    AppliedDocument,
+    decode_policy_event,
+    decode_policy_restored,
+    decode_signed_restore,
+    doc_key,
+)
 from controlplane.protocol.policy import (
     SELECTION_PARAMETERS,
     CacheInput,
@@ -46,7 +52,7 @@ from controlplane.protocol.policy import (
     validate_document,
 )
 from controlplane.protocol.signing import Keyring
-from controlplane.protocol.subjects import policy_subject
+from controlplane.protocol.subjects import HDR_KEY_ID, HDR_SIGNATURE, policy_subject, restore_subject
 
 
 class Outcome(enum.Enum):
@@ -159,6 +165,51 @@ class PolicyState:
             event.event_id, dict(doc.effective),
         )
 
+    def restore(self, model: str, kind: PolicyKind, answer: bytes, *, nonce: str) -> ApplyResult:
+        """Apply the control plane's answer to this router's restore request (``nonce``): the
+        last document it wrote, for a document whose stream head is not a valid signed event and
+        which has no applied revision (a start after junk evicted every good revision). The
+        answer must be signed by a key of the keyring over ``rudder.restore.<router_id>``, name
+        this router, the document and the nonce; its document is checked like an event's. The
+        revision seen stays (the next event continues the stream's chain). SKIP when the document
+        has a revision meanwhile or the control plane wrote none; NACK when the answer is refused
+        (the startup values stay)."""
+        doc = self.docs.get((model, kind))
+        if doc is None or doc.revision:
+            return ApplyResult(Outcome.SKIP, model, kind, 0, "nothing to restore")
+        try:
+            signed = decode_signed_restore(answer)
+            payload = signed.payload.encode()
+            self.keyring.verify(restore_subject(self.router_id), payload,
+                                {HDR_KEY_ID: signed.key_id, HDR_SIGNATURE: signed.signature})
+            restored = decode_policy_restored(payload)
+        except SignatureInvalid as exc:
+            return ApplyResult(Outcome.NACK, model, kind, 0, f"restore refused: {exc.reason_code}: {exc.message}")
+        except InvalidRequest as exc:
+            return ApplyResult(Outcome.NACK, model, kind, 0, f"restore refused: {exc.message}")
+        if (restored.router_id, restored.model, restored.kind, restored.nonce) != (
+                self.router_id, model, kind, nonce):
+            return ApplyResult(Outcome.NACK, model, kind, 0,
+                               "restore refused: the answer is for another question")
+        if restored.revision == 0:
+            return ApplyResult(Outcome.SKIP, model, kind, 0, "the control plane wrote no document")
+        try:
+            document = validate_document(kind, restored.document)
+        except InvalidRequest as exc:
+            return ApplyResult(Outcome.NACK, model, kind, restored.revision,
+                               f"restore refused: invalid document: {exc.message}")
+        if missing_cache_inputs(kind, document, self.cache_inputs):
+            return ApplyResult(Outcome.NACK, model, kind, restored.revision,
+                               "restore refused: capability mismatch")
+        doc.document = document
+        doc.revision = restored.revision
+        doc.effective = effective_values(doc.startup, document)
+        return ApplyResult(
+            Outcome.ACK, model, kind, restored.revision,
+            f"restored: revision {restored.revision}, the last the control plane wrote",
+            False, restored.event_id, dict(doc.effective),
+        )
+
     def _nack(
         self, doc: DocumentState, revision: int, detail: str, event_id: uuid.UUID | None, gap: bool
     ) -> ApplyResult:
@@ -203,10 +254,9 @@ REPLAYED = "replayed"
 def replay_reason(expected: int, revision: int, *, seen: int, previous: int | None) -> str | None:
     """Why an event stored at ``revision`` that was written on ``expected`` cannot be in its place
     in the chain (a replay), or None. ``seen`` is the revision this router saw last for the
-    document (0: none yet), ``previous`` what the stream says precedes ``revision``."""
-    if expected >= revision:
-        return (f"{REPLAYED}: event written on revision {expected} stored at revision {revision} "
-                "(a replay of an old event)")
+    document (0: none yet), ``previous`` what the stream says precedes ``revision``. A replay
+    always names a revision older than the one it is stored at (its original's), so an event
+    naming a newer one is a gap (missed events), never a replay."""
     if seen > 0 and expected < seen:
         return (f"{REPLAYED}: event written on revision {expected} arrived after revision {seen} "
                 "(a replay of an old event)")

@@ -61,6 +61,7 @@ from router.commands import (
     PolicyApplied,
     RequestDone,
     RequestFirstToken,
+    RestorePolicy,
     ResyncPolicy,
     RouterView,
     RoutingRequest,
@@ -73,7 +74,7 @@ from router.cost.common import SelectionParams
 from router.cost.time import Timing, predict_row, time_row
 from router.discovery import Change, Discovery
 from router.index import KvApplied, PrefixIndex, WorkerKey
-from router.policy_state import Outcome, PolicyState
+from router.policy_state import ApplyResult, Outcome, PolicyState
 from router.pools import Pools, Slot
 from router.settings import RoutingMode
 from router.targets import pool_of
@@ -272,6 +273,9 @@ class Scheduler:
                 return self._select(cmd.request, cmd.seq)
             case ApplyPolicy():
                 return self._apply_policy(cmd)
+            case RestorePolicy():
+                restored = self.policy.restore(cmd.model, cmd.kind, cmd.answer, nonce=cmd.nonce)
+                return self._policy_result(cmd.model, cmd.kind, restored, cmd.seq)
             case UseVerifyKeys():
                 self.policy.use_keyring(cmd.keyring)
                 return None
@@ -337,22 +341,25 @@ class Scheduler:
     def _apply_policy(self, cmd: ApplyPolicy) -> PolicyApplied:
         result = self.policy.apply(cmd.model, cmd.kind, cmd.revision, cmd.payload, cmd.headers,
                                    previous=cmd.previous)
-        self._revisions.pop(cmd.model, None)
+        return self._policy_result(cmd.model, cmd.kind, result, cmd.seq)
+
+    def _policy_result(self, model: str, kind: PolicyKind, result: ApplyResult, seq: int) -> PolicyApplied:
+        self._revisions.pop(model, None)
         if result.outcome is Outcome.ACK:
             self.stats["applied"] += 1
-            self._refresh_policy(cmd.model)
-            if cmd.kind is PolicyKind.BUSY_THRESHOLD:
-                for slot in self._slots[cmd.model].values():
-                    self.tables.refresh_busy(cmd.model, slot)
+            self._refresh_policy(model)
+            if kind is PolicyKind.BUSY_THRESHOLD:
+                for slot in self._slots[model].values():
+                    self.tables.refresh_busy(model, slot)
         elif result.outcome is Outcome.NACK:
             self.stats["nacked"] += 1
         if result.outcome is not Outcome.SKIP:
             log.info(
-                "policy %s|%s revision %d: %s %s", cmd.model, cmd.kind.value, cmd.revision,
+                "policy %s|%s revision %d: %s %s", model, kind.value, result.revision,
                 result.outcome.value, result.detail,
             )
             self._publish_view()
-        return PolicyApplied(result, cmd.seq)
+        return PolicyApplied(result, seq)
 
     def revisions(self, model: str) -> Mapping[str, int]:
         """Revision of each document kind the model's selections run with (one shared mapping

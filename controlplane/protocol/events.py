@@ -24,6 +24,7 @@ from controlplane.protocol.subjects import (
     kv_subject,
     membership_subject,
     policy_subject,
+    restore_subject,
     router_status_key,
 )
 
@@ -85,6 +86,63 @@ def decode_policy_event(data: bytes | str | dict[str, Any]) -> PolicyEvent:
     # Upcasters for schema_version < current go here.
     event: PolicyEvent = _decode(PolicyEvent, data)
     return event
+
+
+class RestoreRequest(_Event):
+    """A router's question on ``rudder.restore.<router_id>``: the last document the control plane
+    wrote for (model, kind). ``nonce`` is fresh per question and comes back signed, so an old
+    answer cannot be replayed."""
+
+    schema_version: Literal[1] = 1
+    router_id: RouterId
+    model: ModelName
+    kind: PolicyKind
+    nonce: str = Field(min_length=16, max_length=64)
+
+
+class PolicyRestored(_Event):
+    """The control plane's answer: the document of the newest revision its audit log says it
+    wrote (``revision`` 0 and ``{}``: none), for the asking router and nonce."""
+
+    schema_version: Literal[1] = 1
+    router_id: RouterId
+    model: ModelName
+    kind: PolicyKind
+    nonce: str = Field(min_length=16, max_length=64)
+    revision: int = Field(ge=0)
+    event_id: uuid.UUID | None = None
+    document: dict[str, float | int] = Field(max_length=L.MAX_DOCUMENT_KEYS)
+
+
+class SignedRestore(_Event):
+    """:class:`PolicyRestored` as signed bytes: ``payload`` is its JSON, ``key_id`` and
+    ``signature`` the policy key's signature over ``rudder.restore.<router_id>`` and the payload
+    (core request/reply carries no headers through :class:`bus.client.Message.respond`)."""
+
+    payload: str = Field(max_length=64 * 1024)
+    key_id: str = Field(max_length=64)
+    signature: str = Field(max_length=128)
+
+
+def decode_restore_request(data: bytes | str | dict[str, Any]) -> RestoreRequest:
+    request: RestoreRequest = _decode(RestoreRequest, data)
+    return request
+
+
+def decode_signed_restore(data: bytes | str | dict[str, Any]) -> SignedRestore:
+    signed: SignedRestore = _decode(SignedRestore, data)
+    return signed
+
+
+def decode_policy_restored(data: bytes | str | dict[str, Any]) -> PolicyRestored:
+    restored: PolicyRestored = _decode(PolicyRestored, data)
+    return restored
+
+
+def check_restore_subject(subject: str, request: RestoreRequest) -> None:
+    """``rudder.restore.<router_id>`` must name the asking router."""
+    if subject != restore_subject(request.router_id):
+        raise _mismatch("restore request", "router_id", subject, request.router_id, subject)
 
 
 class AckStatus(enum.StrEnum):

@@ -25,6 +25,9 @@ KV_PREFIX = "rudder.kv"
 KVDUMP_PREFIX = "rudder.kvdump"
 ACKS_PREFIX = "rudder.acks"
 AUDIT_PREFIX = "rudder.audit"
+#: ``rudder.restore.<router_id>``: a router without a valid signed head asks the control plane
+#: for the last document it wrote (request/reply; the answer is signed with the policy key).
+RESTORE_PREFIX = "rudder.restore"
 
 POLICY_SUBJECTS = f"{POLICY_PREFIX}.>"
 MEMBERSHIP_SUBJECTS = f"{MEMBERSHIP_PREFIX}.>"
@@ -123,6 +126,10 @@ def kv_filter(model: str) -> str:
 
 def kvdump_subject(instance_id: int) -> str:
     return f"{KVDUMP_PREFIX}.{instance_id}"
+
+
+def restore_subject(router_id: str) -> str:
+    return f"{RESTORE_PREFIX}.{router_id}"
 
 
 def acks_subject(router_id: str) -> str:

@@ -155,3 +155,41 @@ async def test_a_replayed_signed_event_is_refused_everywhere_and_reported(
         await router.stop()
         if late is not None:
             await late.stop()
+
+
+async def test_64_junk_heads_then_a_router_restart_runs_the_last_good_document(
+        nats_url: str, db: str, tokens: Tokens) -> None:
+    """Junk evicts every signed revision from the stream's history; the router that starts next
+    asks the control plane (a signed answer to its nonce) instead of running its startup values,
+    and the next write continues the chain."""
+    model = f"junk/{uuid.uuid4().hex[:6]}"
+    settings = router_settings(nats_url, model, mode="round_robin")
+    router = await InProcessRouter(settings).start()
+    try:
+        async with controlplane(nats_url, db) as cp, client(cp, tokens.operator) as op:
+            r = await op.patch("/router_policy", json={
+                "model": model, "expected_revision": 0,
+                "parameters": {"router_temperature": 0.5, "decode_active_request_weight": 2.0}})
+            assert r.status_code == 200, r.text
+            good = r.json()["revision"]
+            await wait_for(lambda: _applied(router, model).revision == good)
+            junk = await flood(nats_url, model, 64)
+            await wait_for(lambda: _applied(router, model).last_nack_revision == junk)
+            assert _applied(router, model).effective["router_temperature"] == 0.5  # it keeps them
+            await router.stop()
+
+            router = await InProcessRouter(settings).start()  # the same router, restarted
+            await wait_for(lambda: _applied(router, model).last_nack_revision == junk)
+            await wait_for(lambda: _applied(router, model).revision == good)
+            applied = _applied(router, model)
+            assert applied.effective["router_temperature"] == 0.5
+            assert applied.effective["decode_active_request_weight"] == 2.0
+            assert cp.controlplane.restore.answered >= 1
+
+            r = await op.patch("/router_policy", json={"model": model, "expected_revision": junk,
+                                                        "parameters": {"router_temperature": 0.75}})
+            assert r.status_code == 200, r.text
+            assert r.json()["document"] == {"router_temperature": 0.75, "decode_active_request_weight": 2.0}
+            await wait_for(lambda: _applied(router, model).revision == r.json()["revision"])
+    finally:
+        await router.stop()

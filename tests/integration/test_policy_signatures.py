@@ -4,7 +4,8 @@
   an unknown key, or signed by another key under the control plane's key id), is NACKed by every
   router with its reason code; the routers keep their last good values; the control plane will not
   build the next write on it; ``rudder audit reconcile`` reports it, and so does the metric of the
-  periodic reconciliation. A router that starts afterwards refuses it in its start-up replay too.
+  periodic reconciliation. A router that starts afterwards refuses it in its start-up replay too,
+  and runs the last document the control plane wrote (not its startup values).
 - Rotation: while both keys are in the verify-keys file, events signed by the old and the new key
   are both applied (two control-plane replicas, one switched, one not yet); once the old key is
   retired from the file, the routers refuse it.
@@ -198,13 +199,15 @@ async def test_events_written_around_the_control_plane_are_nacked_and_reported(
             assert not report["document_mismatches"] and not report["reused_msg_ids"]
 
             # A router started now replays the last message of the subject: the forged head is
-            # refused there too, so it runs its startup values rather than the forger's.
+            # refused there too, so it runs neither the forger's values nor its startup values but
+            # the last document the control plane wrote, which it asks the control plane for
+            # (issue 17: before, it ran its startup values, revision 0 and temperature 0.0).
             late = await _routers(nats_url, model, keys, n=1)[0].start()
             last_rev, last_code = forged[-1]
             await wait_for(lambda: late is not None and late.settings.router_id in acks.of(last_rev), within=10)
             assert acks.of(last_rev)[late.settings.router_id].detail.startswith(last_code)
-            assert effective(late, model)["revision"] == 0
-            assert effective(late, model)["temperature"] == 0.0
+            await wait_for(lambda: late is not None and effective(late, model)["revision"] == good)
+            assert effective(late, model)["temperature"] == 0.5
 
             # An audited write naming the forged head's revision replaces it; every router ACKs it.
             r = await op.patch("/router_policy", json={"model": model, "expected_revision": expected,
