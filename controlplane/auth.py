@@ -256,20 +256,42 @@ class AuthFailureLimiter:
     :meth:`ended`, to be written as ONE audit row with its count, so a source that guesses tokens
     adds at most two rows per window to the hash chain, not one per guess. At most
     ``max_sources`` sources are tracked; past that, new ones share the key ``"*"``.
+
+    The rows are bounded in total too (issue 17), not only per source: at most ``max_rows``
+    first failures are audited one by one per ``window_s`` across every source (later ones are
+    counted in their window's row), and when more windows end at once than the rows left, the
+    rest are merged into one row (source ``"*"``): 10,000 addresses guessing write about
+    ``max_rows`` rows a window, not 10,000.
+
+    The limiter only ever sees failures: the caller checks a presented token before a source's
+    budget, so a valid token is never refused for its address's (or the shared key's) failures.
     """
 
     OVERFLOW = "*"
 
     def __init__(self, *, limit: int, window_s: float, max_sources: int = 10_000,
+                 max_rows: int = 100,
                  clock: Callable[[], float] = time.monotonic,
                  wall: Callable[[], datetime] = lambda: datetime.now(UTC)) -> None:
         self.limit = limit
         self.window_s = window_s
         self.max_sources = max_sources
+        self.max_rows = max_rows
         self._clock = clock
         self._wall = wall
         self._open: dict[str, FailureWindow] = {}
         self._ended: list[FailureWindow] = []
+        self._rows_since = clock()
+        self._rows_left = max_rows
+
+    def _take_rows(self, wanted: int) -> int:
+        """Up to ``wanted`` audit rows from this period's budget; returns how many."""
+        now = self._clock()
+        if now - self._rows_since >= self.window_s:
+            self._rows_since, self._rows_left = now, self.max_rows
+        granted = min(wanted, self._rows_left)
+        self._rows_left -= granted
+        return granted
 
     def _key(self, source: str) -> str:
         if source in self._open or len(self._open) < self.max_sources:
@@ -295,7 +317,14 @@ class AuthFailureLimiter:
             self._ended.append(w)
 
     def _expire(self, now: float) -> None:
-        for key in [k for k, w in self._open.items() if now - w.opened >= self.window_s]:
+        # Windows are kept in the order they opened (a key is removed when its window closes), so
+        # the expired ones are a prefix: this stays cheap while 10,000 sources are tracked.
+        expired = []
+        for key, w in self._open.items():
+            if now - w.opened < self.window_s:
+                break
+            expired.append(key)
+        for key in expired:
             self._close(key)
 
     def retry_after(self, source: str) -> int | None:
@@ -312,7 +341,7 @@ class AuthFailureLimiter:
         assert w is not None
         w.failures += 1
         w.last_at = self._wall()
-        if w.failures == 1 and audited_if_first:
+        if w.failures == 1 and audited_if_first and self._take_rows(1):
             return True
         w.unrecorded += 1
         return False
@@ -334,11 +363,28 @@ class AuthFailureLimiter:
         else:
             self._expire(self._clock())
         out, self._ended = self._ended, []
-        return out
+        if not out:
+            return out
+        granted = self._take_rows(len(out))
+        if granted == len(out):
+            return out
+        # Past the budget the rest is one row (even with no budget left: no count is ever lost).
+        keep = max(granted - 1, 0)
+        return [*out[:keep], _merged(out[keep:])]
 
     def requeue(self, windows: builtins.list[FailureWindow]) -> None:
         """Hand ``windows`` out again (their audit row could not be written)."""
         self._ended[:0] = windows
+
+
+def _merged(windows: builtins.list[FailureWindow]) -> FailureWindow:
+    """Several ended windows as one (source ``"*"``): the audit row budget is spent."""
+    return FailureWindow(
+        source=AuthFailureLimiter.OVERFLOW, opened=min(w.opened for w in windows),
+        first_at=min(w.first_at for w in windows), last_at=max(w.last_at for w in windows),
+        failures=sum(w.failures for w in windows), refused=sum(w.refused for w in windows),
+        unrecorded=sum(w.unrecorded for w in windows),
+    )
 
 
 def failure_entry(window: FailureWindow, *, window_s: float) -> AuditEntry:

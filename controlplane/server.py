@@ -9,6 +9,7 @@ import logging
 import os
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
+from typing import Any
 
 import uvicorn
 from fastapi import FastAPI
@@ -19,6 +20,7 @@ from bus.streams import CONTROLPLANE_STREAMS
 from bus.tasks import Tasks, every
 from controlplane.acks import AckConsumer
 from controlplane.api import build_app
+from controlplane.api.app import error_response
 from controlplane.audit.store import AuditStore
 from controlplane.auth import AuthFailureLimiter, TokenStore, failure_entry
 from controlplane.checkpoints import Checkpointer, CheckpointLog
@@ -32,6 +34,7 @@ from controlplane.reconcile import Reconciler
 from controlplane.restore import RestoreResponder
 from controlplane.settings import ControlPlaneSettings
 from controlplane.writepath import WritePath
+from router.ingress import IngressLimits, protocol_class
 
 log = logging.getLogger(__name__)
 
@@ -46,7 +49,7 @@ class ControlPlane:
         self.tasks = Tasks("control plane")
         self.auth_failures = AuthFailureLimiter(
             limit=settings.auth_failure_limit, window_s=settings.auth_failure_window_s,
-            max_sources=settings.auth_failure_max_sources)
+            max_sources=settings.auth_failure_max_sources, max_rows=settings.auth_failure_max_rows)
 
     async def start(self) -> None:
         s = self.settings
@@ -257,6 +260,18 @@ def create_app(settings: ControlPlaneSettings, *, failpoints: Failpoints | None 
     return app
 
 
+def uvicorn_options(settings: ControlPlaneSettings) -> dict[str, Any]:
+    """The admin listener's connection limits: the router's guarded protocol (router/ingress.py)
+    with the control plane's settings and its one error mapping."""
+    limits = IngressLimits(
+        max_connections=settings.max_connections, max_header_bytes=settings.max_header_bytes,
+        header_timeout_s=settings.header_timeout_s, body_timeout_s=settings.body_timeout_s,
+        write_timeout_s=settings.write_timeout_s, render=error_response,
+        on_refused=lambda reason: log.warning("admin connection refused: %s", reason),
+    )
+    return {"http": protocol_class(limits)}
+
+
 @dataclass
 class Running:
     url: str
@@ -274,7 +289,8 @@ async def serving(settings: ControlPlaneSettings, *, failpoints: Failpoints | No
     """Run a control plane inside this event loop (tests, embedding); yields once it listens."""
     app = create_app(settings, failpoints=failpoints)
     config = uvicorn.Config(app, host=settings.admin_host, port=settings.admin_port, log_level="warning",
-                            lifespan="on", access_log=False, timeout_graceful_shutdown=10)
+                            lifespan="on", access_log=False, timeout_graceful_shutdown=10,
+                            **uvicorn_options(settings))
     server = uvicorn.Server(config)
     task = asyncio.create_task(server.serve(), name="admin-api")
     while not server.started:
@@ -296,7 +312,7 @@ async def serving(settings: ControlPlaneSettings, *, failpoints: Failpoints | No
 async def serve(settings: ControlPlaneSettings) -> None:
     config = uvicorn.Config(create_app(settings), host=settings.admin_host, port=settings.admin_port,
                             log_level=settings.log_level.lower(), lifespan="on", access_log=False,
-                            timeout_graceful_shutdown=10)
+                            timeout_graceful_shutdown=10, **uvicorn_options(settings))
     await uvicorn.Server(config).serve()
 
 

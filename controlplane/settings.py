@@ -38,6 +38,17 @@ class ControlPlaneSettings(BusSettings):
     auth_failure_limit: int = Field(default=10, ge=1)
     auth_failure_window_s: float = Field(default=60.0, gt=0)
     auth_failure_max_sources: int = Field(default=10_000, ge=1)
+    # Audit rows failed authentications may write per window, across every source (issue 17).
+    auth_failure_max_rows: int = Field(default=100, ge=1)
+    # The listener's connection limits, the router's (router/ingress.py, docs/router.md "Ingress
+    # limits"): request line and headers in bytes (431) and in time (408, closed), the whole body
+    # within body_timeout_s of the head (408), a client that reads nothing for write_timeout_s is
+    # cut off, and past max_connections a new connection is answered 503 and closed.
+    max_header_bytes: int = Field(default=32 * 1024, ge=1024)
+    header_timeout_s: float = Field(default=10.0, gt=0)
+    body_timeout_s: float = Field(default=30.0, gt=0)
+    write_timeout_s: float = Field(default=30.0, gt=0)
+    max_connections: int = Field(default=256, ge=1)
     # Peers (IPs or CIDRs) whose X-Forwarded-For names the source address; none by default.
     trusted_proxies: list[str] = Field(default_factory=list)
     # Audited header values (User-Agent) are cut to this many characters.

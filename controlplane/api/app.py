@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING, Any
 
-from fastapi import FastAPI, Request
+from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse
@@ -20,7 +20,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.routing import Match
 
 from controlplane.api import audit, fleet, health, policy, thresholds
-from controlplane.api.deps import Gate, Services
+from controlplane.api.deps import Gate, Services, clean_query
 from controlplane.api.models import DECLARED_ONLY, REF
 from controlplane.api.observe import BusDropsCollector, Metrics, ObserveMiddleware
 from controlplane.protocol.errors import (
@@ -136,6 +136,6 @@ def build_app(cp: ControlPlane, *, lifespan: Any = None) -> FastAPI:
     for error in (RudderError, RequestValidationError, StarletteHTTPException, Exception):
         app.add_exception_handler(error, on_error)
     for router in ROUTERS:
-        app.include_router(router)
+        app.include_router(router, dependencies=[Depends(clean_query)])
     app.openapi = lambda: openapi(app)  # type: ignore[method-assign]
     return app

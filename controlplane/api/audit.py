@@ -9,7 +9,7 @@ from typing import Any
 
 from fastapi import APIRouter, Query
 
-from controlplane.api.deps import ReadAudit, Svc
+from controlplane.api.deps import INT64_MAX, ReadAudit, Svc
 from controlplane.api.models import (
     AUTHENTICATED,
     AuditPage,
@@ -69,6 +69,8 @@ async def audit_reconcile(_: ReadAudit, svc: Svc) -> dict[str, Any]:
             responses=responses(*AUTHENTICATED, 400, 404), openapi_extra=operation(Action.READ_AUDIT))
 async def audit_show(_: ReadAudit, svc: Svc, audit_id: int) -> dict[str, Any]:
     """One audit record."""
+    if not 0 <= audit_id <= INT64_MAX:
+        raise InvalidRequest(f"audit_id must be in 0..{INT64_MAX}", field="audit_id")
     row = await svc.cp.audit.get(audit_id)
     if row is None:
         raise NotFound(f"no audit record {audit_id}", field="id")

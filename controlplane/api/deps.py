@@ -4,8 +4,9 @@ A read route depends on :func:`allowed` (its action): the caller is authenticate
 here, and refused at once (401, 403, 429). A write route depends on :data:`Writer`: the caller is
 authenticated here and the outcome handed to the write path in a :class:`RequestContext` (the
 principal, or the authentication error); the write path authorizes and records every refusal.
-Failed authentications are counted per source address (AuthFailureLimiter): a source past its
-limit is answered 429 before its token is looked up, and a write's failed authentication is
+Failed authentications are counted per source address (AuthFailureLimiter): a valid token is
+always accepted; a failure from a source past its limit is answered 429, and a write's failed
+authentication is
 recorded by the write path only when it is its source's first in the window (later ones are
 answered at once and written later as one row with their count).
 """
@@ -15,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import ipaddress
 import json
+import re
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Annotated, Any
@@ -66,16 +68,11 @@ class Gate:
         """The caller's principal, or, when the caller audits failures (``audited``) and this is
         its source's first failure in the window, the error for the write path to audit.
 
-        A source past its failure limit is refused before its token is even looked up. Raises
-        RateLimited (429) for it and Unauthenticated for every other failure (counted, and
-        written later as one row per window: AuthFailureLimiter)."""
+        The token is checked first: a valid one is never refused for its source's failures. A
+        failure from a source past its limit raises RateLimited (429); every other failure
+        Unauthenticated (counted, and written later as one row per window: AuthFailureLimiter)."""
         failures = self.cp.auth_failures
         source = self.source_of(request)
-        retry = failures.retry_after(source)
-        if retry is not None:
-            failures.refused(source)
-            raise RateLimited(f"too many failed authentications from {source}; retry in {retry} s",
-                              retry_after=retry)
         header = request.headers.get("authorization", "")
         scheme, _, token = header.partition(" ")
         error: Unauthenticated | None = None
@@ -83,12 +80,19 @@ class Gate:
         if scheme.lower() != "bearer" or not token.strip():
             error = Unauthenticated("missing bearer token")
         else:
+            # A valid token is checked before the source's failure budget: failures from its
+            # address (every client is 127.0.0.1 under `rudder up`) never lock it out.
             principal = await self.cp.tokens.authenticate(token.strip())
             if principal is None:
                 error = Unauthenticated("unknown or revoked token")
         if principal is not None:
             return principal
         assert error is not None
+        retry = failures.retry_after(source)
+        if retry is not None:
+            failures.refused(source)
+            raise RateLimited(f"too many failed authentications from {source}; retry in {retry} s",
+                              retry_after=retry)
         if failures.failed(source, audited_if_first=audited):
             return error
         raise error
@@ -115,6 +119,21 @@ class Gate:
             source_ip=self.source_of(request),
             user_agent=user_agent[:self.header_cap] if user_agent is not None else None,
         )
+
+
+#: The largest id, revision or cursor position the database holds (BIGINT).
+INT64_MAX = 2**63 - 1
+_CONTROL = re.compile(r"[\x00-\x1f\x7f]")
+
+
+async def clean_query(request: Request) -> None:
+    """Every route's query string (a dependency of each router): a parameter whose name or value
+    holds a control character (a NUL reaches PostgreSQL as an error, not a filter) is refused
+    with 400 naming it, before anything is looked up."""
+    for name, value in request.query_params.multi_items():
+        if _CONTROL.search(name) or _CONTROL.search(value):
+            shown = _CONTROL.sub("?", name)[:64]
+            raise InvalidRequest(f"query parameter {shown!r} holds a control character", field=shown)
 
 
 @dataclass(frozen=True)

@@ -77,7 +77,7 @@ def decode_cursor(cursor: str) -> int:
         last_id = int(value)
     except (ValueError, binascii.Error, UnicodeDecodeError) as exc:
         raise InvalidRequest("cursor is not one this server handed out", field="cursor") from exc
-    if last_id < 1:
+    if not 1 <= last_id <= 2**63 - 1:  # ids are BIGINT
         raise InvalidRequest("cursor is not one this server handed out", field="cursor")
     return last_id
 

@@ -83,3 +83,30 @@ def test_sources_past_the_tracking_cap_share_one_window() -> None:
     assert lim.retry_after("a") is None
     sources = sorted(w.source for w in lim.ended(everything=True))
     assert sources == ["*", "a", "b"]
+
+
+def test_10000_sources_write_bounded_rows_in_total_and_lose_no_count() -> None:
+    """Issue 17: 10,030 addresses failing once each wrote 10,001 audit rows; the rows are now
+    bounded in total per window, and every failure is still counted."""
+    c = Clocks()
+    lim = AuthFailureLimiter(limit=10, window_s=60, max_sources=10_000, max_rows=100,
+                             clock=c.mono, wall=c.wall)
+    singles = sum(lim.failed(f"10.0.{i // 256}.{i % 256}", audited_if_first=True) for i in range(10_030))
+    assert singles == 100
+    windows = lim.ended(everything=True)  # within the window: its budget is spent
+    assert len(windows) == 1 and windows[0].source == "*"  # so everything left is one row
+    assert singles + sum(w.unrecorded for w in windows) == 10_030
+    c.t += 61
+    # The next window has its budget again.
+    assert lim.failed("192.0.2.1", audited_if_first=True) is True
+
+
+def test_the_row_budget_merges_only_what_it_cannot_write() -> None:
+    c = Clocks()
+    lim = AuthFailureLimiter(limit=10, window_s=10, max_sources=100, max_rows=3, clock=c.mono, wall=c.wall)
+    for source in "abcde":
+        lim.failed(source, audited_if_first=False)
+    c.t += 11
+    windows = lim.ended()
+    assert [w.source for w in windows] == ["a", "b", "*"]  # three rows: the budget
+    assert windows[-1].unrecorded == 3
