@@ -1,7 +1,10 @@
-"""``rudder token`` and ``rudder db``: commands that talk to PostgreSQL directly.
+"""``rudder token`` and ``rudder db``.
 
-They need the database URL, not the admin API: creating the first admin token cannot go through
-an API that requires one.
+``token create`` and ``db upgrade`` talk to PostgreSQL directly (creating the first admin token
+cannot go through an API that requires one); a token is created through the database's audited
+function ``rudder_token_create`` and expires after ``--ttl`` (default ``RUDDER_TOKEN_TTL``, 90 days).
+``token list`` and ``token revoke`` go through the admin API (``/tokens``, admin role), which
+audits who revoked what.
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ from cli import app as shared
 from cli.config import app_role_from_url, database_owner_url, database_url
 from cli.errors import CliError, ExitCode
 from cli.loader import load
-from cli.output import print_json, say
+from cli.output import print_json, say, show, table
 
 token_app = shared.new_app("API tokens (stored hashed; shown once).")
 db_app = shared.new_app("Database schema (Alembic migrations).")
@@ -45,12 +48,35 @@ def _database_error(action: str, exc: Exception) -> CliError:
     return CliError(ExitCode.ERROR, f"{action}: {type(exc).__name__}: {exc}")
 
 
-def create_token(url: str, name: str, role: str) -> str:
-    """Create a token through the audit store's auth module; returns the secret once."""
+DEFAULT_TTL = "90d"
+_TTL_UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400}
+
+
+def parse_ttl(text: str) -> float | None:
+    """``90d``, ``12h``, ``30m``, ``3600s`` or ``3600`` as seconds; ``never`` as None. Raises
+    CliError (usage) naming the option."""
+    value = text.strip().lower()
+    if value == "never":
+        return None
+    unit = value[-1:] if value[-1:] in _TTL_UNITS else "s"
+    number = value[:-1] if value[-1:] in _TTL_UNITS else value
+    try:
+        seconds = float(number) * _TTL_UNITS[unit]
+    except ValueError:
+        seconds = -1.0
+    if not 0 < seconds < 100 * 365 * 86400:
+        raise CliError(ExitCode.USAGE, f"--ttl {text!r}: expected e.g. 90d, 12h, 30m, 3600s or never")
+    return seconds
+
+
+def create_token(url: str, name: str, role: str, *, ttl: str | None = None) -> str:
+    """Create a token through the audit store's auth module; returns the secret once. It expires
+    after ``ttl`` (default ``RUDDER_TOKEN_TTL``, then 90 days)."""
+    ttl_s = parse_ttl(ttl or os.environ.get("RUDDER_TOKEN_TTL") or DEFAULT_TTL)
     create = load("controlplane.auth", "create_token_sync")
     role_enum = load("controlplane.auth", "Role")
     try:
-        token: Any = create(url, name, role_enum(role))
+        token: Any = create(url, name, role_enum(role), ttl_s=ttl_s)
     except Exception as exc:  # database drivers raise many types; report them once, here
         raise _database_error("token create", exc) from exc
     return str(token)
@@ -72,15 +98,47 @@ def token_create(
         str | None, typer.Option("--name", help="Name shown in the audit log as the actor.")
     ] = None,
     db: DatabaseOpt = None,
+    ttl: Annotated[
+        str | None, typer.Option("--ttl", help="Lifetime: 90d, 12h, 30m, 3600s or never; default "
+                                 "$RUDDER_TOKEN_TTL, then 90d.", show_default=False),
+    ] = None,
 ) -> None:
-    """Create a token and print it once (it is stored hashed)."""
+    """Create a token and print it once (it is stored hashed); audited."""
     token_name = name or f"{role.value}-{secrets.token_hex(3)}"
-    token = create_token(database_url(db), token_name, role.value)
+    token = create_token(database_url(db), token_name, role.value, ttl=ttl)
     if shared.json_mode():
         print_json({"name": token_name, "role": role.value, "token": token})
         return
     typer.echo(f"# token {token_name!r} with role {role.value}; shown only once", err=True)
     say(token)
+
+
+@token_app.command("list")
+def token_list() -> None:
+    """Every token: id, name, role, created, expiry, revocation (never the secret)."""
+    with shared.client() as api:
+        result = api.get("/tokens")
+    tokens = result.get("tokens", []) if isinstance(result, dict) else []
+    if shared.json_mode():
+        print_json(tokens)
+        return
+    show(table(["id", "name", "role", "created", "expires", "state"], [
+        (t["id"], t["name"], t["role"], t["created_at"], t.get("expires_at") or "never",
+         "revoked" if t["revoked"] else ("expired" if t.get("expired") else "valid"))
+        for t in tokens]))
+
+
+@token_app.command("revoke")
+def token_revoke(
+    token_id: Annotated[int, typer.Argument(min=1, help="The token's id (`rudder token list`).")],
+) -> None:
+    """Revoke a token at once (every replica within 5 s); audited, and never undone."""
+    with shared.client() as api:
+        result = api.post(f"/tokens/{token_id}/revoke", {})
+    if shared.json_mode():
+        print_json(result)
+    else:
+        say(f"token {token_id} revoked")
 
 
 @db_app.command("upgrade")

@@ -181,11 +181,14 @@ def _start(
     say(f"policy keys   {'made' if made else 'reused'}: {seed} (signing), {verify_keys} (verify)")
     # (A stream-leader election on the cluster holds every heartbeat back for about 5 s; routers
     # measure ages against the newest heartbeat heard, so the election stales no worker.)
-    env = child_env({"RUDDER_DATABASE_URL": database_url, "RUDDER_POLICY_VERIFY_KEYS": str(verify_keys),
+    env = child_env({"RUDDER_POLICY_VERIFY_KEYS": str(verify_keys),
                      "RUDDER_STREAM_REPLICAS": "3" if ha else "1",
                      "RUDDER_AUDIT_SIGNING_KEY": str(checkpoint_seed),
                      "RUDDER_AUDIT_VERIFY_KEYS": str(checkpoint_pub)})
-    env.pop("RUDDER_DATABASE_OWNER_URL", None)  # no child needs the owner's password
+    # Database settings go to the control plane only: a router's or a worker's environment never
+    # holds the database password (issue 17), nor does any child hold the owner's.
+    for name in [k for k in env if k.startswith("RUDDER_DATABASE")]:
+        env.pop(name)
     logs = data_dir / "logs"
     server = f"http://127.0.0.1:{admin_port}"
     planes = [admin_port] + ([pick_port(None, admin_port + 1, "admin API")] if ha else [])
@@ -196,6 +199,7 @@ def _start(
             name=name, kind="controlplane", url=url, health_url=f"{url}/readyz",
             args=["serve", "controlplane"],
             env={**env, **stack.bus_env(Identity(IdentityKind.CONTROLPLANE)),
+                 "RUDDER_DATABASE_URL": database_url,
                  "RUDDER_ADMIN_HOST": "127.0.0.1", "RUDDER_ADMIN_PORT": str(port),
                  "RUDDER_POLICY_SIGNING_KEY": str(seed)},
             log_path=logs / f"{name}.log",

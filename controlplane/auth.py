@@ -15,6 +15,7 @@ import builtins
 import concurrent.futures
 import contextlib
 import enum
+import getpass
 import hashlib
 import hmac
 import math
@@ -22,10 +23,10 @@ import secrets
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
-from sqlalchemy import func, insert, select, update
+from sqlalchemy import func, select
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from controlplane.audit.db import bounded, make_engine
@@ -128,10 +129,13 @@ class TokenStore:
     def _db(self, what: str) -> contextlib.AbstractAsyncContextManager[None]:
         return bounded(f"token store ({what})", self._timeout_s)
 
-    async def create(self, name: str, role: Role | str) -> tuple[str, int]:
-        """Create a token; returns (plaintext, id). The plaintext is never stored or shown again.
+    async def create(self, name: str, role: Role | str, *,
+                     expires_at: datetime | None = None) -> tuple[str, int]:
+        """Create a token (valid until ``expires_at``; None: until revoked); returns (plaintext,
+        id). The plaintext is never stored or shown again. Through the database's audited
+        function ``rudder_token_create`` (migration 0003): the app role may not insert a token.
 
-        Raises ``InvalidRequest`` for an unknown role or an empty name.
+        Raises ``InvalidRequest`` for an unknown role, an empty name or a naive/past expiry.
         """
         try:
             role = Role(role)
@@ -141,13 +145,13 @@ class TokenStore:
             ) from exc
         if not name.strip():
             raise InvalidRequest("a token needs a name", field="name")
+        if expires_at is not None and (expires_at.tzinfo is None or expires_at <= datetime.now(UTC)):
+            raise InvalidRequest("expires_at must be a time-zone-aware time in the future", field="ttl")
         token = generate_token()
         async with self._db("create"), self._engine.begin() as conn:
             token_id = (
                 await conn.execute(
-                    insert(api_tokens)
-                    .values(name=name, role=role.value, token_hash=hash_token(token))
-                    .returning(api_tokens.c.id)
+                    select(func.rudder_token_create(name, role.value, hash_token(token), expires_at))
                 )
             ).scalar_one()
         return token, int(token_id)
@@ -166,38 +170,36 @@ class TokenStore:
                 await conn.execute(
                     select(
                         api_tokens.c.id, api_tokens.c.name, api_tokens.c.role,
-                        api_tokens.c.token_hash, api_tokens.c.revoked_at,
+                        api_tokens.c.token_hash, api_tokens.c.revoked_at, api_tokens.c.expires_at,
                     ).where(api_tokens.c.token_hash == digest)
                 )
             ).first()
         if row is None or not hmac.compare_digest(str(row.token_hash), digest):
             return None
-        if row.revoked_at is not None:
+        if row.revoked_at is not None or (row.expires_at is not None
+                                          and row.expires_at <= datetime.now(UTC)):
             self._cache.pop(digest, None)
             return None
         principal = Principal(name=row.name, role=Role(row.role), token_id=int(row.id))
-        if self._cache_ttl_s > 0:
+        ttl = self._cache_ttl_s
+        if row.expires_at is not None:  # never cached past its expiry
+            ttl = min(ttl, (row.expires_at - datetime.now(UTC)).total_seconds())
+        if ttl > 0:
             if len(self._cache) >= self._cache_size:
                 self._cache = {k: v for k, v in self._cache.items() if v[0] > now}
                 if len(self._cache) >= self._cache_size:
                     self._cache.clear()
-            self._cache[digest] = (now + self._cache_ttl_s, principal)
+            self._cache[digest] = (now + ttl, principal)
         return principal
 
     async def revoke(self, token_id: int) -> bool:
-        """Revoke a token; ``False`` if no such token or it was already revoked."""
+        """Revoke a token (the audited function ``rudder_token_revoke``); ``False`` if no such
+        token or it was already revoked. A revoked token stays revoked (migration 0003)."""
         async with self._db("revoke"), self._engine.begin() as conn:
-            row = (
-                await conn.execute(
-                    update(api_tokens)
-                    .where(api_tokens.c.id == token_id, api_tokens.c.revoked_at.is_(None))
-                    .values(revoked_at=func.now())
-                    .returning(api_tokens.c.token_hash)
-                )
-            ).first()
-        if row is None:
+            token_hash = (await conn.execute(select(func.rudder_token_revoke(token_id)))).scalar_one()
+        if token_hash is None:
             return False
-        self._cache.pop(str(row.token_hash), None)
+        self._cache.pop(str(token_hash), None)
         return True
 
     async def close(self) -> None:
@@ -211,7 +213,7 @@ class TokenStore:
         async with self._db("list"), self._engine.connect() as conn:
             rows = (
                 await conn.execute(
-                    select(c.id, c.name, c.role, c.created_at, c.revoked_at).order_by(c.id)
+                    select(c.id, c.name, c.role, c.created_at, c.revoked_at, c.expires_at).order_by(c.id)
                 )
             ).all()
         return [
@@ -220,6 +222,8 @@ class TokenStore:
                 "created_at": format_time(r.created_at),
                 "revoked_at": None if r.revoked_at is None else format_time(r.revoked_at),
                 "revoked": r.revoked_at is not None,
+                "expires_at": None if r.expires_at is None else format_time(r.expires_at),
+                "expired": r.expires_at is not None and r.expires_at <= datetime.now(UTC),
             }
             for r in rows
         ]
@@ -401,7 +405,7 @@ def failure_entry(window: FailureWindow, *, window_s: float) -> AuditEntry:
     )
 
 
-def create_token_sync(url: str, name: str, role: Role | str) -> str:
+def create_token_sync(url: str, name: str, role: Role | str, *, ttl_s: float | None = None) -> str:
     """Create a token from synchronous code (``rudder token create``, ``rudder up``).
 
     Runs its own event loop in a worker thread, so it also works when the calling thread already
@@ -409,12 +413,23 @@ def create_token_sync(url: str, name: str, role: Role | str) -> str:
     """
 
     async def run() -> str:
-        store = TokenStore.from_url(url, pool_size=1)
+        from controlplane.audit.store import AuditStore  # the store imports nothing of this module
+
+        audit = AuditStore.from_url(url, pool_size=1)
         try:
-            token, _ = await store.create(name, role)
+            expires = None if ttl_s is None else datetime.now(UTC) + timedelta(seconds=ttl_s)
+            token, token_id = await TokenStore(audit.engine).create(name, role, expires_at=expires)
+            # The database audits the creation itself (token_audit); the audit log says it too.
+            await audit.append(AuditEntry(
+                event_id=None, stage=AuditStage.DECISION, decision=Decision.ACCEPTED,
+                reason_code="token_created", actor=f"cli:{getpass.getuser()}", auth_method="database",
+                op="token_create", reason=f"API token {token_id} ({name}, {Role(role).value}) created",
+                changes={"token_id": token_id, "name": name, "role": Role(role).value,
+                         "expires_at": format_time(expires) if expires else None},
+            ))
             return token
         finally:
-            await store.close()
+            await audit.close()
 
     with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="rudder-token") as pool:
         return pool.submit(asyncio.run, run()).result()

@@ -51,7 +51,8 @@ def _run_on(connection: Connection) -> None:
         if config.attributes.get("apply_grants"):
             # Idempotent: a renamed app role, or a table added by a later migration, gets its
             # grants from the one list in migrations/grants.py on every upgrade.
-            grants.apply(connection, config.attributes.get("app_role") or grants.app_role_name())
+            grants.apply(connection, config.attributes.get("app_role") or grants.app_role_name(),
+                         functions=grants.APP_FUNCTIONS)
 
 
 async def _run_async(url: str) -> None:

@@ -1,10 +1,12 @@
 """The control plane's database role and exactly what it may do (DESIGN §9, issue 8).
 
 Migrations run as the owner of the schema; the control plane runs as a separate *app role* that
-may only read and append to the audit and ACK tables, and create, read and revoke API tokens:
+may only read and append to the audit and ACK tables, read API tokens, and create and revoke
+them through the audited functions of migration 0003 (never INSERT or UPDATE them itself):
 
     audit_log, router_acks   SELECT, INSERT
-    api_tokens               SELECT, INSERT, UPDATE (revoked_at)
+    api_tokens, token_audit  SELECT
+    rudder_token_create, rudder_token_revoke   EXECUTE
 
 It owns nothing, so it cannot ALTER a table, disable a trigger, TRUNCATE, UPDATE or DELETE an
 audit row. ``apply(connection, role)`` creates the role (NOLOGIN, when the owner may create roles)
@@ -30,8 +32,15 @@ APP_ROLE_ENV = "RUDDER_DATABASE_APP_ROLE"
 APP_GRANTS: dict[str, tuple[str, ...]] = {
     "audit_log": ("SELECT", "INSERT"),
     "router_acks": ("SELECT", "INSERT"),
-    "api_tokens": ("SELECT", "INSERT", "UPDATE (revoked_at)"),
+    "api_tokens": ("SELECT",),
+    "token_audit": ("SELECT",),
 }
+
+#: Functions the app role may execute (SECURITY DEFINER, each writes its own ``token_audit`` row).
+APP_FUNCTIONS: tuple[str, ...] = (
+    "rudder_token_create(text, text, text, timestamptz)",
+    "rudder_token_revoke(bigint)",
+)
 
 _ROLE_NAME = re.compile(r"^[a-z_][a-z0-9_]{0,62}$")
 
@@ -49,11 +58,13 @@ def app_role_name(explicit: str | None = None) -> str:
 
 
 def apply(connection: Connection, role: str, *,
-          privileges: Mapping[str, tuple[str, ...]] = APP_GRANTS) -> None:
-    """Create ``role`` if missing (NOLOGIN) and grant it exactly ``privileges`` (idempotent).
+          privileges: Mapping[str, tuple[str, ...]] = APP_GRANTS,
+          functions: tuple[str, ...] = ()) -> None:
+    """Create ``role`` if missing (NOLOGIN) and grant it exactly ``privileges`` on tables and
+    EXECUTE on ``functions`` (idempotent; nobody else may execute those).
 
-    ``privileges`` is ``APP_GRANTS`` but for a migration, which passes the list of its own time
-    (the tables it knows).
+    ``privileges`` and ``functions`` are ``APP_GRANTS`` and ``APP_FUNCTIONS`` (env.py, after every
+    upgrade to head) but for a migration, which passes the lists of its own time (what it knows).
     """
     role = app_role_name(role)
     owner = connection.execute(text("SELECT current_user")).scalar_one()
@@ -77,4 +88,7 @@ def apply(connection: Connection, role: str, *,
         connection.execute(text(f'REVOKE ALL ON TABLE {table} FROM "{role}"'))
         connection.execute(text(f'REVOKE ALL ON TABLE {table} FROM PUBLIC'))
         connection.execute(text(f'GRANT {", ".join(granted)} ON TABLE {table} TO "{role}"'))
+    for function in functions:
+        connection.execute(text(f'REVOKE ALL ON FUNCTION {function} FROM PUBLIC'))
+        connection.execute(text(f'GRANT EXECUTE ON FUNCTION {function} TO "{role}"'))
     connection.execute(text(f'GRANT USAGE ON SCHEMA public TO "{role}"'))

@@ -319,6 +319,26 @@ class Reconciliation(Open):
     replayed: list[dict[str, Any]] | None = None
 
 
+class TokenInfo(Exact):
+    id: int
+    name: str
+    role: str
+    created_at: str
+    revoked_at: str | None
+    revoked: bool
+    expires_at: str | None
+    expired: bool
+
+
+class TokenList(Exact):
+    tokens: list[TokenInfo]
+
+
+class TokenRevoked(Exact):
+    id: int
+    revoked: bool
+
+
 class Ignored(Open):
     """Any JSON object, or none: the body is not read."""
 

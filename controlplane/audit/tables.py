@@ -126,9 +126,29 @@ class ApiTokenRow(Base):
         DateTime(timezone=True), server_default=text("now()")
     )
     revoked_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+    expires_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+
+
+class TokenAuditRow(Base):
+    """What the token functions did (migration 0003): insert-only, written by the database."""
+
+    __tablename__ = "token_audit"
+    __table_args__ = (
+        CheckConstraint("action IN ('create', 'revoke')", name="token_audit_action_check"),
+    )
+
+    id: Mapped[int] = mapped_column(BigInteger, Identity(), primary_key=True)
+    at: Mapped[datetime] = mapped_column(DateTime(timezone=True), server_default=text("now()"))
+    action: Mapped[str] = mapped_column(Text)
+    token_id: Mapped[int] = mapped_column(BigInteger)
+    name: Mapped[str] = mapped_column(Text)
+    role: Mapped[str] = mapped_column(Text)
+    expires_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+    db_user: Mapped[str] = mapped_column(Text)
 
 
 metadata = Base.metadata
 audit_log: Table = metadata.tables["audit_log"]
 router_acks: Table = metadata.tables["router_acks"]
 api_tokens: Table = metadata.tables["api_tokens"]
+token_audit: Table = metadata.tables["token_audit"]

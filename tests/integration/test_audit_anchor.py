@@ -141,12 +141,14 @@ async def test_the_control_plane_role_cannot_alter_the_audit_tables(access: Data
             with pytest.raises(asyncpg.InsufficientPrivilegeError) as info:
                 await conn.execute(sql)
             assert info.value.sqlstate == "42501", sql
-        # What it may do: read and append (through the store above), and revoke tokens.
+        # What it may do: read and append (through the store above), and create and revoke
+        # tokens only through the audited functions (issue 17: no INSERT or UPDATE of its own).
         assert await conn.fetchval(f"SELECT count(*) FROM {table}") == 1
-        await conn.execute("INSERT INTO api_tokens (name, role, token_hash) VALUES ('t', 'viewer', $1)",
-                           uuid.uuid4().hex)
-        await conn.execute("UPDATE api_tokens SET revoked_at = now()")
-        for sql in ("UPDATE api_tokens SET role = 'admin'", "DELETE FROM api_tokens"):
+        token_id = await conn.fetchval("SELECT rudder_token_create('t', 'viewer', $1, NULL)", uuid.uuid4().hex)
+        assert await conn.fetchval("SELECT rudder_token_revoke($1)", token_id) is not None
+        for sql in ("INSERT INTO api_tokens (name, role, token_hash) VALUES ('t', 'viewer', 'h')",
+                    "UPDATE api_tokens SET revoked_at = now()", "UPDATE api_tokens SET role = 'admin'",
+                    "DELETE FROM api_tokens"):
             with pytest.raises(asyncpg.InsufficientPrivilegeError):
                 await conn.execute(sql)
     finally:
@@ -390,5 +392,7 @@ async def test_grants_go_to_the_configured_role_and_the_owner_is_never_the_app_r
             "WHERE grantee = $1 AND privilege_type = 'UPDATE'", access.app.name)}
     finally:
         await conn.close()
-    assert privileges == {(t, p) for t in ("audit_log", "router_acks", "api_tokens") for p in ("SELECT", "INSERT")}
-    assert columns == {("api_tokens", "revoked_at", "UPDATE")}
+    # Issue 17: tokens only through the audited functions (migration 0003).
+    assert privileges == {(t, p) for t in ("audit_log", "router_acks") for p in ("SELECT", "INSERT")} | {
+        ("api_tokens", "SELECT"), ("token_audit", "SELECT")}
+    assert columns == set()

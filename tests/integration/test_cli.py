@@ -277,3 +277,22 @@ def test_json_is_accepted_after_the_command(env: Env) -> None:
         assert before.exit_code == after.exit_code == 0, (after.stdout, after.stderr)
         assert json.loads(after.stdout) == json.loads(before.stdout)
     assert json.loads(env.run("workers", "list", "--json", json_out=False).stdout) == []
+
+
+def test_token_create_with_ttl_list_and_revoke(env: Env) -> None:
+    """Issue 17 item 6: tokens expire (``--ttl``), are listed and revoked (and stay revoked)."""
+    made = CliRunner().invoke(app, ["--json", "token", "create", "--role", "viewer", "--name", "cli-ttl",
+                                    "--ttl", "2h", "--database-url", env.database_url])
+    assert made.exit_code == 0, made.output
+    listed = env.ok("token", "list")
+    mine = next(t for t in listed if t["name"] == "cli-ttl")
+    assert mine["expires_at"] is not None and not mine["revoked"] and not mine["expired"]
+    assert "token" not in mine and "token_hash" not in mine
+    assert env.ok("token", "revoke", str(mine["id"])) == {"id": mine["id"], "revoked": True}
+    again = env.run("token", "revoke", str(mine["id"]))
+    assert again.exit_code != 0  # 404: revoked already
+    assert next(t for t in env.ok("token", "list") if t["id"] == mine["id"])["revoked"] is True
+    assert env.run("token", "list", role="viewer").exit_code != 0  # admin only
+    bad = CliRunner().invoke(app, ["token", "create", "--role", "viewer", "--ttl", "soon",
+                                   "--database-url", env.database_url])
+    assert bad.exit_code == 2 and "--ttl" in bad.output

@@ -8,6 +8,7 @@ PostgreSQL and a real control plane listening on a real socket.
   completes (408, closed), a connection cap (503).
 - Every malformed query parameter is a 400 naming it (a NUL in a filter, a cursor or an id past
   int64), not 503 "audit unavailable".
+- Tokens (item 6): an admin lists and revokes them (``/tokens``), audited with the admin's name.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from sqlalchemy import func, select
 
 from controlplane.audit.store import AuditStore
 from controlplane.audit.tables import audit_log
+from controlplane.auth import Role, TokenStore
 from tests.integration.cp_support import Tokens, controlplane
 
 pytestmark = pytest.mark.timeout(120)
@@ -158,3 +160,27 @@ async def test_malformed_query_parameters_answer_400_naming_them(nats_url: str, 
             assert r.status_code == 400, (path, params, r.text)
             assert r.json()["error"]["field"] == field, (path, r.text)
         assert (await http.get("/audit", params={"model": "fine"})).status_code == 200
+
+
+async def test_tokens_are_listed_and_revoked_by_an_admin_and_audited(nats_url: str, db: str, tokens: Tokens) -> None:
+    store = AuditStore.from_url(db)
+    try:
+        victim, victim_id = await TokenStore(store.engine).create("stolen", Role.OPERATOR)
+        async with controlplane(nats_url, db) as cp, \
+                httpx.AsyncClient(base_url=cp.url, headers={"Authorization": f"Bearer {tokens.admin}"}) as admin, \
+                httpx.AsyncClient(base_url=cp.url, headers={"Authorization": f"Bearer {tokens.viewer}"}) as viewer, \
+                httpx.AsyncClient(base_url=cp.url, headers={"Authorization": f"Bearer {victim}"}) as thief:
+            assert (await viewer.get("/tokens")).status_code == 403
+            listed = (await admin.get("/tokens")).json()["tokens"]
+            mine = next(t for t in listed if t["id"] == victim_id)
+            assert mine["name"] == "stolen" and not mine["revoked"] and "token_hash" not in mine
+            assert (await thief.get("/router_policy")).status_code == 200
+            r = await admin.post(f"/tokens/{victim_id}/revoke")
+            assert r.status_code == 200 and r.json() == {"id": victim_id, "revoked": True}
+            assert (await thief.get("/router_policy")).status_code == 401
+            assert (await admin.post(f"/tokens/{victim_id}/revoke")).status_code == 404
+        rows, _ = await store.query(decision="accepted", limit=100)
+        row = next(r for r in rows if r.reason_code == "token_revoked" and r.changes == {"token_id": victim_id})
+        assert row.actor == "test-admin"
+    finally:
+        await store.close()

@@ -122,3 +122,49 @@ async def test_postgres_down_is_audit_unavailable(own_postgres: EmbeddedPostgres
         assert await uncached.authenticate(plaintext) is not None
     finally:
         await store.close()
+
+
+# ---- issue 17: the database password is not an admin token -------------------------------------
+
+
+async def test_a_minted_or_unrevoked_token_with_the_app_role_is_refused(db: str, tokens: TokenStore) -> None:
+    """The app role (the control plane's database password) can neither insert an admin token
+    nor un-revoke one; what it creates or revokes goes through the audited functions."""
+    plaintext, token_id = await tokens.create("to-revoke", Role.ADMIN)
+    assert await tokens.revoke(token_id)
+    conn = await asyncpg.connect(db.replace("postgresql+asyncpg://", "postgresql://", 1))
+    try:
+        minted = "rdr_" + "m" * 43
+        with pytest.raises(asyncpg.InsufficientPrivilegeError):
+            await conn.execute("INSERT INTO api_tokens (name, role, token_hash) VALUES ('mallory', 'admin', $1)",
+                               hash_token(minted))
+        with pytest.raises(asyncpg.InsufficientPrivilegeError):
+            await conn.execute("UPDATE api_tokens SET revoked_at = NULL WHERE id = $1", token_id)
+        with pytest.raises(asyncpg.InsufficientPrivilegeError):
+            await conn.execute("DELETE FROM token_audit")
+        audited = await conn.fetch("SELECT action, db_user FROM token_audit WHERE token_id = $1 ORDER BY id",
+                                   token_id)
+        assert [r["action"] for r in audited] == ["create", "revoke"]
+        me = await conn.fetchval("SELECT current_user")
+        assert all(r["db_user"] == me for r in audited)
+    finally:
+        await conn.close()
+    assert await tokens.authenticate(minted) is None
+    assert await tokens.authenticate(plaintext) is None  # still revoked
+    assert not await tokens.revoke(token_id)  # and stays so
+
+
+async def test_an_expired_token_is_refused(tokens: TokenStore) -> None:
+    from datetime import UTC, datetime, timedelta
+
+    plaintext, _ = await tokens.create("short", Role.VIEWER,
+                                       expires_at=datetime.now(UTC) + timedelta(seconds=1))
+    assert await tokens.authenticate(plaintext) is not None
+    deadline = asyncio.get_running_loop().time() + 5
+    while await tokens.authenticate(plaintext) is not None:  # refused once the second is over
+        assert asyncio.get_running_loop().time() < deadline, "an expired token still authenticates"
+        await asyncio.sleep(0.05)
+    listed = {t["name"]: t for t in await tokens.list()}
+    assert listed["short"]["expired"] is True and listed["short"]["expires_at"] is not None
+    with pytest.raises(InvalidRequest):
+        await tokens.create("past", Role.VIEWER, expires_at=datetime.now(UTC) - timedelta(seconds=1))

@@ -7,6 +7,7 @@ that a second ``rudder up`` finds the same policy revision and reuses the token.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import queue
@@ -154,6 +155,16 @@ def test_up_serves_stops_everything_and_keeps_data(tmp_path: Path) -> None:
     _assert_database_roles(tmp_path, creds, text)
 
     started = _children_of(up.proc.pid) | {_postmaster_pid(tmp_path)}
+    # Issue 17: routers and workers never receive database settings (its password).
+    fleet = 0
+    for pid in started:
+        with contextlib.suppress(OSError):
+            argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+            if b"serve" in argv and (b"router" in argv or b"worker" in argv):
+                environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+                assert not [e for e in environ if e.startswith(b"RUDDER_DATABASE")], argv
+                fleet += 1
+    assert fleet >= 2, "no router or worker found among the children"
     try:
         # The CLI in the same directory finds server and token in .rudder/credentials.
         result = rudder(tmp_path, "--json", "policy", "set", MODEL, "overlap_score_credit=0.5",

@@ -105,4 +105,13 @@ def test_frozen_ack_hash_refuses_what_the_live_hash_refuses(m0002: ModuleType) -
 
 
 def test_frozen_grants_are_todays_grants(m0002: ModuleType) -> None:
-    assert m0002._GRANTS_AT_0002 == grants.APP_GRANTS
+    # 0003 changed the live list on purpose (issue 17: tokens only through audited functions);
+    # 0002's copy stays what it was, and 0003's copy is today's.
+    assert m0002._GRANTS_AT_0002 == {
+        "audit_log": ("SELECT", "INSERT"),
+        "router_acks": ("SELECT", "INSERT"),
+        "api_tokens": ("SELECT", "INSERT", "UPDATE (revoked_at)"),
+    }
+    m0003 = load("0003_token_functions.py")
+    assert m0003._GRANTS_AT_0003 == grants.APP_GRANTS
+    assert m0003._FUNCTIONS_AT_0003 == grants.APP_FUNCTIONS
