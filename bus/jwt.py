@@ -101,14 +101,22 @@ def operator_claims(op: KeyPair, *, name: str, system_account: str) -> dict[str,
     }
 
 
+#: JetStream consumers the Rudder account may hold at once, every identity together: each router
+#: holds a few ordered consumers (policy, membership, its status), the control plane a few more;
+#: this leaves room for thousands of routers and stops a runaway (or hostile) creator.
+MAX_CONSUMERS = 16_384
+
+
 def account_claims(acc: KeyPair, *, name: str, jetstream: bool) -> dict[str, Any]:
     limits: dict[str, Any] = {
         "subs": _NO_LIMIT, "data": _NO_LIMIT, "payload": _NO_LIMIT, "imports": _NO_LIMIT,
         "exports": _NO_LIMIT, "wildcards": True, "conn": _NO_LIMIT, "leaf": _NO_LIMIT,
     }
     if jetstream:
+        # Consumers are bounded (issue 17): a stolen router credential may create consumers on
+        # the streams it reads, and without a bound it could create them until the server fails.
         limits.update({"mem_storage": _NO_LIMIT, "disk_storage": _NO_LIMIT, "streams": _NO_LIMIT,
-                       "consumer": _NO_LIMIT})
+                       "consumer": MAX_CONSUMERS})
     else:
         limits.update({"mem_storage": 0, "disk_storage": 0, "streams": 0, "consumer": 0})
     return {

@@ -13,6 +13,12 @@ so a control plane that starts later records every one of them, oldest first.
 A payload that is not an ``ApplyAck``, or whose ``router_id`` is not its subject's, is terminated
 (never redelivered), logged once per source and counted (``drops``, shared with the fleet view);
 it cannot stall the consumer.
+
+A router is believed about what it applied, not about when or what exists (issue 17): an ACK's
+``at`` is the time the ``RUDDER_ACKS`` stream stored it, never the payload's, and an ACK for a
+revision the control plane never wrote (:class:`RevisionCheck`: an ACK names a signed event on
+that document's subject, a NACK any message of it) is terminated and counted
+(``unknown_revision``).
 """
 
 from __future__ import annotations
@@ -23,12 +29,59 @@ import logging
 
 from bus.client import Bus, Message, PullConsumer
 from controlplane.audit.store import AckRecord, AuditStore
+from controlplane.eventlog import PolicyLog
 from controlplane.protocol.errors import InvalidRequest, RudderError, SubjectMismatch
-from controlplane.protocol.events import check_ack_subject, decode_apply_ack
+from controlplane.protocol.events import AckStatus, ApplyAck, check_ack_subject, decode_apply_ack
 from controlplane.protocol.guard import Drops
-from controlplane.protocol.subjects import ACKS_SUBJECTS, STREAM_ACKS
+from controlplane.protocol.subjects import ACKS_SUBJECTS, STREAM_ACKS, STREAM_POLICY, policy_subject
 
 log = logging.getLogger(__name__)
+
+
+class RevisionCheck:
+    """Whether a policy revision an ACK names was ever written on its document's subject.
+
+    An ACK (applied) must name a revision that holds a policy event signed by a valid key (what
+    the control plane wrote; :class:`~controlplane.eventlog.PolicyLog` verifies), with the same
+    ``event_id`` when the ACK names one; a NACK, any message of that subject (routers NACK junk).
+    A revision past the stream's last sequence, or holding another document's message, was never
+    written. One the stream no longer holds (history limit) cannot be told: it is believed.
+    Verdicts are cached (a revision is ACKed by every router). Raises LogUnavailable."""
+
+    def __init__(self, log_: PolicyLog, *, cache_size: int = 10_000) -> None:
+        self.log = log_
+        self.cache_size = cache_size
+        self._ok: set[tuple[str, str, int, AckStatus, str | None]] = set()
+
+    async def refusal(self, ack: ApplyAck) -> str | None:
+        """Why ``ack`` names a revision that was never written, or None."""
+        key = (ack.model, ack.kind.value, ack.revision, ack.status,
+               str(ack.event_id) if ack.event_id else None)
+        if key in self._ok:
+            return None
+        reason = await self._check(ack)
+        if reason is None:
+            if len(self._ok) >= self.cache_size:
+                self._ok.clear()
+            self._ok.add(key)
+        return reason
+
+    async def _check(self, ack: ApplyAck) -> str | None:
+        what = f"revision {ack.revision} of {ack.model}|{ack.kind.value}"
+        msg = await self.log.bus.get(STREAM_POLICY, ack.revision)
+        if msg is None:
+            last = (await self.log.bus.stream_state(STREAM_POLICY)).last_seq
+            return f"{what} was never written (the stream's last is {last})" if ack.revision > last else None
+        if msg.subject != policy_subject(ack.model, ack.kind.value):
+            return f"{what} is not on its subject (it holds {msg.subject})"
+        if ack.status is AckStatus.NACK:
+            return None
+        stored = await self.log.get(ack.model, ack.kind, ack.revision)
+        if stored is None or stored.event is None:
+            return f"{what} is not an event the control plane signed ({stored.error if stored else 'gone'})"
+        if ack.event_id is not None and stored.event.event_id != ack.event_id:
+            return f"{what} is event {stored.event.event_id}, not {ack.event_id}"
+        return None
 
 
 class AckConsumer:
@@ -36,8 +89,9 @@ class AckConsumer:
 
     def __init__(self, bus: Bus, store: AuditStore, *, durable: str,
                  batch: int = 128, ack_wait_s: float = 30.0, fetch_timeout_s: float = 1.0,
-                 drops: Drops | None = None) -> None:
+                 drops: Drops | None = None, revisions: RevisionCheck | None = None) -> None:
         self.bus = bus
+        self.revisions = revisions
         self.drops = drops or Drops(log)
         self.store = store
         self.durable = durable
@@ -90,6 +144,22 @@ class AckConsumer:
                 self.drops.drop("ack", reason, msg.subject, f"{exc.message} (stream seq {msg.seq})")
                 await msg.term()
                 continue
+            if self.revisions is not None:
+                try:
+                    refused = await self.revisions.refusal(ack)
+                except RudderError as exc:  # the policy stream did not answer: ask again later
+                    log.warning("ACK at stream seq %s not checked (%s); redelivered later", msg.seq,
+                                exc.message)
+                    with contextlib.suppress(RudderError):
+                        await msg.nak(delay=1.0)
+                    continue
+                if refused is not None:
+                    self.drops.drop("ack", "unknown_revision", msg.subject,
+                                    f"{ack.status.value} from {ack.router_id}: {refused} (stream seq {msg.seq})")
+                    await msg.term()
+                    continue
+            if msg.stored_at is not None:  # when the bus stored it, not what the router says
+                ack = ack.model_copy(update={"at": msg.stored_at})
             good.append((msg, AckRecord(ack, msg.seq or 0)))
         if not good:
             return

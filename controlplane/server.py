@@ -18,7 +18,7 @@ from bus.client import Bus
 from bus.keyfiles import KeyringFile, SigningKeyFile
 from bus.streams import CONTROLPLANE_STREAMS
 from bus.tasks import Tasks, every
-from controlplane.acks import AckConsumer
+from controlplane.acks import AckConsumer, RevisionCheck
 from controlplane.api import build_app
 from controlplane.api.app import error_response
 from controlplane.audit.store import AuditStore
@@ -74,7 +74,8 @@ class ControlPlane:
             self.tasks.spawn(self.checkpointer.run(), name="audit-checkpointer")
         self.fleet = FleetView(self.bus, worker_ttl_s=s.worker_ttl_s, router_heartbeat_s=s.router_heartbeat_s,
                                outage_grace_s=s.bus_outage_grace_s)
-        self.acks = AckConsumer(self.bus, self.audit, durable=s.acks_consumer, drops=self.fleet.drops)
+        self.acks = AckConsumer(self.bus, self.audit, durable=s.acks_consumer, drops=self.fleet.drops,
+                                revisions=RevisionCheck(self.log))
         self.tasks.spawn(self.acks.run(), name="ack-consumer")
         self.tasks.spawn(self.fleet.watch_routers(), name="fleet-routers")
         await self.fleet.start()

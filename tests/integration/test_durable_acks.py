@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import uuid
 from collections.abc import AsyncIterator
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 
 import asyncpg
 import nats
@@ -20,13 +20,14 @@ import pytest
 from nats.aio.client import Client as NATS
 
 from bus.client import Bus
+from bus.identities import Identity, IdentityKind
 from bus.tasks import Tasks
 from controlplane.acks import AckConsumer
 from controlplane.audit.ack_chain import ACK_CHAIN_LOCK_KEY
 from controlplane.audit.store import AckRecord, AuditStore, Chain
 from controlplane.protocol.events import AckStatus, ApplyAck
 from controlplane.protocol.policy import PolicyKind
-from controlplane.protocol.subjects import STREAM_ACKS, acks_subject
+from controlplane.protocol.subjects import STREAM_ACKS, acks_subject, policy_subject
 from tests import buskit
 from tests.integration.cp_support import controlplane
 from tests.support_router.policy import publish_policy
@@ -87,10 +88,17 @@ async def test_two_control_planes_store_each_ack_once(
     router_id = f"r-{uuid.uuid4().hex[:8]}"
     js = client.jetstream()
     n = 300
+    # Revisions that exist (signed events): an ACK for one never written is refused (issue 17).
+    model = f"acks/{uuid.uuid4().hex[:6]}"
+    revisions = [0]
+    for i in range(n):
+        revisions.append(await publish_policy(js, model, {"router_temperature": i / n},
+                                              expected_revision=revisions[-1]))
+    revisions = revisions[1:]
     async with controlplane(nats_url, db) as a, controlplane(nats_url, db) as b:
         # Exactly what a router's PolicyConsumer publishes, many of them, to the stream.
-        for i in range(n):
-            ack = ApplyAck(router_id=router_id, model="m", kind=PolicyKind.SELECTION, revision=i + 1,
+        for revision in revisions:
+            ack = ApplyAck(router_id=router_id, model=model, kind=PolicyKind.SELECTION, revision=revision,
                            status=AckStatus.ACK, at=datetime.now(UTC))
             await js.publish(acks_subject(router_id), ack.to_bytes())
 
@@ -109,7 +117,7 @@ async def test_two_control_planes_store_each_ack_once(
         written = a.controlplane.acks.recorded + b.controlplane.acks.recorded
     rows = await store.acks(router_id=router_id, limit=1000)
     assert len(rows) == n
-    assert sorted(r["revision"] for r in rows) == list(range(1, n + 1))
+    assert sorted(r["revision"] for r in rows) == revisions
     assert written >= n  # the two replicas wrote these (and possibly earlier tests' ACKs) ...
     assert info.config.durable_name == a.controlplane.settings.acks_consumer
     assert (await store.verify(chain=Chain.ACKS)).ok  # ... as one chain
@@ -179,3 +187,45 @@ async def test_acks_redelivered_to_another_replica_while_the_first_is_stuck_are_
     assert sorted(r["revision"] for r in rows) == list(range(1, n + 1))  # each once
     assert sum(c.recorded for c in consumers) >= n
     assert (await store.verify(chain=Chain.ACKS)).ok
+
+
+async def test_a_back_dated_ack_and_one_for_a_revision_never_written_are_not_believed(
+        nats_url: str, db: str, client: NATS, store: AuditStore) -> None:
+    """Issue 17 item 7: a router (its own credential, its own ACK subject) stamps its ACK a year
+    back, and ACKs revisions that were never written: the row carries the time the stream stored
+    the ACK, and the others are refused and counted."""
+    model = f"acks/{uuid.uuid4().hex[:6]}"
+    router_id = f"r-{uuid.uuid4().hex[:8]}"
+    js = client.jetstream()
+    good = await publish_policy(js, model, {"router_temperature": 0.5}, expected_revision=0)
+    junk = int((await js.publish(policy_subject(model, "selection"), b"junk")).seq)
+    other = await publish_policy(js, f"{model}-other", {"router_temperature": 0.5}, expected_revision=0)
+    last = (await js.stream_info("RUDDER_POLICY")).state.last_seq
+    year_ago = datetime.now(UTC) - timedelta(days=365)
+
+    def ack(revision: int, status: AckStatus = AckStatus.ACK) -> ApplyAck:
+        return ApplyAck(router_id=router_id, model=model, kind=PolicyKind.SELECTION, revision=revision,
+                        status=status, at=year_ago)
+
+    router_nc = await buskit.connect_as(nats_url, Identity(IdentityKind.ROUTER, router_id=router_id))
+    async with controlplane(nats_url, db) as cp:
+        try:
+            sent = datetime.now(UTC)
+            for a in (ack(good), ack(junk, AckStatus.NACK), ack(junk), ack(last + 1000),
+                      ack(other), ack(last + 1000, AckStatus.NACK)):
+                await router_nc.publish(acks_subject(router_id), a.to_bytes())
+            await router_nc.flush()
+        finally:
+            await router_nc.close()
+        drops = cp.controlplane.fleet.drops.totals
+
+        async def settled() -> bool:
+            return (len(await store.acks(router_id=router_id)) == 2
+                    and drops.get(("ack", "unknown_revision"), 0) >= 4)
+
+        await wait_for(settled, within=15)
+    rows = await store.acks(router_id=router_id)
+    assert sorted((r["revision"], r["status"]) for r in rows) == [(good, "ACK"), (junk, "NACK")]
+    for row in rows:  # the stream's time, not the router's claim
+        assert datetime.fromisoformat(row["at"]) >= sent - timedelta(seconds=5)
+    assert drops[("ack", "unknown_revision")] >= 4  # (the shared durable may hold earlier tests' too)
