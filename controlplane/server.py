@@ -268,7 +268,7 @@ def uvicorn_options(settings: ControlPlaneSettings) -> dict[str, Any]:
         max_connections=settings.max_connections, max_header_bytes=settings.max_header_bytes,
         header_timeout_s=settings.header_timeout_s, body_timeout_s=settings.body_timeout_s,
         write_timeout_s=settings.write_timeout_s, render=error_response,
-        on_refused=lambda reason: log.warning("admin connection refused: %s", reason),
+        on_refused=lambda reason: log.debug("admin connection refused: %s", reason),
     )
     return {"http": protocol_class(limits)}
 
