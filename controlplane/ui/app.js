@@ -8,7 +8,7 @@
 (() => {
   const KEY = "rudder.token";
   const POLL_MS = 1000;
-  const VERIFY_MS = 10000;
+  const VERIFY_MS = 60000; // verifying reads both whole chains: not every poll
   const VIEWS = ["documents", "fleet", "audit"];
   const $ = (id) => document.getElementById(id);
 
@@ -258,6 +258,12 @@
     node.textContent = text;
   }
 
+  async function verify() {
+    lastVerify = Date.now();
+    status("verify-status", ["", "verifying…"]);
+    status("verify-status", describeVerify(await api("GET", "/audit/verify")));
+  }
+
   async function reconcile() {
     status("reconcile-status", ["", "running…"]);
     status("reconcile-status", describeReconcile(await api("POST", "/audit/reconcile")));
@@ -290,10 +296,7 @@
         { "data-audit-id": a.id, "data-model": a.model, class: "decision-" + (a.decision || "none") });
       }), "no audit records match", 11);
     }
-    if (Date.now() - lastVerify > VERIFY_MS) {
-      lastVerify = Date.now();
-      status("verify-status", describeVerify(await api("GET", "/audit/verify")));
-    }
+    if (Date.now() - lastVerify > VERIFY_MS) await verify();
     if (!reconciled) {
       reconciled = true;
       await reconcile();
@@ -351,6 +354,8 @@
     timer = null;
     last.clear();
     seenRouters.clear();
+    selected = null;
+    $("document").hidden = true;
     reconciled = false;
     lastVerify = 0;
     $("nav").hidden = true;
@@ -373,6 +378,7 @@
       }
     });
     $("logout").addEventListener("click", () => logout(""));
+    $("verify").addEventListener("click", () => verify().catch((e) => status("verify-status", ["bad", e.message])));
     $("reconcile").addEventListener("click", () => reconcile().catch((e) => status("reconcile-status", ["bad", e.message])));
     $("audit-filters").addEventListener("submit", (event) => {
       event.preventDefault();

@@ -2,8 +2,9 @@
 
 Debian's ``chromium`` (installed by .ci/run), driven by Playwright through ``executable_path`` (no
 browser download). Shown here: signing in with a token (kept in sessionStorage, never in the URL),
-a PATCH made by the CLI appearing with its diff within 2 s, a stopped router turning "behind" when
-the head moves past it, and a viewer's token kept out of the audit page. Without chromium the test
+a PATCH made by the CLI appearing with its diff within 2 s, a router's NACK with its reason, a
+stopped router turning "behind" when the head moves past it, a worker's load and cache usage, and
+a viewer's token kept out of the audit page. Without chromium the test
 skips, unless CI=true, where it fails.
 """
 
@@ -16,14 +17,19 @@ import sys
 import time
 import uuid
 from collections.abc import AsyncIterator
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
 
-from controlplane.protocol.events import RankLoad
+from bus.identities import Identity, IdentityKind
+from controlplane.protocol.events import PolicyEvent, RankLoad
+from controlplane.protocol.policy import PolicyKind, PolicyOp
+from tests import buskit
 from tests.integration.cp_support import Tokens, controlplane
+from tests.policy_keys import session_keys
 from tests.support_router.workers import InProcessRouter, TestWorker, router_settings, wait_for
 
 pytestmark = pytest.mark.timeout(120)
@@ -76,6 +82,18 @@ async def rudder(server: str, token: str, *args: str) -> dict[str, Any]:
     assert proc.returncode == 0, (out, err)
     result: dict[str, Any] = json.loads(out)
     return result
+
+
+async def publish_around_the_control_plane(nats_url: str, model: str, *, expected: int) -> None:
+    nc = await buskit.connect_as(nats_url, Identity(IdentityKind.CONTROLPLANE))
+    try:
+        await session_keys().policy_log(nc).publish(PolicyEvent(
+            event_id=uuid.uuid4(), model=model, kind=PolicyKind.SELECTION, op=PolicyOp.PATCH,
+            expected_revision=expected, changes={"host_cache_hit_weight": 0.5},
+            document={"prefill_load_scale": 2, "host_cache_hit_weight": 0.5},
+            actor="around-the-control-plane", request_id="test", at=datetime.now(UTC)))
+    finally:
+        await nc.close()
 
 
 async def sign_in(browser: Any, url: str, token: str) -> Any:
@@ -145,6 +163,15 @@ async def test_the_console_shows_changes_the_fleet_and_keeps_viewers_out_of_the_
             # The 64-bit worker id exactly (not rounded to a JavaScript number), its load and cache.
             assert [cells[:9] for cells in load] == [[str(worker.instance_id), model, "aggregated", "mock", "0",
                                                       "3", "1", "512", "25.0% (250/1000 blocks)"]]
+            # A document that reaches the router around the control plane (a weight this cache-free
+            # router cannot feed) is NACKed: the page shows the router's reason.
+            await publish_around_the_control_plane(nats_url, model, expected=(await rudder(
+                cp.url, tokens.viewer, "policy", "get", model, "--kind", "selection"))["revision"])
+            await admin.wait_for_selector(f'{cell}[data-status="nack"]', timeout=SHOWN_WITHIN_MS)
+            assert "host_cache_hit_weight" in (await admin.text_content(cell) or "")
+            await rudder(cp.url, tokens.operator, "policy", "unset", model, "host_cache_hit_weight", "--latest")
+            await admin.wait_for_selector(f'{cell}[data-status="in-sync"]', timeout=5000)
+
             await router.stop()
             stopped = True
             await rudder(cp.url, tokens.operator, "policy", "set", model, "prefill_load_scale=3", "--latest")
