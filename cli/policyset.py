@@ -10,6 +10,7 @@ the file and the field; a head that moved since the plan was shown is ``CliError
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 from typing import Any
 
@@ -36,13 +37,27 @@ from controlplane.protocol.policyfile import (
 SUFFIXES = (".yaml", ".yml", ".json")
 
 
+class _Loader(yaml.SafeLoader):
+    """YAML 1.1's safe loader, reading numbers as YAML 1.2 (and JSON) do: ``1e-3`` is a float
+    (YAML 1.1 wants ``1.0e-3``, and reads ``1e-3`` as a string)."""
+
+
+_Loader.add_implicit_resolver(
+    "tag:yaml.org,2002:float",
+    re.compile(r"^[-+]?(?:[0-9][0-9_]*\.[0-9_]*(?:[eE][-+]?[0-9]+)?|\.[0-9_]+(?:[eE][-+]?[0-9]+)?"
+               r"|[0-9][0-9_]*[eE][-+]?[0-9]+|[-+]?\.(?:inf|Inf|INF)|\.(?:nan|NaN|NAN))$"),
+    list("-+0123456789."),
+)
+
+
 def _load(path: Path) -> Any:
     try:
         text = path.read_text(encoding="utf-8")
     except OSError as exc:
         raise CliError(ExitCode.USAGE, f"cannot read {path}: {exc.strerror or exc}") from exc
     try:
-        return json.loads(text) if path.suffix == ".json" else yaml.safe_load(text)
+        # _Loader is a SafeLoader: plain data only, no Python objects.
+        return json.loads(text) if path.suffix == ".json" else yaml.load(text, Loader=_Loader)
     except (ValueError, yaml.YAMLError) as exc:
         raise CliError(ExitCode.USAGE, f"{path} is not valid {'JSON' if path.suffix == '.json' else 'YAML'}: "
                        f"{exc}") from exc

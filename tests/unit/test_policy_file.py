@@ -4,6 +4,7 @@ revision file (controlplane/protocol/policyfile.py)."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 from typing import Any
 
 import jsonschema
@@ -11,7 +12,9 @@ import pytest
 import yaml
 from typer.testing import CliRunner
 
+from cli.errors import CliError, ExitCode
 from cli.main import app
+from cli.policyset import read_policy_set
 from controlplane.protocol.errors import ValidationFailed
 from controlplane.protocol.policy import PARAMETERS, PolicyKind
 from controlplane.protocol.policyfile import (
@@ -185,3 +188,30 @@ def test_rudder_policy_schema_publishes_it() -> None:
     result = CliRunner().invoke(app, ["policy", "schema"])
     assert result.exit_code == 0, result.output
     assert json.loads(result.stdout) == json_schema()
+
+
+def test_reading_a_folder(tmp_path: Path) -> None:
+    """``-f`` names a file or a folder (its *.yaml, *.yml, *.json); numbers read as YAML 1.2 does."""
+    (tmp_path / "a.yaml").write_text("apiVersion: rudder/v1\nkind: PolicySet\nmodels:\n"
+                                     "  m: {selection: {overlap_score_credit: 1e-3, router_temperature: .5}}\n")
+    (tmp_path / "b.json").write_text(json.dumps(policy({"n": {"busy_threshold": {}}})))
+    (tmp_path / "notes.txt").write_text("ignored")
+    got = read_policy_set(tmp_path)
+    assert got[DocumentKey("m", SEL)].document == {"overlap_score_credit": 0.001, "router_temperature": 0.5}
+    assert got[DocumentKey("n", THR)].source == str(tmp_path / "b.json")
+    assert read_policy_set(tmp_path / "a.yaml").keys() == {DocumentKey("m", SEL)}
+
+    (tmp_path / "c.yml").write_text("apiVersion: rudder/v1\nkind: PolicySet\nmodels: {m: {selection: {}}}\n")
+    with pytest.raises(CliError) as twice:
+        read_policy_set(tmp_path)
+    assert twice.value.exit_code == ExitCode.USAGE and "a.yaml and" in twice.value.message
+    (tmp_path / "c.yml").write_text("models: [unclosed\n")
+    with pytest.raises(CliError, match="not valid YAML") as broken:
+        read_policy_set(tmp_path)
+    assert broken.value.exit_code == ExitCode.USAGE
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    for missing in (empty, tmp_path / "nope.yaml"):
+        with pytest.raises(CliError) as none:
+            read_policy_set(missing)
+        assert none.value.exit_code == ExitCode.USAGE
