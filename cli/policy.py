@@ -398,10 +398,13 @@ def apply(
             try:
                 applied.append(api.patch("/router_policy", body))
             except CliError as err:
-                if applied and err.exit_code is ExitCode.CONFLICT:
-                    err.message += (" (applied before the conflict: "
+                # Documents are separate compare-and-set subjects: say which ones were written.
+                err.message = f"{step.key}: {err.message}"
+                if applied:
+                    err.message += (" (applied before it: "
                                     + ", ".join(f"{a.get('model')} {a.get('kind')} r{a.get('revision')}"
-                                                for a in applied) + "; run apply again)")
+                                                for a in applied) + "; fix and run apply again)")
+                    err.body = {**err.body, "applied": applied}
                 raise
     _print_plan_result(steps, applied, dry_run=False)
 
