@@ -308,7 +308,7 @@
   const REFRESH = { documents: refreshDocuments, fleet: refreshFleet, audit: refreshAudit };
 
   async function poll() {
-    if (inflight || !sessionStorage.getItem(KEY)) return;
+    if (inflight || document.hidden || !sessionStorage.getItem(KEY)) return; // a hidden tab asks nothing
     inflight = true;
     try {
       await REFRESH[view]();
@@ -387,6 +387,7 @@
       poll();
     });
     window.addEventListener("hashchange", () => setView(window.location.hash.slice(1)));
+    document.addEventListener("visibilitychange", () => poll());
     if (sessionStorage.getItem(KEY)) start();
     else logout("");
   });
