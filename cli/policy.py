@@ -378,18 +378,20 @@ def apply(
             return
         planned = {s.key: s.revision for s in steps}
         if expected is not None:
+            # The dry run's plan, or nothing: same documents, same heads, same file.
             policyset.check_revisions(steps, expected, str(revision_file))
             planned = {k: expected.revisions[k] for k in planned}
+            gone = moved(planned, {s.key: s.revision for s in steps})
+            if gone:
+                raise policyset.conflict(gone)
+            policyset.check_digest(steps, expected, str(revision_file))
         if not shared.json_mode():
             policyset.print_plan(steps)
         # The heads again, right before writing: every document must still be where the plan
-        # (this one, or the dry run's of --revision-file) was computed, or nothing is written.
-        heads = {k: v.revision for k, v in policyset.live_heads(api).items()}
-        gone = moved(planned, heads)
+        # shown was computed, or nothing is written.
+        gone = moved(planned, {k: v.revision for k, v in policyset.live_heads(api).items()})
         if gone:
             raise policyset.conflict(gone)
-        if expected is not None:
-            policyset.check_digest(steps, expected, str(revision_file))
         applied: list[dict[str, Any]] = []
         for step in steps:
             body = step.patch_body()
