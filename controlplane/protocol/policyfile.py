@@ -272,7 +272,7 @@ def json_schema() -> dict[str, Any]:
     """The JSON Schema (draft 2020-12) of a policy file (``rudder policy schema``)."""
     return {
         "$schema": "https://json-schema.org/draft/2020-12/schema",
-        "$id": "https://rudder.dev/schemas/policy-set-v1.json",
+        "$id": "urn:rudder:schema:policy-set:v1",
         "title": "Rudder policy file",
         "description": "Desired policy documents per model; each listed document is managed "
                        "(its overrides become exactly these), unlisted ones are left alone.",
