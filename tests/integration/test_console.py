@@ -78,7 +78,12 @@ async def rudder(server: str, token: str, *args: str) -> dict[str, Any]:
         sys.executable, "-c", "from cli.main import main; main()",
         "--server", server, "--token", token, "--json", *args,
         stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE, env=env)
-    out, err = await proc.communicate()
+    try:
+        out, err = await asyncio.wait_for(proc.communicate(), timeout=60)
+    except TimeoutError:
+        proc.kill()
+        await proc.wait()
+        raise AssertionError(f"rudder {' '.join(args)} did not finish in 60 s") from None
     assert proc.returncode == 0, (out, err)
     result: dict[str, Any] = json.loads(out)
     return result
@@ -97,7 +102,9 @@ async def publish_around_the_control_plane(nats_url: str, model: str, *, expecte
 
 
 async def sign_in(browser: Any, url: str, token: str) -> Any:
-    page = await (await browser.new_context()).new_page()
+    context = await browser.new_context()
+    context.set_default_timeout(10_000)  # no step waits playwright's default 30 s
+    page = await context.new_page()
     await page.goto(f"{url}/ui")
     await page.fill("#token", token)
     await page.click("#login-form button[type=submit]")
@@ -165,8 +172,9 @@ async def test_the_console_shows_changes_the_fleet_and_keeps_viewers_out_of_the_
                                                       "3", "1", "512", "25.0% (250/1000 blocks)"]]
             # A document that reaches the router around the control plane (a weight this cache-free
             # router cannot feed) is NACKed: the page shows the router's reason.
-            await publish_around_the_control_plane(nats_url, model, expected=(await rudder(
-                cp.url, tokens.viewer, "policy", "get", model, "--kind", "selection"))["revision"])
+            head = await cp.controlplane.queries.documents(model)
+            await publish_around_the_control_plane(
+                nats_url, model, expected=next(d["revision"] for d in head if d["kind"] == "selection"))
             await admin.wait_for_selector(f'{cell}[data-status="nack"]', timeout=SHOWN_WITHIN_MS)
             assert "host_cache_hit_weight" in (await admin.text_content(cell) or "")
             await rudder(cp.url, tokens.operator, "policy", "unset", model, "host_cache_hit_weight", "--latest")
