@@ -30,6 +30,7 @@ from controlplane.protocol.signing import Keyring, Purpose
 from controlplane.queries import Queries
 from controlplane.reconcile import Reconciler
 from controlplane.settings import ControlPlaneSettings
+from controlplane.telemetry.logs import configure_logging
 from controlplane.writepath import WritePath
 
 log = logging.getLogger(__name__)
@@ -293,14 +294,13 @@ async def serving(settings: ControlPlaneSettings, *, failpoints: Failpoints | No
 async def serve(settings: ControlPlaneSettings) -> None:
     config = uvicorn.Config(create_app(settings), host=settings.admin_host, port=settings.admin_port,
                             log_level=settings.log_level.lower(), lifespan="on", access_log=False,
-                            timeout_graceful_shutdown=10)
+                            timeout_graceful_shutdown=10, log_config=None)  # the process's one log setup
     await uvicorn.Server(config).serve()
 
 
 def run(settings: ControlPlaneSettings | None = None) -> None:
     settings = settings or ControlPlaneSettings()
-    logging.basicConfig(level=settings.log_level.upper(),
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    configure_logging(settings.log_level)
     asyncio.run(serve(settings))
 
 

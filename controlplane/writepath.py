@@ -325,7 +325,8 @@ class WritePath:
             reason_code=code, reason=reason, new_revision=result.revision,
         ))
         log.info("accepted request_id=%s event_id=%s model=%s kind=%s revision=%d actor=%s",
-                 ctx.request_id, a.event_id, a.model, a.kind, result.revision, ctx.actor)
+                 ctx.request_id, a.event_id, a.model, a.kind, result.revision, ctx.actor,
+                 extra={"revision": result.revision, "model": a.model})
         return result.revision, result.recovered
 
     def _event(self, ctx: RequestContext, a: Attempt) -> PolicyEvent:

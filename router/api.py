@@ -41,6 +41,7 @@ from controlplane.protocol.errors import (
     ServiceUnavailable,
 )
 from controlplane.protocol.hashing import chain_hashes
+from controlplane.telemetry import logs
 from router.commands import (
     MarkUnavailable,
     Phase,
@@ -284,6 +285,7 @@ async def _completion(request: Request, rt: Runtime, path: str, chat: bool) -> R
     else:
         _, n_prompt, hashes = _tokenize(tok, body, chat, block_sizes)
     request_id = request.headers.get("x-request-id") or uuid.uuid4().hex
+    logs.bind(request_id=request_id, router_id=settings.router_id, model=model)  # this request's task only
     headers = forward_headers(request.headers)
     headers["x-request-id"] = request_id
     labels = (model,)
@@ -307,10 +309,12 @@ async def _completion(request: Request, rt: Runtime, path: str, chat: bool) -> R
     # What the router predicted for the worker that computes the prompt (the prefill worker when
     # disaggregated), and which policy revisions scored it: an operator (or a test) compares the
     # first with usage.prompt_tokens_details.cached_tokens.
+    revisions = ",".join(f"{k}={v}" for k, v in sorted(sel.revisions.items()))
+    logs.bind(worker_id=sel.instance_id, revision=revisions)
     out_headers = {
         "x-request-id": request_id,
         HDR_PREDICTED_CACHED: str(sel.cached_tokens),
-        HDR_POLICY_REVISIONS: ",".join(f"{k}={v}" for k, v in sorted(sel.revisions.items())),
+        HDR_POLICY_REVISIONS: revisions,
     }
     phase_started: float | None = None  # disaggregated: when the decode worker was selected
 
@@ -340,6 +344,7 @@ async def _completion(request: Request, rt: Runtime, path: str, chat: bool) -> R
         phase_started = opened.selected_at
         rt.metrics.phase_overhead.labels(model, "decode").observe(phase_started - done)
         sel = opened.sel
+        logs.bind(worker_id=sel.instance_id)
     resp = opened.resp
     booking = sel.booking_id
 

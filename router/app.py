@@ -31,6 +31,8 @@ from controlplane.protocol.events import utcnow
 from controlplane.protocol.guard import Drops
 from controlplane.protocol.policy import Number, PolicyKind, startup_values
 from controlplane.protocol.subjects import BUCKET_ROUTERS
+from controlplane.telemetry import logs
+from controlplane.telemetry.logs import configure_logging
 from router.api import build_api, error_response
 from router.commands import UseVerifyKeys
 from router.consumers import (
@@ -96,6 +98,7 @@ class RouterRuntime:
 
     async def start(self) -> None:
         s = self.settings
+        logs.bind(router_id=s.router_id)  # the lifespan's tasks (consumers, ticks) inherit it
         self.scheduler.start()
         self.bus = bus = await Bus.connect(s.bus_options(f"rudder-router-{s.router_id}"))
         await bus.wait_ready(s.bus_layout(worker_ttl_s=s.worker_ttl_s, router_heartbeat_s=s.heartbeat_s),
@@ -215,12 +218,6 @@ def create_app(settings: RouterSettings, *, runtime: RouterRuntime | None = None
     return app
 
 
-def configure_logging(level: str) -> None:
-    logging.basicConfig(
-        level=level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
-    )
-
-
 async def serve(settings: RouterSettings) -> None:
     """Serve until cancelled (or SIGINT/SIGTERM, which uvicorn handles)."""
     print(
@@ -232,6 +229,7 @@ async def serve(settings: RouterSettings) -> None:
     config = uvicorn.Config(
         app, host=settings.host, port=settings.port, log_level=settings.log_level.lower(),
         access_log=False, lifespan="on", timeout_graceful_shutdown=settings.shutdown_grace_s,
+        log_config=None,  # uvicorn's lines go through the process's one setup (controlplane.telemetry.logs)
         **uvicorn_options(app),
     )
     await DrainingServer(config, app.state.runtime, drain_delay_s=settings.drain_delay_s).serve()

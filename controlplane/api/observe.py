@@ -17,6 +17,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from controlplane.protocol.errors import RudderError
 from controlplane.reconcile import ReconcileReport
+from controlplane.telemetry import logs
 
 T = TypeVar("T")
 
@@ -95,6 +96,7 @@ class ObserveMiddleware:
                 break
         request_id = request_id or uuid.uuid4().hex
         scope.setdefault("state", {})["request_id"] = request_id
+        logs.bind(request_id=request_id)  # this request's task only
         start = time.perf_counter()
         status = 500
 
