@@ -7,7 +7,7 @@ import asyncio
 import contextlib
 import logging
 import os
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
 import uvicorn
@@ -47,6 +47,8 @@ class ControlPlane:
         self.auth_failures = AuthFailureLimiter(
             limit=settings.auth_failure_limit, window_s=settings.auth_failure_window_s,
             max_sources=settings.auth_failure_max_sources)
+        #: Told each audit append's duration and outcome (the admin API's metrics set it).
+        self.on_audit_append: Callable[[float, bool], None] | None = None
 
     async def start(self) -> None:
         s = self.settings
@@ -60,6 +62,7 @@ class ControlPlane:
         await self._ensure_streams()
         self.audit = AuditStore.from_url(s.database_url.get_secret_value())
         await self._check_database_role()
+        self.audit.on_append = self.on_audit_append
         self.tokens = TokenStore(self.audit.engine)
         self.checkpoints = self._checkpoint_log()
         self.checkpointer: Checkpointer | None = None

@@ -22,6 +22,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import re
 import time
 import uuid
 from collections.abc import AsyncGenerator, Awaitable, Callable, Mapping
@@ -121,6 +122,7 @@ async def _wait_disconnect(request: Request) -> None:
 
 async def _select(request: Request, rt: Runtime, req: RoutingRequest) -> Selection:
     """Queue the selection; if the client goes away first, cancel it (the actor skips it)."""
+    asked = time.perf_counter()
     fut = rt.scheduler.submit(SelectWorker(req))
     watcher: asyncio.Future[Any] = asyncio.ensure_future(_wait_disconnect(request))
     waiting: list[asyncio.Future[Any]] = [fut, watcher]
@@ -131,7 +133,23 @@ async def _select(request: Request, rt: Runtime, req: RoutingRequest) -> Selecti
     if not fut.done():
         fut.cancel()
         raise ClientGone("client disconnected while the request was queued")
-    return fut.result()
+    sel = fut.result()
+    rt.metrics.selection.labels(req.model).observe(time.perf_counter() - asked)
+    return sel
+
+
+_CACHED = re.compile(rb'"cached_tokens"\s*:\s*(\d+)')
+
+
+def _observe_answer(rt: Runtime, sel: Selection, status: str, tail: bytes) -> None:
+    """A worker's answer ended: count it by worker and status, and compare the cached tokens the
+    worker reported (``usage``, in ``tail``: the whole answer, or a stream's last chunks) with
+    the prediction. The search is a byte scan, no JSON parse."""
+    rt.metrics.worker_requests.labels(sel.model, str(sel.instance_id), status).inc()
+    found = _CACHED.search(tail) if b'"cached_tokens"' in tail else None
+    if found is not None:
+        rt.metrics.predicted_cached.labels(sel.model).inc(sel.cached_tokens)
+        rt.metrics.reported_cached.labels(sel.model).inc(int(found.group(1)))
 
 
 def _target_body(
@@ -331,6 +349,7 @@ async def _completion(request: Request, rt: Runtime, path: str, chat: bool) -> R
         if status >= 400:
             log.warning("request %s: prefill worker %s answered %d", request_id, sel.instance_id, status)
             rt.metrics.requests.labels(model, path, str(status)).inc()
+            _observe_answer(rt, sel, str(status), b"")
             return Response(
                 content, status_code=status, headers=out_headers,
                 media_type=opened.resp.headers.get("content-type", "application/json"),
@@ -369,6 +388,7 @@ async def _completion(request: Request, rt: Runtime, path: str, chat: bool) -> R
         content = await _read_all(rt, opened)
         observe_first_token(time.perf_counter())
         rt.metrics.requests.labels(model, path, str(resp.status_code)).inc()
+        _observe_answer(rt, sel, str(resp.status_code), content)
         return Response(content, status_code=resp.status_code, media_type=content_type, headers=out_headers)
 
     client_gone = False
@@ -377,6 +397,7 @@ async def _completion(request: Request, rt: Runtime, path: str, chat: bool) -> R
     # worker's decode calibration: its mean inter-token time).
     chunks = 0
     first_at = last = 0.0
+    previous = tail = b""  # the last two chunks: where a stream's usage is (its last data line)
 
     async def finish(status: str) -> None:
         """Release the worker connection and the booking, once, whoever gets here first: the relay
@@ -389,9 +410,10 @@ async def _completion(request: Request, rt: Runtime, path: str, chat: bool) -> R
         itl_ms = (last - first_at) * 1e3 / (chunks - 1) if chunks > 1 and status == "200" else None
         rt.scheduler.send(RequestDone(booking, itl_ms=itl_ms, decode_tokens=chunks or None))
         rt.metrics.requests.labels(model, path, status).inc()
+        _observe_answer(rt, sel, status, previous + tail)
 
     async def relay() -> AsyncGenerator[bytes, None]:
-        nonlocal chunks, first_at, last
+        nonlocal chunks, first_at, last, previous, tail
         status = "200"
         first = FirstTokenDetector()  # a role-only opening chunk is not the first token
         try:
@@ -407,6 +429,7 @@ async def _completion(request: Request, rt: Runtime, path: str, chat: bool) -> R
                     rt.metrics.itl.labels(*labels).observe(now - last)
                     last = now
                     chunks += 1
+                previous, tail = tail, chunk
                 yield chunk
         except UpstreamError as exc:
             if client_gone:
@@ -569,6 +592,7 @@ def build_api(rt: Runtime, app: FastAPI) -> None:
             rt.metrics.revision.labels(model, kind).set(doc.revision)
         for model, n in view.workers.items():
             rt.metrics.workers.labels(model).set(n)
+        rt.metrics.queue_depth.set(rt.scheduler.queue_depth)
         with contextlib.suppress(RudderError):  # a stopping router still answers its metrics
             calibration, returns = await rt.scheduler.inspect(
                 lambda s: (s.calibration_status(), s.tables.returns.status()))

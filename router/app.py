@@ -27,10 +27,10 @@ from bus.keyfiles import KeyringFile
 from bus.streams import ROUTER_STREAMS
 from bus.tasks import Tasks, every
 from controlplane.protocol.errors import KeyFileInvalid, RudderError
-from controlplane.protocol.events import utcnow
+from controlplane.protocol.events import doc_key, utcnow
 from controlplane.protocol.guard import Drops
 from controlplane.protocol.policy import Number, PolicyKind, startup_values
-from controlplane.protocol.subjects import BUCKET_ROUTERS
+from controlplane.protocol.subjects import BUCKET_ROUTERS, STREAM_POLICY, policy_subject
 from controlplane.telemetry import logs
 from controlplane.telemetry.logs import configure_logging
 from router.api import build_api, error_response
@@ -131,6 +131,7 @@ class RouterRuntime:
         self.tasks.spawn(self.status.run(), name="status-writer")
         self.tasks.spawn(every(s.heartbeat_s, self.policy.check_stream, "policy stream check"),
                          name="policy-stream-check")
+        self.tasks.spawn(every(s.heartbeat_s, self.policy_lag, "policy lag"), name="policy-lag")
         self.tasks.spawn(every(s.tick_s, self._prewarm_tokenizers, "tokenizers"), name="tokenizers")
         self.tasks.spawn(every(s.tick_s, self.refresh_verify_keys, "verify keys"), name="verify-keys")
         # /health answers 503 until the membership replay is applied; the API serves meanwhile.
@@ -158,6 +159,33 @@ class RouterRuntime:
             if missing:
                 waiting.append("workers: " + ", ".join(missing[:5]) + (" ..." if len(missing) > 5 else ""))
         return waiting
+
+    async def policy_lag(self) -> None:
+        """Each served document's head on the stream and how many of its revisions this router
+        has not applied (``rudder_router_policy_revisions_behind``; the alert on a router behind
+        the head reads it). One direct get per document, and one per missing revision."""
+        assert self.bus is not None
+        applied = self.scheduler.view.applied
+        for model in self.settings.models:
+            for kind in PolicyKind:
+                subject = policy_subject(model, kind.value)
+                try:
+                    head = await self.bus.last(STREAM_POLICY, subject)
+                    head_rev = head.seq if head is not None and head.seq is not None else 0
+                    doc = applied.get(doc_key(model, kind))
+                    mine = doc.revision if doc is not None else 0
+                    behind, seq = 0, mine + 1
+                    while head_rev > mine and seq <= head_rev:
+                        msg = await self.bus.get(STREAM_POLICY, seq, subject=subject)
+                        if msg is None or msg.seq is None:
+                            break
+                        behind, seq = behind + 1, msg.seq + 1
+                except RudderError as exc:
+                    log.debug("policy head of %s|%s not read: %s", model, kind.value, exc.message)
+                    continue
+                self.metrics.policy_head.labels(model, kind.value).set(head_rev)
+                self.metrics.revision.labels(model, kind.value).set(mine)
+                self.metrics.behind.labels(model, kind.value).set(behind)
 
     async def _prewarm_tokenizers(self) -> None:
         """Load a newly advertised tokenizer (a model folder) before requests need it."""

@@ -131,6 +131,7 @@ def build_app(cp: ControlPlane, *, lifespan: Any = None) -> FastAPI:
     metrics.registry.register(BusDropsCollector(
         lambda: dict(cp.fleet.drops.totals) if hasattr(cp, "fleet") else {}
     ))
+    cp.on_audit_append = metrics.observe_audit_append
     app.state.services = Services(cp=cp, metrics=metrics, gate=Gate(cp))
     app.add_middleware(ObserveMiddleware, metrics=metrics)
     for error in (RudderError, RequestValidationError, StarletteHTTPException, Exception):

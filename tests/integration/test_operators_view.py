@@ -6,22 +6,34 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import re
 import signal
 import tempfile
 import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from pathlib import Path
 
 import httpx
 import pytest
+import yaml
+from prometheus_client.parser import text_string_to_metric_families
 
+from controlplane.server import Running
 from router.settings import new_router_id
+from tests.integration.cp_support import Tokens, client, controlplane
 from tests.support_router.workers import (
+    InProcessRouter,
     TestWorker,
     free_port,
+    router_settings,
     spawn_router,
+    wait_for,
     wait_http_ok,
 )
 
 pytestmark = pytest.mark.timeout(90)
+ROOT = Path(__file__).resolve().parents[2]
 
 
 async def test_json_logs_parse_line_by_line_and_carry_the_ids(nats_url: str) -> None:
@@ -61,3 +73,103 @@ async def test_json_logs_parse_line_by_line_and_carry_the_ids(nats_url: str) -> 
     assert line["logger"] == "router.api" and line["level"] == "INFO"
     # The start-up line, logged by the lifespan's task, carries the router id too.
     assert any(rec.get("router_id") == rid and "serving" in rec["message"] for rec in records)
+
+
+# -- a fleet: a control plane, a router and two workers on one bus ----------------------------
+
+
+@dataclass
+class Fleet:
+    cp: Running
+    router: InProcessRouter
+    workers: list[TestWorker]
+    model: str
+    tokens: Tokens
+
+
+@pytest.fixture(scope="module")
+async def fleet(nats_url: str, db: str, tokens: Tokens) -> AsyncIterator[Fleet]:
+    model = f"ops/{uuid.uuid4().hex[:6]}"
+    workers = [await TestWorker(nats_url, model).start() for _ in range(2)]
+    router = await InProcessRouter(router_settings(nats_url, model, decision_sample=1.0)).start()
+    try:
+        async with controlplane(nats_url, db) as cp:
+            await wait_for(lambda: router.runtime.scheduler.view.workers.get(model) == 2)
+            await wait_for(lambda: bool(cp.controlplane.fleet.live_routers(model)), within=10)
+            yield Fleet(cp, router, workers, model, tokens)
+    finally:
+        await router.stop()
+        for w in workers:
+            await w.stop()
+
+
+_SUFFIXES = ("_total", "_count", "_sum", "_bucket", "_info", "_created")
+
+
+def exported(text: str) -> set[str]:
+    """Every metric family and sample name of a Prometheus text exposition."""
+    names: set[str] = set()
+    for family in text_string_to_metric_families(text):
+        names.add(family.name)
+        names.update(sample.name for sample in family.samples)
+    return names
+
+
+def used_metrics() -> set[str]:
+    """Every ``rudder_*`` metric the shipped dashboard and alerts read."""
+    dashboard = json.loads((ROOT / "deploy/grafana/rudder.json").read_text())
+    exprs = [t["expr"] for p in dashboard["panels"] for t in p["targets"]]
+    alerts = yaml.safe_load((ROOT / "deploy/prometheus/alerts.yaml").read_text())
+    exprs += [rule["expr"] for group in alerts["groups"] for rule in group["rules"]]
+    return {name for e in exprs for name in re.findall(r"\brudder_[a-z0-9_]+", e)}
+
+
+def sample(text: str, name: str, **labels: str) -> float | None:
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            if s.name == name and all(s.labels.get(k) == v for k, v in labels.items()):
+                return float(s.value)
+    return None
+
+
+async def test_dashboard_and_alerts_read_only_exported_metrics(fleet: Fleet) -> None:
+    """Scrape a real router and a real control plane after a PATCH and a chat: every metric the
+    Grafana dashboard and the alert rules use is exported, and the fleet figures are right."""
+    model = fleet.model
+    async with client(fleet.cp, fleet.tokens.operator) as op:
+        r = await op.patch("/router_policy", json={"model": model, "expected_revision": 0,
+                                                    "parameters": {"router_temperature": 0.0}})
+        assert r.status_code == 200, r.text
+        revision = r.json()["revision"]
+    async with httpx.AsyncClient(base_url=fleet.router.url) as http:
+        r = await http.post("/v1/chat/completions",
+                            json={"model": model, "messages": [{"role": "user", "content": "metrics " * 40}]})
+        assert r.status_code == 200, r.text
+        worker = r.headers["x-worker-instance-id"]
+
+        async def lag_gone() -> bool:
+            text = (await http.get("/metrics")).text
+            return sample(text, "rudder_router_policy_revisions_behind", model=model, kind="selection") == 0.0 \
+                and sample(text, "rudder_router_policy_head_revision", model=model, kind="selection") == revision
+
+        await wait_for(lag_gone)
+        router_text = (await http.get("/metrics")).text
+    async with client(fleet.cp, None) as anon:
+        cp_text = (await anon.get("/metrics")).text
+    names = exported(router_text) | exported(cp_text)
+    missing = set()
+    for name in used_metrics():
+        base = next((name[: -len(s)] for s in _SUFFIXES if name.endswith(s)), name)
+        if name not in names and base not in names:
+            missing.add(name)
+    assert not missing, f"dashboard/alerts use metrics nobody exports: {sorted(missing)}"
+    assert sample(router_text, "rudder_router_applied_revision", model=model, kind="selection") == revision
+    assert sample(router_text, "rudder_router_worker_requests_total", model=model, instance_id=worker,
+                  status="200") == 1.0
+    assert sample(router_text, "rudder_router_reported_cached_tokens_total", model=model) is not None
+    assert sample(router_text, "rudder_router_scheduler_queue_depth") is not None
+    assert sample(router_text, "rudder_build_info", component="router") == 1.0
+    assert sample(cp_text, "rudder_build_info", component="controlplane") == 1.0
+    assert sample(cp_text, "rudder_policy_head_revision", model=model, kind="selection") == revision
+    assert sample(cp_text, "rudder_policy_routers", model=model, kind="selection", state="in_sync") == 1.0
+    assert (sample(cp_text, "rudder_audit_append_seconds_count", outcome="ok") or 0) >= 2  # received, decision
