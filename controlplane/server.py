@@ -30,6 +30,7 @@ from controlplane.protocol.signing import Keyring, Purpose
 from controlplane.queries import Queries
 from controlplane.reconcile import Reconciler
 from controlplane.settings import ControlPlaneSettings
+from controlplane.telemetry import traces
 from controlplane.telemetry.logs import configure_logging
 from controlplane.writepath import WritePath
 
@@ -304,6 +305,7 @@ async def serve(settings: ControlPlaneSettings) -> None:
 def run(settings: ControlPlaneSettings | None = None) -> None:
     settings = settings or ControlPlaneSettings()
     configure_logging(settings.log_level)
+    traces.setup_tracing("rudder-controlplane")
     asyncio.run(serve(settings))
 
 

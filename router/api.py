@@ -42,7 +42,7 @@ from controlplane.protocol.errors import (
     ServiceUnavailable,
 )
 from controlplane.protocol.hashing import chain_hashes
-from controlplane.telemetry import logs
+from controlplane.telemetry import logs, traces
 from router.commands import (
     MarkUnavailable,
     Phase,
@@ -70,6 +70,7 @@ from router.targets import (
     parse_ttft_slo,
 )
 from router.tokenize import Tokenizer, TokenizerRegistry
+from router.tracing import RequestTrace
 from router.upstream import UpstreamError, UpstreamResponse
 
 log = logging.getLogger(__name__)
@@ -306,6 +307,12 @@ async def _completion(request: Request, rt: Runtime, path: str, chat: bool) -> R
     logs.bind(request_id=request_id, router_id=settings.router_id, model=model)  # this request's task only
     headers = forward_headers(request.headers)
     headers["x-request-id"] = request_id
+    tr: RequestTrace | None = None
+    if traces.enabled():
+        tr = request.state.trace = RequestTrace(request.headers, request_id=request_id, model=model,
+                                                router_id=settings.router_id, path=path, started=t0,
+                                                prompt_tokens=n_prompt)
+        tr.inject(headers)  # the worker's spans are children of this request's
     labels = (model,)
     routing = RoutingRequest(
         request_id=request_id, model=model, prompt_tokens=n_prompt, hashes=hashes, targets=targets,
@@ -322,6 +329,8 @@ async def _completion(request: Request, rt: Runtime, path: str, chat: bool) -> R
             rt.metrics.observe_slo(model, "rejected")
         raise
     sel = opened.sel
+    if tr is not None:
+        tr.selected(sel, tr.tokenized, opened.selected_at, opened.sent_at)
     rt.metrics.overhead.labels(*labels).observe(opened.selected_at - t0)
     rt.metrics.hit_rate.labels(*labels).observe(sel.predicted_hit_rate)
     # What the router predicted for the worker that computes the prompt (the prefill worker when
@@ -350,6 +359,8 @@ async def _completion(request: Request, rt: Runtime, path: str, chat: bool) -> R
             log.warning("request %s: prefill worker %s answered %d", request_id, sel.instance_id, status)
             rt.metrics.requests.labels(model, path, str(status)).inc()
             _observe_answer(rt, sel, str(status), b"")
+            if tr is not None:
+                tr.done(str(status))
             return Response(
                 content, status_code=status, headers=out_headers,
                 media_type=opened.resp.headers.get("content-type", "application/json"),
@@ -363,6 +374,8 @@ async def _completion(request: Request, rt: Runtime, path: str, chat: bool) -> R
         phase_started = opened.selected_at
         rt.metrics.phase_overhead.labels(model, "decode").observe(phase_started - done)
         sel = opened.sel
+        if tr is not None:
+            tr.selected(sel, done, phase_started, opened.sent_at)
         logs.bind(worker_id=sel.instance_id)
     resp = opened.resp
     booking = sel.booking_id
@@ -376,6 +389,8 @@ async def _completion(request: Request, rt: Runtime, path: str, chat: bool) -> R
             rt.metrics.observe_slo(model, "met" if (now - t0) * 1e3 <= slo else "missed")
         if phase_started is not None:
             rt.metrics.phase_ttft.labels(model, "decode").observe(now - phase_started)
+        if tr is not None:
+            tr.first_token(now)
 
     log.info(
         "request %s → %s worker %s rank %d (revision %s, predicted hit %.2f)", request_id,
@@ -389,6 +404,8 @@ async def _completion(request: Request, rt: Runtime, path: str, chat: bool) -> R
         observe_first_token(time.perf_counter())
         rt.metrics.requests.labels(model, path, str(resp.status_code)).inc()
         _observe_answer(rt, sel, str(resp.status_code), content)
+        if tr is not None:
+            tr.done(str(resp.status_code))
         return Response(content, status_code=resp.status_code, media_type=content_type, headers=out_headers)
 
     client_gone = False
@@ -411,6 +428,8 @@ async def _completion(request: Request, rt: Runtime, path: str, chat: bool) -> R
         rt.scheduler.send(RequestDone(booking, itl_ms=itl_ms, decode_tokens=chunks or None))
         rt.metrics.requests.labels(model, path, status).inc()
         _observe_answer(rt, sel, status, previous + tail)
+        if tr is not None:
+            tr.done(status)
 
     async def relay() -> AsyncGenerator[bytes, None]:
         nonlocal chunks, first_at, last, previous, tail
@@ -496,14 +515,22 @@ def _rudder_error_response(rt: Runtime, request: Request, exc: RudderError) -> R
     status = overload if isinstance(exc, Overloaded) else exc.status_code
     rt.metrics.rejections.labels(_reason(exc)).inc()
     rt.metrics.requests.labels(getattr(request.state, "model", ""), request.url.path, str(status)).inc()
+    _trace_done(request, status)
     if status >= 500 and not isinstance(exc, (ServiceUnavailable, Overloaded)):
         log.error("bug: %r", exc)
     return error_response(exc, overload_status=overload)
 
 
+def _trace_done(request: Request, status: int) -> None:
+    tr: RequestTrace | None = getattr(request.state, "trace", None)
+    if tr is not None:
+        tr.done(str(status))
+
+
 def _bug_response(rt: Runtime, request: Request) -> Response:
     log.exception("unhandled error on %s", request.url.path)
     rt.metrics.rejections.labels("internal_error").inc()
+    _trace_done(request, 500)
     return error_response(RudderError("internal error"), overload_status=rt.settings.overload_status)
 
 

@@ -31,7 +31,7 @@ from controlplane.protocol.events import doc_key, utcnow
 from controlplane.protocol.guard import Drops
 from controlplane.protocol.policy import Number, PolicyKind, startup_values
 from controlplane.protocol.subjects import BUCKET_ROUTERS, STREAM_POLICY, policy_subject
-from controlplane.telemetry import logs
+from controlplane.telemetry import logs, traces
 from controlplane.telemetry.logs import configure_logging
 from router.api import build_api, error_response
 from router.commands import UseVerifyKeys
@@ -330,4 +330,5 @@ def run(settings: RouterSettings | None = None) -> None:
     """Blocking entry point: settings from ``RUDDER_*`` when not given."""
     settings = settings or RouterSettings()
     configure_logging(settings.log_level)
+    traces.setup_tracing("rudder-router")
     asyncio.run(serve(settings))

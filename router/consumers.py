@@ -71,6 +71,7 @@ from controlplane.protocol.subjects import (
     policy_subject,
     router_status_key,
 )
+from controlplane.telemetry import traces
 from router.commands import (
     ApplyKvEvents,
     ApplyMembership,
@@ -260,12 +261,24 @@ class PolicyConsumer:
     async def _apply(
         self, model: str, kind: PolicyKind, revision: int, payload: bytes, headers: dict[str, str] | None,
     ) -> None:
+        span = None
+        if traces.enabled():  # linked to the PATCH that published it (its traceparent header)
+            span = traces.tracer(__name__).start_span(
+                "policy apply", links=traces.link_from(headers), attributes={
+                    "rudder.router_id": self.router_id, "rudder.model": model, "rudder.kind": kind.value,
+                    "rudder.revision": revision})
         try:
             applied = await self.scheduler.call(ApplyPolicy(model, kind, revision, payload, headers))
         except RudderError as exc:
             log.warning("policy %s|%s revision %d not applied: %s", model, kind.value, revision, exc)
+            if span is not None:
+                span.set_attribute("rudder.outcome", "error")
+                span.end()
             return
         result = applied.result
+        if span is not None:
+            span.set_attribute("rudder.outcome", result.outcome.value)
+            span.end()
         if result.outcome is Outcome.SKIP:
             return
         await self._ack(result)

@@ -17,7 +17,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from controlplane.protocol.errors import RudderError
 from controlplane.reconcile import ReconcileReport
-from controlplane.telemetry import logs
+from controlplane.telemetry import logs, traces
 from controlplane.telemetry.build import build_info
 
 T = TypeVar("T")
@@ -140,6 +140,13 @@ class ObserveMiddleware:
         logs.bind(request_id=request_id)  # this request's task only
         start = time.perf_counter()
         status = 500
+        span = token = None
+        if traces.enabled():
+            carrier = {k.decode("latin-1"): v.decode("latin-1") for k, v in scope.get("headers", [])
+                       if k in (b"traceparent", b"tracestate")}
+            span, token = traces.server_span(f"admin {scope['method']}", carrier, **{
+                "http.request.method": scope["method"], "url.path": scope.get("path", ""),
+                "rudder.request_id": request_id})
 
         async def send_with_id(message: Message) -> None:
             nonlocal status
@@ -156,3 +163,9 @@ class ObserveMiddleware:
             path = getattr(route, "path", "unmatched")
             self.metrics.requests.labels(scope["method"], path, str(status)).inc()
             self.metrics.latency.labels(scope["method"], path).observe(time.perf_counter() - start)
+            if span is not None:
+                span.update_name(f"admin {scope['method']} {path}")
+                span.set_attribute("http.route", path)
+                span.set_attribute("http.response.status_code", status)
+                span.end()
+                traces.detach(token)

@@ -39,6 +39,11 @@ HDR_MSG_ID = "Nats-Msg-Id"
 # Policy event signature (DESIGN §9): key id and base64 Ed25519 signature over subject + payload.
 HDR_KEY_ID = "Rudder-Key-Id"
 HDR_SIGNATURE = "Rudder-Signature"
+# W3C trace context (controlplane.telemetry.traces): on HTTP requests, and on a policy message so
+# that a router's apply span links to the PATCH that published it. Not signed, not stored in the
+# event: a trace is a diagnostic, never a fact of the policy.
+HDR_TRACEPARENT = "traceparent"
+HDR_TRACESTATE = "tracestate"
 
 # JetStream API error codes we branch on.
 JS_ERR_WRONG_LAST_SEQUENCE = 10071

@@ -105,14 +105,19 @@ def log_format(value: str | None = None) -> str:
     return fmt
 
 
+def handler(fmt: str | None, stream: IO[str]) -> logging.Handler:
+    """A handler writing to ``stream`` in ``fmt`` (``RUDDER_LOG_FORMAT``) with the context's ids."""
+    out = logging.StreamHandler(stream)
+    out.addFilter(ContextIds())
+    out.setFormatter(JsonFormatter() if log_format(fmt) == "json" else logging.Formatter(TEXT_FORMAT))
+    return out
+
+
 def configure_logging(level: str = "INFO", *, fmt: str | None = None, stream: IO[str] | None = None) -> None:
     """Replace the root logger's handlers with one writing to ``stream`` (stderr) in ``fmt``
     (``RUDDER_LOG_FORMAT``), with the context's ids on every record. Entry points only."""
-    handler = logging.StreamHandler(stream or sys.stderr)
-    handler.addFilter(ContextIds())
-    handler.setFormatter(JsonFormatter() if log_format(fmt) == "json" else logging.Formatter(TEXT_FORMAT))
     root = logging.getLogger()
     for old in list(root.handlers):
         root.removeHandler(old)
-    root.addHandler(handler)
+    root.addHandler(handler(fmt, stream or sys.stderr))
     root.setLevel(level.upper())

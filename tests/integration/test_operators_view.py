@@ -4,22 +4,28 @@
 from __future__ import annotations
 
 import asyncio
+import io
 import json
+import logging
 import os
 import re
 import signal
 import tempfile
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
 import pytest
 import yaml
+from opentelemetry.sdk.trace import ReadableSpan
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from prometheus_client.parser import text_string_to_metric_families
 
 from controlplane.server import Running
+from controlplane.telemetry import logs, traces
 from router.settings import new_router_id
 from tests.integration.cp_support import Tokens, client, controlplane
 from tests.support_router.workers import (
@@ -173,3 +179,102 @@ async def test_dashboard_and_alerts_read_only_exported_metrics(fleet: Fleet) -> 
     assert sample(cp_text, "rudder_policy_head_revision", model=model, kind="selection") == revision
     assert sample(cp_text, "rudder_policy_routers", model=model, kind="selection", state="in_sync") == 1.0
     assert (sample(cp_text, "rudder_audit_append_seconds_count", outcome="ok") or 0) >= 2  # received, decision
+
+
+@pytest.fixture(scope="module")
+def spans() -> Iterator[InMemorySpanExporter]:
+    """Every span of this process, kept in memory (tracing is off again after the module)."""
+    exporter = InMemorySpanExporter()
+    traces.install(SimpleSpanProcessor(exporter), service_name="rudder-test")
+    yield exporter
+    traces.disable()
+    exporter.shutdown()  # FastAPI's own spans (global provider) are no longer kept either
+
+
+def descendants(finished: Sequence[ReadableSpan], ancestor: ReadableSpan) -> list[ReadableSpan]:
+    """The spans under ``ancestor`` (children, their children, ...)."""
+    parent_of = {s.context.span_id: (s.parent.span_id if s.parent else None) for s in finished}
+    out = []
+    for s in finished:
+        up = parent_of.get(s.context.span_id)
+        while up is not None and up != ancestor.context.span_id:
+            up = parent_of.get(up)
+        if up is not None:
+            out.append(s)
+    return out
+
+
+def _hex(n: int, width: int) -> str:
+    return format(n, f"0{width}x")
+
+
+async def test_a_patch_and_a_chat_are_traced_with_their_links(fleet: Fleet, spans: InMemorySpanExporter) -> None:
+    """One PATCH: its steps are children of the admin request span, and the router's apply span
+    links to its publish span (over the bus message's traceparent). One chat sent with a client
+    traceparent: the router's request span is its child, with tokenize / select / first token /
+    done under it; the worker gets the request span's traceparent; the log line carries its
+    trace id."""
+    model = fleet.model
+    spans.clear()
+    async with client(fleet.cp, fleet.tokens.operator) as op:
+        head = (await op.get("/router_policy", params={"model": model})).json()["documents"]
+        expected = next(d["revision"] for d in head if d["kind"] == "selection")
+        r = await op.patch("/router_policy", json={"model": model, "expected_revision": expected,
+                                                    "parameters": {"router_temperature": 0.0,
+                                                                   "prefill_interference_weight": 0.2}})
+        assert r.status_code == 200, r.text
+        revision = r.json()["revision"]
+
+    def named(name: str) -> list[ReadableSpan]:
+        return [s for s in spans.get_finished_spans() if s.name == name]
+
+    await wait_for(lambda: any(s.attributes.get("rudder.revision") == revision for s in named("policy apply")))
+    admin = next(s for s in named("admin PATCH /router_policy"))
+    # (FastAPI's own spans, when OpenTelemetry is installed, may sit between them.)
+    steps = {s.name: s for s in descendants(spans.get_finished_spans(), admin)}
+    assert {"authenticate", "validate", "head", "audit received", "publish", "decision"} <= steps.keys()
+    assert steps["publish"].attributes["rudder.revision"] == revision
+    assert steps["decision"].attributes["rudder.decision"] == "accepted"
+    apply = next(s for s in named("policy apply") if s.attributes["rudder.revision"] == revision)
+    assert apply.attributes["rudder.router_id"] == fleet.router.settings.router_id
+    assert apply.attributes["rudder.outcome"] == "ACK"
+    assert [(link.context.trace_id, link.context.span_id) for link in apply.links] == [
+        (admin.context.trace_id, steps["publish"].context.span_id)]
+
+    # A chat with the client's own trace context.
+    client_trace, client_span = 0x0AF7651916CD43DD8448EB211C80319C, 0xB7AD6B7169203331
+    log_lines = io.StringIO()
+    handler = logs.handler("json", log_lines)
+    logging.getLogger("router.api").addHandler(handler)
+    logging.getLogger("router.api").setLevel(logging.INFO)
+    try:
+        async with httpx.AsyncClient(base_url=fleet.router.url) as http:
+            r = await http.post("/v1/chat/completions", headers={
+                "traceparent": f"00-{_hex(client_trace, 32)}-{_hex(client_span, 16)}-01"},
+                json={"model": model, "messages": [{"role": "user", "content": "trace me"}], "stream": True})
+            assert r.status_code == 200, r.text
+    finally:
+        logging.getLogger("router.api").removeHandler(handler)
+    request_id = r.headers["x-request-id"]
+    await wait_for(lambda: any(s.attributes.get("rudder.request_id") == request_id for s in named("router request")))
+    root = next(s for s in named("router request") if s.attributes["rudder.request_id"] == request_id)
+    assert root.context.trace_id == client_trace and root.parent is not None
+    assert root.parent.span_id == client_span
+    worker_id = int(r.headers["x-worker-instance-id"])
+    assert root.attributes["rudder.worker_id"] == worker_id
+    children = {s.name: s for s in spans.get_finished_spans()
+                if s.parent is not None and s.parent.span_id == root.context.span_id}
+    assert {"tokenize", "select", "first token", "done"} <= children.keys()
+    select = children["select"]
+    assert select.attributes["rudder.worker_id"] == worker_id
+    assert select.attributes["rudder.policy_revision.selection"] == revision
+    assert children["tokenize"].end_time <= select.start_time + 1_000  # in order (ns)
+    assert children["first token"].end_time <= children["done"].end_time <= root.end_time
+    # The worker got the router request span as its parent.
+    worker = next(w for w in fleet.workers if w.instance_id == worker_id)
+    sent = next(h for h in reversed(worker.request_headers) if h.get("x-request-id") == request_id)
+    assert sent["traceparent"] == f"00-{_hex(client_trace, 32)}-{_hex(root.context.span_id, 16)}-01"
+    # The request's log line carries the trace id.
+    routed = [json.loads(line) for line in log_lines.getvalue().splitlines()]
+    assert any(line.get("request_id") == request_id and line.get("trace_id") == _hex(client_trace, 32)
+               for line in routed), routed
