@@ -22,6 +22,7 @@ from controlplane.api import build_app
 from controlplane.audit.store import AuditStore
 from controlplane.auth import AuthFailureLimiter, TokenStore, failure_entry
 from controlplane.checkpoints import Checkpointer, CheckpointLog
+from controlplane.decisions import DecisionQueries
 from controlplane.eventlog import PolicyLog
 from controlplane.failpoints import Failpoints
 from controlplane.fleet import FleetView
@@ -82,6 +83,7 @@ class ControlPlane:
         self.writes = WritePath(self.log, self.audit, self.fleet,
                                 busy_threshold_retries=s.busy_threshold_retries, failpoints=self.failpoints)
         self.queries = Queries(self.log, self.fleet)
+        self.decisions = DecisionQueries(self.bus, self.fleet)
         self.reconciler = Reconciler(self.log, self.audit, grace_s=s.reconcile_grace_s)
         self.tasks.spawn(self.reconciler.run_periodically(s.reconcile_interval_s), name="reconciler")
         auth_interval = min(s.auth_failure_window_s / 4, 5.0)

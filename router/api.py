@@ -52,6 +52,7 @@ from router.commands import (
     Selection,
     SelectWorker,
 )
+from router.decisions import DecisionLog, figures
 from router.ingress import read_body
 from router.metrics import RouterMetrics
 from router.proxy import Proxy, WorkerUnreachable, forward_headers
@@ -106,6 +107,7 @@ class Runtime(Protocol):
     proxy: Proxy
     metrics: RouterMetrics
     tokenizers: TokenizerRegistry
+    decisions: DecisionLog
 
     def readiness(self) -> list[str]: ...
 
@@ -139,18 +141,31 @@ async def _select(request: Request, rt: Runtime, req: RoutingRequest) -> Selecti
     return sel
 
 
+def _sampled(rt: Runtime, sel: Selection) -> dict[str, Any] | None:
+    """The figures of the selection's decision, if it was sampled (for its trace span)."""
+    record = rt.decisions.last(sel.request_id, sel.instance_id) if rt.decisions.sample > 0.0 else None
+    return figures(record) if record is not None else None
+
+
 _CACHED = re.compile(rb'"cached_tokens"\s*:\s*(\d+)')
 
 
-def _observe_answer(rt: Runtime, sel: Selection, status: str, tail: bytes) -> None:
-    """A worker's answer ended: count it by worker and status, and compare the cached tokens the
+def _observe_answer(rt: Runtime, sel: Selection, status: str, tail: bytes, ttft_ms: float | None) -> None:
+    """A worker's answer ended: count it by worker and status, compare the cached tokens the
     worker reported (``usage``, in ``tail``: the whole answer, or a stream's last chunks) with
-    the prediction. The search is a byte scan, no JSON parse."""
+    the prediction (a byte scan, no JSON parse), and complete the decision's record if it was
+    sampled (router.decisions) with the measured TTFT (sent to the worker → first token)."""
     rt.metrics.worker_requests.labels(sel.model, str(sel.instance_id), status).inc()
     found = _CACHED.search(tail) if b'"cached_tokens"' in tail else None
-    if found is not None:
+    cached = int(found.group(1)) if found is not None else None
+    if cached is not None:
         rt.metrics.predicted_cached.labels(sel.model).inc(sel.cached_tokens)
-        rt.metrics.reported_cached.labels(sel.model).inc(int(found.group(1)))
+        rt.metrics.reported_cached.labels(sel.model).inc(cached)
+    if rt.decisions.sample > 0.0:
+        record = rt.decisions.finish(sel.request_id, sel.instance_id, ttft_ms=ttft_ms,
+                                     cached_tokens=cached, status=status)
+        if record is not None:
+            rt.metrics.observe_decision(record)
 
 
 def _target_body(
@@ -330,7 +345,7 @@ async def _completion(request: Request, rt: Runtime, path: str, chat: bool) -> R
         raise
     sel = opened.sel
     if tr is not None:
-        tr.selected(sel, tr.tokenized, opened.selected_at, opened.sent_at)
+        tr.selected(sel, tr.tokenized, opened.selected_at, opened.sent_at, _sampled(rt, sel))
     rt.metrics.overhead.labels(*labels).observe(opened.selected_at - t0)
     rt.metrics.hit_rate.labels(*labels).observe(sel.predicted_hit_rate)
     # What the router predicted for the worker that computes the prompt (the prefill worker when
@@ -358,7 +373,7 @@ async def _completion(request: Request, rt: Runtime, path: str, chat: bool) -> R
         if status >= 400:
             log.warning("request %s: prefill worker %s answered %d", request_id, sel.instance_id, status)
             rt.metrics.requests.labels(model, path, str(status)).inc()
-            _observe_answer(rt, sel, str(status), b"")
+            _observe_answer(rt, sel, str(status), b"", None)
             if tr is not None:
                 tr.done(str(status))
             return Response(
@@ -375,7 +390,7 @@ async def _completion(request: Request, rt: Runtime, path: str, chat: bool) -> R
         rt.metrics.phase_overhead.labels(model, "decode").observe(phase_started - done)
         sel = opened.sel
         if tr is not None:
-            tr.selected(sel, done, phase_started, opened.sent_at)
+            tr.selected(sel, done, phase_started, opened.sent_at, _sampled(rt, sel))
         logs.bind(worker_id=sel.instance_id)
     resp = opened.resp
     booking = sel.booking_id
@@ -401,9 +416,10 @@ async def _completion(request: Request, rt: Runtime, path: str, chat: bool) -> R
     content_type = resp.headers.get("content-type", "application/json")
     if not stream or resp.status_code >= 400:
         content = await _read_all(rt, opened)
-        observe_first_token(time.perf_counter())
+        answered = time.perf_counter()
+        observe_first_token(answered)
         rt.metrics.requests.labels(model, path, str(resp.status_code)).inc()
-        _observe_answer(rt, sel, str(resp.status_code), content)
+        _observe_answer(rt, sel, str(resp.status_code), content, (answered - opened.sent_at) * 1e3)
         if tr is not None:
             tr.done(str(resp.status_code))
         return Response(content, status_code=resp.status_code, media_type=content_type, headers=out_headers)
@@ -427,7 +443,8 @@ async def _completion(request: Request, rt: Runtime, path: str, chat: bool) -> R
         itl_ms = (last - first_at) * 1e3 / (chunks - 1) if chunks > 1 and status == "200" else None
         rt.scheduler.send(RequestDone(booking, itl_ms=itl_ms, decode_tokens=chunks or None))
         rt.metrics.requests.labels(model, path, status).inc()
-        _observe_answer(rt, sel, status, previous + tail)
+        _observe_answer(rt, sel, status, previous + tail,
+                        (first_at - opened.sent_at) * 1e3 if chunks else None)
         if tr is not None:
             tr.done(status)
 

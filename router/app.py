@@ -22,15 +22,15 @@ import uvicorn
 from fastapi import FastAPI
 from fastapi.responses import Response
 
-from bus.client import Bus
+from bus.client import Bus, Message, Subscription
 from bus.keyfiles import KeyringFile
 from bus.streams import ROUTER_STREAMS
 from bus.tasks import Tasks, every
 from controlplane.protocol.errors import KeyFileInvalid, RudderError
-from controlplane.protocol.events import doc_key, utcnow
+from controlplane.protocol.events import DecisionReply, decode_decision_query, doc_key, utcnow
 from controlplane.protocol.guard import Drops
 from controlplane.protocol.policy import Number, PolicyKind, startup_values
-from controlplane.protocol.subjects import BUCKET_ROUTERS, STREAM_POLICY, policy_subject
+from controlplane.protocol.subjects import BUCKET_ROUTERS, STREAM_POLICY, decisions_subject, policy_subject
 from controlplane.telemetry import logs, traces
 from controlplane.telemetry.logs import configure_logging
 from router.api import build_api, error_response
@@ -43,6 +43,7 @@ from router.consumers import (
     StatusPublisher,
     tick,
 )
+from router.decisions import DecisionLog
 from router.ingress import IngressLimits, protocol_class
 from router.metrics import RouterMetrics
 from router.policy_state import ApplyResult, Outcome
@@ -68,6 +69,7 @@ class RouterRuntime:
             for kind in PolicyKind
         }
         assert settings.policy_verify_keys is not None  # the settings refuse to exist without it
+        self.decisions = DecisionLog(sample=settings.decision_sample, capacity=settings.decision_records)
         self.verify_keys = KeyringFile(settings.policy_verify_keys, field="RUDDER_POLICY_VERIFY_KEYS")
         self.scheduler = Scheduler(
             router_id=settings.router_id, models=settings.models, role=settings.role,
@@ -76,7 +78,7 @@ class RouterRuntime:
             worker_stale_s=settings.worker_stale_s, bus_outage_grace_s=settings.bus_outage_grace_s,
             approx_ttl_s=settings.approx_ttl_s,
             keyring=self.verify_keys.keyring, rng=rng,
-            max_queued_selections=settings.max_queued_selections,
+            max_queued_selections=settings.max_queued_selections, decisions=self.decisions,
         )
         self.metrics = RouterMetrics()
         self.drops = Drops(
@@ -95,6 +97,7 @@ class RouterRuntime:
         self.policy: PolicyConsumer | None = None
         self.membership: MembershipConsumer | None = None
         self.kv: KvEventSubscriber | None = None
+        self._decision_sub: Subscription | None = None
 
     async def start(self) -> None:
         s = self.settings
@@ -124,6 +127,7 @@ class RouterRuntime:
             models=list(s.models), on_result=self._count, on_resync=self.metrics.policy_resyncs.inc,
         )
         await self.policy.start()
+        self._decision_sub = await bus.subscribe(decisions_subject(s.router_id), self._answer_decisions)
         self.tasks.spawn(self.policy.acks.run(), name="ack-publisher")
         await self.status.put()
         self.tasks.spawn(every(s.tick_s, lambda: tick(self.scheduler), "tick"), name="tick")
@@ -141,6 +145,20 @@ class RouterRuntime:
             s.router_id, ", ".join(s.models), s.url(), s.mode.value, s.role.value,
             ", ".join(sorted(self.cache_inputs)) or "none", ", ".join(self.verify_keys.keyring.key_ids),
         )
+
+    async def _answer_decisions(self, msg: Message) -> None:
+        """``rudder.decisions.<router_id>``: this router's records of one request (router.decisions)."""
+        try:
+            query = decode_decision_query(msg.data)
+        except RudderError as exc:
+            self.drops.drop("decision_query", "malformed", msg.subject, exc.message)
+            return
+        records = [r.to_dict() for r in self.decisions.get(query.request_id)]
+        reply = DecisionReply(router_id=self.settings.router_id, decisions=records[-64:])
+        try:
+            await msg.respond(reply.to_bytes())
+        except RudderError as exc:
+            log.info("decision query for %s not answered: %s", query.request_id, exc.message)
 
     def readiness(self) -> list[str]:
         """What this router still waits for before it should get traffic; [] when ready."""
@@ -210,6 +228,9 @@ class RouterRuntime:
         self.metrics.policy_results.labels(status).inc()
 
     async def stop(self) -> None:
+        if self._decision_sub is not None:
+            with contextlib.suppress(RudderError):
+                await self._decision_sub.stop()
         for part in (self.policy, self.membership, self.kv):
             if part is not None:
                 await part.stop()

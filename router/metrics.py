@@ -8,6 +8,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Summ
 
 from controlplane.protocol.events import WorkerCalibration
 from controlplane.telemetry.build import build_info
+from router.decisions import DecisionRecord
 
 _LATENCY = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
 _OVERHEAD = (0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.1)
@@ -168,6 +169,22 @@ class RouterMetrics:
             "seen back), delay_seconds (mean delay of a return), fraction (of finished requests "
             "that come back)", ["stat"], registry=r,
         )
+
+    def observe_decision(self, r: DecisionRecord) -> None:
+        """A sampled decision whose request finished: the decision-quality counters."""
+        self.decisions.labels(r.model, r.why[0] if r.why else "").inc()
+        chosen = r.chosen
+        if chosen is None:  # no cost was computed (explicit target, comparison mode)
+            return
+        if chosen.overlap_blocks >= max(c.overlap_blocks for c in r.candidates):
+            self.largest_overlap.labels(r.model).inc()
+        self.decision_prompt.labels(r.model).inc(r.prompt_tokens)
+        self.reachable_cached.labels(r.model).inc(max(c.cached_tokens for c in r.candidates))
+        achieved = r.reported_cached_tokens if r.reported_cached_tokens is not None else chosen.cached_tokens
+        self.achieved_cached.labels(r.model).inc(achieved)
+        if chosen.ttft_ms is not None and r.measured_ttft_ms is not None:
+            self.ttft_error.labels(r.model, str(r.instance_id)).observe(
+                abs(chosen.ttft_ms - r.measured_ttft_ms) / 1e3)
 
     def set_returns(self, status: Mapping[str, float]) -> None:
         self.returns.labels("open").set(status["open"])

@@ -23,6 +23,9 @@ POLICY_PREFIX = "rudder.policy"
 MEMBERSHIP_PREFIX = "rudder.workers"
 KV_PREFIX = "rudder.kv"
 KVDUMP_PREFIX = "rudder.kvdump"
+# Request/reply: the control plane asks one router for its sampled decision records
+# (``GET /decisions/{request_id}``); the router answers on the request's reply inbox.
+DECISIONS_PREFIX = "rudder.decisions"
 ACKS_PREFIX = "rudder.acks"
 AUDIT_PREFIX = "rudder.audit"
 
@@ -128,6 +131,10 @@ def kv_filter(model: str) -> str:
 
 def kvdump_subject(instance_id: int) -> str:
     return f"{KVDUMP_PREFIX}.{instance_id}"
+
+
+def decisions_subject(router_id: str) -> str:
+    return f"{DECISIONS_PREFIX}.{router_id}"
 
 
 def acks_subject(router_id: str) -> str:

@@ -23,7 +23,12 @@ from opentelemetry.sdk.trace import ReadableSpan
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from prometheus_client.parser import text_string_to_metric_families
+from typer.testing import CliRunner, Result
 
+from cli.errors import ExitCode
+from cli.main import app as cli_app
+from controlplane.protocol.hashing import chain_hashes
+from controlplane.protocol.tokenizer import encode_chat
 from controlplane.server import Running
 from controlplane.telemetry import logs, traces
 from router.settings import new_router_id
@@ -278,3 +283,74 @@ async def test_a_patch_and_a_chat_are_traced_with_their_links(fleet: Fleet, span
     routed = [json.loads(line) for line in log_lines.getvalue().splitlines()]
     assert any(line.get("request_id") == request_id and line.get("trace_id") == _hex(client_trace, 32)
                for line in routed), routed
+
+
+def _rudder(*args: str) -> Result:
+    return CliRunner().invoke(cli_app, list(args), env={"RUDDER_TOKEN": None, "RUDDER_SERVER": None})
+
+
+async def test_rudder_explain_shows_every_candidates_cost_terms_and_the_measured_ttft(fleet: Fleet) -> None:
+    """A chat through the router, then ``rudder explain`` (a viewer token): every candidate with
+    each term of its predicted-time cost, adding up to its cost, the chosen one's sum equal to
+    the cost the selection computed, and the measured TTFT and cached tokens of the request."""
+    model = fleet.model
+    prompt = "why did this request go there? " * 30
+    async with httpx.AsyncClient(base_url=fleet.router.url) as http:
+        first = await http.post("/v1/chat/completions",
+                                json={"model": model, "messages": [{"role": "user", "content": prompt}]})
+        owner = int(first.headers["x-worker-instance-id"])
+        # Until the router has indexed the first answer's blocks on its worker.
+        messages = [{"role": "user", "content": prompt}]
+        hashes = chain_hashes(encode_chat(messages), 16)
+        await wait_for(lambda: fleet.router.runtime.scheduler.inspect(
+            lambda s: (owner, 0) in s.index.overlaps(hashes)))
+        r = await http.post("/v1/chat/completions",
+                            json={"model": model, "messages": [{"role": "user", "content": prompt}]})
+        assert r.status_code == 200, r.text
+    request_id = r.headers["x-request-id"]
+    worker = int(r.headers["x-worker-instance-id"])
+    reported = r.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+    base = ["--server", fleet.cp.url, "--token", fleet.tokens.viewer]
+
+    shown = await asyncio.to_thread(_rudder, *base, "--json", "explain", request_id)
+    assert shown.exit_code == 0, (shown.stdout, shown.stderr)
+    body = json.loads(shown.stdout)
+    (record,) = body["decisions"]
+    assert record["request_id"] == request_id and record["router_id"] == fleet.router.settings.router_id
+    assert record["instance_id"] == worker and record["mode"] == "kv"
+    assert record["why"][0] in ("lowest_cost", "tie")
+    assert record["candidates_total"] == 2 and len(record["candidates"]) == 2
+    terms = ("queued_prefill_ms", "prefill_ms", "decode_ms", "interference_ms", "decode_growth_ms",
+             "arrival_wait_ms")
+    for c in record["candidates"]:
+        assert all(c[t] is not None for t in (*terms, "cache_credit_ms", "ttft_ms")), c
+        assert sum(c[t] for t in terms) == pytest.approx(c["cost_ms"], rel=1e-9, abs=1e-9)
+    (chosen,) = [c for c in record["candidates"] if c["chosen"]]
+    assert chosen["instance_id"] == worker
+    assert sum(chosen[t] for t in terms) == pytest.approx(record["cost_ms"], rel=1e-9, abs=1e-9)
+    assert record["cost_ms"] == min(c["cost_ms"] for c in record["candidates"])
+    assert record["revisions"] and record["status"] == "200"
+    assert record["measured_ttft_ms"] is not None and record["measured_ttft_ms"] > 0
+    assert record["reported_cached_tokens"] == reported
+    assert chosen["cached_tokens"] == int(r.headers["x-rudder-predicted-cached-tokens"])
+
+    # The same as a table for humans.
+    human = await asyncio.to_thread(_rudder, *base, "explain", request_id)
+    assert human.exit_code == 0, (human.stdout, human.stderr)
+    text = human.stdout
+    assert f"chosen: worker {worker}" in text and "measured TTFT" in text
+    for c in record["candidates"]:
+        assert str(c["instance_id"]) in text.replace("\n", "")
+    assert "queued prefill" in text and "arrival wait" in text and "cost ms" in text
+
+    # A request no router kept: 404, exit code 6.
+    missing = await asyncio.to_thread(_rudder, *base, "explain", "no-such-request")
+    assert missing.exit_code == ExitCode.NOT_FOUND, (missing.stdout, missing.stderr)
+
+    # The decision-quality counters.
+    async with httpx.AsyncClient(base_url=fleet.router.url) as http:
+        metrics = (await http.get("/metrics")).text
+    assert (sample(metrics, "rudder_router_decisions_total", model=model) or 0) >= 1
+    assert sample(metrics, "rudder_router_decision_ttft_error_seconds_count", model=model,
+                  instance_id=str(worker)) is not None
+    assert (sample(metrics, "rudder_router_decision_prompt_tokens_total", model=model) or 0) > 0
