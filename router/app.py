@@ -135,7 +135,7 @@ class RouterRuntime:
         self.tasks.spawn(self.status.run(), name="status-writer")
         self.tasks.spawn(every(s.heartbeat_s, self.policy.check_stream, "policy stream check"),
                          name="policy-stream-check")
-        self.tasks.spawn(every(s.heartbeat_s, self.policy_lag, "policy lag"), name="policy-lag")
+        self.tasks.spawn(every(s.policy_lag_s, self.policy_lag, "policy lag"), name="policy-lag")
         self.tasks.spawn(every(s.tick_s, self._prewarm_tokenizers, "tokenizers"), name="tokenizers")
         self.tasks.spawn(every(s.tick_s, self.refresh_verify_keys, "verify keys"), name="verify-keys")
         # /health answers 503 until the membership replay is applied; the API serves meanwhile.
@@ -181,7 +181,8 @@ class RouterRuntime:
     async def policy_lag(self) -> None:
         """Each served document's head on the stream and how many of its revisions this router
         has not applied (``rudder_router_policy_revisions_behind``; the alert on a router behind
-        the head reads it). One direct get per document, and one per missing revision."""
+        the head reads it). Every ``RUDDER_POLICY_LAG_S``: one direct get per document, and one
+        per missing revision."""
         assert self.bus is not None
         applied = self.scheduler.view.applied
         for model in self.settings.models:

@@ -102,7 +102,8 @@ class Fleet:
 async def fleet(nats_url: str, db: str, tokens: Tokens) -> AsyncIterator[Fleet]:
     model = f"ops/{uuid.uuid4().hex[:6]}"
     workers = [await TestWorker(nats_url, model).start() for _ in range(2)]
-    router = await InProcessRouter(router_settings(nats_url, model, decision_sample=1.0)).start()
+    router = await InProcessRouter(router_settings(nats_url, model, decision_sample=1.0,
+                                                   policy_lag_s=0.2)).start()
     try:
         async with controlplane(nats_url, db) as cp:
             await wait_for(lambda: router.runtime.scheduler.view.workers.get(model) == 2)
