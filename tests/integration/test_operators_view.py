@@ -222,6 +222,11 @@ async def test_a_patch_and_a_chat_are_traced_with_their_links(fleet: Fleet, span
     trace id."""
     model = fleet.model
     spans.clear()
+    cp_lines = io.StringIO()
+    cp_handler = logs.handler("json", cp_lines)
+    cp_log = logging.getLogger("controlplane.writepath")
+    cp_log.addHandler(cp_handler)
+    cp_log.setLevel(logging.INFO)
     async with client(fleet.cp, fleet.tokens.operator) as op:
         head = (await op.get("/router_policy", params={"model": model})).json()["documents"]
         expected = next(d["revision"] for d in head if d["kind"] == "selection")
@@ -230,6 +235,12 @@ async def test_a_patch_and_a_chat_are_traced_with_their_links(fleet: Fleet, span
                                                                    "prefill_interference_weight": 0.2}})
         assert r.status_code == 200, r.text
         revision = r.json()["revision"]
+    cp_log.removeHandler(cp_handler)
+    # The control plane's JSON log line of the write carries its request id, revision and trace.
+    accepted = [json.loads(line) for line in cp_lines.getvalue().splitlines()]
+    line = next(x for x in accepted if x["message"].startswith("accepted"))
+    assert line["request_id"] == r.headers["x-request-id"] and line["revision"] == revision
+    assert line["model"] == model and len(line["trace_id"]) == 32
 
     def named(name: str) -> list[ReadableSpan]:
         return [s for s in spans.get_finished_spans() if s.name == name]
@@ -274,6 +285,12 @@ async def test_a_patch_and_a_chat_are_traced_with_their_links(fleet: Fleet, span
     select = children["select"]
     assert select.attributes["rudder.worker_id"] == worker_id
     assert select.attributes["rudder.policy_revision.selection"] == revision
+    # the sampled decision's figures (router.decisions), as `rudder explain` shows them
+    terms = ("queued_prefill_ms", "prefill_ms", "decode_ms", "interference_ms", "decode_growth_ms",
+             "arrival_wait_ms")
+    assert sum(select.attributes[f"rudder.decision.{t}"] for t in terms) == pytest.approx(
+        select.attributes["rudder.decision.cost_ms"], rel=1e-9)
+    assert select.attributes["rudder.decision.why"] in ("lowest_cost", "tie")
     assert children["tokenize"].end_time <= select.start_time + 1_000  # in order (ns)
     assert children["first token"].end_time <= children["done"].end_time <= root.end_time
     # The worker got the router request span as its parent.
