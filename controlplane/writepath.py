@@ -69,6 +69,7 @@ from controlplane.protocol.requests import (
     WriteRequest,
     parse,
 )
+from controlplane.telemetry import traces
 
 log = logging.getLogger(__name__)
 
@@ -263,10 +264,11 @@ class WritePath:
 
     async def record_rejection(self, ctx: RequestContext, a: Attempt, error: RudderError) -> None:
         """Record a refused attempt. If that fails, the caller gets 503 instead of ``error``."""
-        await self.audit.append(self._entry(
-            ctx, a, stage=AuditStage.DECISION, decision=Decision.REJECTED,
-            reason_code=error.code, reason=error.message,
-        ))
+        with traces.step("decision", **{"rudder.decision": "rejected", "rudder.reason_code": error.code}):
+            await self.audit.append(self._entry(
+                ctx, a, stage=AuditStage.DECISION, decision=Decision.REJECTED,
+                reason_code=error.code, reason=error.message,
+            ))
         log.info("rejected request_id=%s model=%s kind=%s code=%s: %s", ctx.request_id, a.model,
                  a.kind, error.code, error.message)
 
@@ -293,19 +295,24 @@ class WritePath:
         """Steps 1-2: whether the caller may write (answered first, whatever the body), then the
         body, checked against the write's model; every field that passes is noted in ``a``
         (by ``note``, if given)."""
-        _hint(a, body.json)
-        ctx.authorize(Action.WRITE_POLICY)
-        if body.error is not None:
-            raise body.error
-        return parse(request, body.json, note=note or a.note)
+        with traces.step("validate"):
+            _hint(a, body.json)
+            ctx.authorize(Action.WRITE_POLICY)
+            if body.error is not None:
+                raise body.error
+            return parse(request, body.json, note=note or a.note)
 
     # ---- the commit (steps 5-7) ----------------------------------------------------------
 
     async def _commit(self, ctx: RequestContext, a: Attempt, event: PolicyEvent) -> tuple[int, bool]:
-        await self.audit.append(self._entry(ctx, a, stage=AuditStage.RECEIVED, decision=Decision.PENDING))
+        with traces.step("audit received", **{"rudder.event_id": str(a.event_id)}):
+            await self.audit.append(self._entry(ctx, a, stage=AuditStage.RECEIVED, decision=Decision.PENDING))
         self.failpoints.hit("after_received")
         try:
-            result = await self.log.publish(event)
+            with traces.step("publish", **{"rudder.expected_revision": a.expected_revision}) as span:
+                result = await self.log.publish(event)  # the bus message carries this span's traceparent
+                if span is not None:
+                    span.set_attribute("rudder.revision", result.revision)
         except RevisionConflict as exc:
             a.head_revision = exc.head_revision
             await self.record_rejection(ctx, a, exc)
@@ -325,12 +332,14 @@ class WritePath:
             code = code or ("replaced_unaudited_head" if replay else "replaced_malformed_head")
             reason = (f"replaced malformed head revision {a.head_revision}: "
                       f"{a.replaces_malformed}")[:2000]
-        await self.audit.append(self._entry(
-            ctx, a, stage=AuditStage.DECISION, decision=Decision.ACCEPTED,
-            reason_code=code, reason=reason, new_revision=result.revision,
-        ))
+        with traces.step("decision", **{"rudder.decision": "accepted", "rudder.revision": result.revision}):
+            await self.audit.append(self._entry(
+                ctx, a, stage=AuditStage.DECISION, decision=Decision.ACCEPTED,
+                reason_code=code, reason=reason, new_revision=result.revision,
+            ))
         log.info("accepted request_id=%s event_id=%s model=%s kind=%s revision=%d actor=%s",
-                 ctx.request_id, a.event_id, a.model, a.kind, result.revision, ctx.actor)
+                 ctx.request_id, a.event_id, a.model, a.kind, result.revision, ctx.actor,
+                 extra={"revision": result.revision, "model": a.model})
         return result.revision, result.recovered
 
     def _event(self, ctx: RequestContext, a: Attempt) -> PolicyEvent:
@@ -349,7 +358,10 @@ class WritePath:
         malformed or unsigned message, or a replay of an old signed event) is an intruder: a write
         must name its revision to replace it, and then builds on the last audited document."""
         assert a.model is not None and a.kind is not None
-        head = await self.log.head(a.model, a.kind)
+        with traces.step("head", **{"rudder.model": a.model, "rudder.kind": a.kind.value}) as span:
+            head = await self.log.head(a.model, a.kind)
+            if span is not None:
+                span.set_attribute("rudder.head_revision", head.revision if head else 0)
         a.head_revision = head.revision if head else 0
         if head is None:
             return {}

@@ -75,6 +75,7 @@ from controlplane.protocol.subjects import (
     restore_subject,
     router_status_key,
 )
+from controlplane.telemetry import traces
 from router.commands import (
     ApplyKvEvents,
     ApplyMembership,
@@ -213,6 +214,9 @@ class PolicyConsumer:
         changed) or its last sequence is below a revision this router has seen. Otherwise the
         router would skip every later revision as "already seen" (and its ordered consumers would
         wait past the old sequence). Returns whether it re-synced."""
+        # The highest revision seen is read before the stream's last sequence: read after, a
+        # revision stored and applied between the two reads looked like the stream going back.
+        seen = await self.scheduler.inspect(lambda s: s.policy.max_seen())
         info = await self._stream_info()
         if info is None:
             return False
@@ -220,7 +224,6 @@ class PolicyConsumer:
             async with self._resync_lock:
                 if not self._subs:
                     await self._subscribe()
-        seen = await self.scheduler.inspect(lambda s: s.policy.max_seen())
         reason = stream_went_backwards(
             known_created=self._stream_created, created=info.created,
             last_seq=info.last_seq, max_seen=seen,
@@ -279,13 +282,25 @@ class PolicyConsumer:
         self, model: str, kind: PolicyKind, revision: int, payload: bytes, headers: dict[str, str] | None,
     ) -> None:
         previous = await self._previous(model, kind, revision, payload)
+        span = None
+        if traces.enabled():  # linked to the PATCH that published it (its traceparent header)
+            span = traces.tracer(__name__).start_span(
+                "policy apply", links=traces.link_from(headers), attributes={
+                    "rudder.router_id": self.router_id, "rudder.model": model, "rudder.kind": kind.value,
+                    "rudder.revision": revision})
         try:
             applied = await self.scheduler.call(
                 ApplyPolicy(model, kind, revision, payload, headers, previous))
         except RudderError as exc:
             log.warning("policy %s|%s revision %d not applied: %s", model, kind.value, revision, exc)
+            if span is not None:
+                span.set_attribute("rudder.outcome", "error")
+                span.end()
             return
         result = applied.result
+        if span is not None:
+            span.set_attribute("rudder.outcome", result.outcome.value)
+            span.end()
         if result.outcome is Outcome.SKIP:
             return
         await self._ack(result)

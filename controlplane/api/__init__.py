@@ -9,6 +9,7 @@
     fleet.py       /routers, /workers, /routers/acks
     audit.py       /audit: records, verify, reconcile
     health.py      /healthz, /readyz, /metrics
+    ui.py          /ui: the read-only web console (static files calling the JSON API)
 
 Routes are thin: they declare who may call them and what they take and answer, and hand over to
 the write path (controlplane/writepath.py) or a query. A later noun (API tokens) is one more

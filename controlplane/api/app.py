@@ -19,7 +19,7 @@ from pydantic.json_schema import models_json_schema
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.routing import Match
 
-from controlplane.api import audit, fleet, health, policy, thresholds, tokens
+from controlplane.api import audit, decisions, fleet, health, policy, thresholds, tokens, ui
 from controlplane.api.deps import Gate, Services, clean_query
 from controlplane.api.models import DECLARED_ONLY, REF
 from controlplane.api.observe import BusDropsCollector, Metrics, ObserveMiddleware
@@ -45,7 +45,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-ROUTERS = (policy.router, thresholds.router, fleet.router, audit.router, tokens.router, health.router)
+ROUTERS = (policy.router, thresholds.router, fleet.router, audit.router, decisions.router, tokens.router,
+           health.router, ui.router)
 
 #: The error class of each status Starlette's own HTTPException can carry.
 BY_STATUS: dict[int, type[RudderError]] = {cls.status_code: cls for cls in (
@@ -131,6 +132,7 @@ def build_app(cp: ControlPlane, *, lifespan: Any = None) -> FastAPI:
     metrics.registry.register(BusDropsCollector(
         lambda: dict(cp.fleet.drops.totals) if hasattr(cp, "fleet") else {}
     ))
+    cp.on_audit_append = metrics.observe_audit_append
     app.state.services = Services(cp=cp, metrics=metrics, gate=Gate(cp))
     app.add_middleware(ObserveMiddleware, metrics=metrics)
     for error in (RudderError, RequestValidationError, StarletteHTTPException, Exception):

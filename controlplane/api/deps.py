@@ -34,6 +34,7 @@ from controlplane.protocol.errors import (
     Unauthenticated,
     UnsupportedMediaType,
 )
+from controlplane.telemetry import traces
 from controlplane.writepath import Body, RequestContext
 
 if TYPE_CHECKING:
@@ -65,6 +66,14 @@ class Gate:
         return peer
 
     async def authenticate(self, request: Request, *, audited: bool) -> Principal | Unauthenticated:
+        """As :meth:`_authenticate`, in an ``authenticate`` span when tracing is on."""
+        with traces.step("authenticate") as span:
+            result = await self._authenticate(request, audited=audited)
+            if span is not None and isinstance(result, Principal):
+                span.set_attribute("rudder.role", result.role.value)
+            return result
+
+    async def _authenticate(self, request: Request, *, audited: bool) -> Principal | Unauthenticated:
         """The caller's principal, or, when the caller audits failures (``audited``) and this is
         its source's first failure in the window, the error for the write path to audit.
 

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import contextlib
+
 from fastapi import APIRouter
 from fastapi.responses import JSONResponse, PlainTextResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from controlplane.api.deps import Svc
 from controlplane.api.models import ERRORS, REF, ErrorBody, Health, Readiness, operation, responses
+from controlplane.protocol.errors import RudderError
 
 router = APIRouter(tags=["health"])
 
@@ -40,4 +43,6 @@ async def readyz(svc: Svc) -> JSONResponse:
 async def prom(svc: Svc) -> PlainTextResponse:
     """Prometheus metrics of the admin API, the write path, the reconciler and the bus."""
     svc.metrics.observe_reconcile(svc.cp.reconciler.last_report, svc.cp.reconciler.last_run_at)
+    with contextlib.suppress(RudderError):  # the bus away: the other metrics still answer
+        svc.metrics.observe_documents(await svc.cp.queries.documents())
     return PlainTextResponse(generate_latest(svc.metrics.registry).decode(), media_type=CONTENT_TYPE_LATEST)

@@ -249,6 +249,62 @@ class Acks(Open):
     acks: list[AckView] | None = None
 
 
+class DecisionCandidate(Open):
+    """One candidate of a decision: its cost and, under the time cost, each of its terms (they
+    add up to ``cost_ms``; ``cache_credit_ms`` is the prefill its cached prefix saves, already
+    taken off)."""
+
+    instance_id: int | None = None
+    dp_rank: int | None = None
+    cost_ms: float | None = None
+    overlap_blocks: int | None = None
+    cached_tokens: float | None = None
+    uncached_tokens: float | None = None
+    queued_tokens: int | None = None
+    running: int | None = None
+    ttft_ms: float | None = None
+    queued_prefill_ms: float | None = None
+    prefill_ms: float | None = None
+    decode_ms: float | None = None
+    interference_ms: float | None = None
+    decode_growth_ms: float | None = None
+    arrival_wait_ms: float | None = None
+    cache_credit_ms: float | None = None
+    chosen: bool | None = None
+
+
+class Decision(Open):
+    """A router's record of one selection (router/decisions.py)."""
+
+    request_id: str | None = None
+    router_id: str | None = None
+    model: str | None = None
+    at: float | None = Field(default=None, description="epoch seconds")
+    pool: str | None = None
+    mode: str | None = None
+    why: list[str] | None = Field(default=None, description=(
+        "lowest_cost, tie, objective, explicit_target, busy_filter, temperature_draw or mode"))
+    instance_id: int | None = None
+    dp_rank: int | None = None
+    cost_ms: float | None = None
+    prompt_tokens: int | None = None
+    candidates_total: int | None = None
+    candidates: list[DecisionCandidate] | None = None
+    busy: list[int] | None = None
+    temperature: float | None = None
+    ttft_slo_ms: float | None = None
+    revisions: dict[str, int] | None = None
+    measured_ttft_ms: float | None = None
+    reported_cached_tokens: int | None = None
+    status: str | None = None
+
+
+class Decisions(Open):
+    request_id: str | None = None
+    decisions: list[Decision] | None = None
+    unanswered: list[str] | None = Field(default=None, description="live routers that did not answer in time")
+
+
 # ---- audit ------------------------------------------------------------------------------------
 
 
