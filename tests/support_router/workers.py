@@ -48,6 +48,7 @@ from worker.agent import Worker
 from worker.engines.base import EngineInfo, KvSink
 from worker.engines.mock.api import MockApi
 from worker.engines.mock.service import MockEngine
+from worker.engines.mock.tokenizer import BYTES
 from worker.httpserver import advertised_url
 from worker.settings import MockEngineSettings, WorkerSettings
 
@@ -141,6 +142,7 @@ class FrontedMock:
         self.settings = settings
         self.mock = MockEngine(settings)
         self.recorder: Recorder | None = None
+        self.url = ""  # advertised: the front
         self.direct_url = ""
         self._sock: socket.socket | None = bind_socket(0)
         self.port: int = self._sock.getsockname()[1]
@@ -158,8 +160,8 @@ class FrontedMock:
             await self.mock.stop()
             raise
         s = self.settings
-        return dataclasses.replace(info, url=advertised_url(host=s.host, port=self.port,
-                                                            advertise_host=s.advertise_host))
+        self.url = advertised_url(host=s.host, port=self.port, advertise_host=s.advertise_host)
+        return dataclasses.replace(info, url=self.url)
 
     async def start_http(self) -> None:
         assert self.recorder is not None and self._server is None
@@ -273,7 +275,8 @@ class MockWorker:
 
     @property
     def url(self) -> str:
-        return self.worker.url
+        """The URL it advertises (or would: see :meth:`serve_only`)."""
+        return self.engine.url
 
     @property
     def record(self) -> WorkerRecord:
@@ -316,6 +319,12 @@ class MockWorker:
             if self.link is not None:
                 await self.link.stop()
             raise
+        return self
+
+    async def serve_only(self) -> MockWorker:
+        """Start the engine and its HTTP API without the agent: a server that never announces
+        itself on the bus (its KV events go nowhere)."""
+        await self.engine.start(lambda *_: None)
         return self
 
     async def stop(self) -> None:
@@ -381,6 +390,11 @@ async def mock_workers(nats_url: str, model: str, n: int = 1, *, each: Sequence[
         yield workers
     finally:
         await asyncio.gather(*(w.stop() for w in workers))
+
+
+def mock_answer(tokens: int = MockEngineSettings().default_max_tokens) -> str:
+    """What the mock engine answers in ``tokens`` tokens (byte tokenizer)."""
+    return BYTES.decode([BYTES.output_token(i) for i in range(tokens)])
 
 
 def engine_idle(worker: MockWorker) -> bool:
