@@ -7,6 +7,7 @@ import asyncio
 import json
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
+from typing import Any
 
 import httpx
 import openai
@@ -284,6 +285,12 @@ async def test_connection_failure_before_first_byte_retries_within_the_phase(
     dead, live = pool
     # The dead worker is the faster one, so the cost picks it first; its HTTP server is down.
     # (Reported load would not do: a real engine serves a new request behind that load.)
+    def dead_is_faster(s: Any) -> bool:
+        slots = s._slots[RMODEL]
+        return bool(slots[(dead.instance_id, 0)].timing.prefill_step_ms(64)
+                    < slots[(live.instance_id, 0)].timing.prefill_step_ms(64))
+
+    assert await recorded.router.runtime.scheduler.inspect(dead_is_faster)
     await dead.stop_http()
     metrics = recorded.router.runtime.metrics
     retries = metrics.retries.labels(RMODEL)._value.get()

@@ -231,6 +231,8 @@ class BusLink:
         for task in list(self._relays):
             task.cancel()
         await asyncio.gather(*self._relays, return_exceptions=True)
+        if self._server is not None:
+            await self._server.wait_closed()  # (3.12+ waits for the connections closed above)
 
     async def _relay(self, worker_r: asyncio.StreamReader, worker_w: asyncio.StreamWriter) -> None:
         task = asyncio.current_task()
@@ -365,9 +367,15 @@ def worker_settings(nats_url: str, model: str, **overrides: Any) -> WorkerSettin
 async def start_worker(nats_url: str, model: str, *, bus_link: bool = False, **overrides: Any) -> MockWorker:
     """One started worker (joined: its membership is on the bus). ``bus_link``: through a
     :class:`BusLink`, for ``pause_bus``."""
-    link = BusLink(nats_url) if bus_link else None
-    url = await link.start() if link is not None else nats_url
-    return await MockWorker(worker_settings(url, model, **overrides), link=link).start()
+    if not bus_link:
+        return await MockWorker(worker_settings(nats_url, model, **overrides)).start()
+    link = BusLink(nats_url)
+    try:
+        worker = MockWorker(worker_settings(await link.start(), model, **overrides), link=link)
+    except BaseException:
+        await link.stop()
+        raise
+    return await worker.start()
 
 
 @contextlib.asynccontextmanager
