@@ -353,11 +353,16 @@ class MockWorker:
         await self.engine.start_http()
 
 
+# The engine 50 times faster than the reference timings, 16-token blocks, 3 tokens an answer
+# unless the request says otherwise.
+MOCK_DEFAULTS: dict[str, Any] = {"speedup_ratio": 50.0, "block_size": 16, "default_max_tokens": 3}
+
+
 def worker_settings(nats_url: str, model: str, **overrides: Any) -> WorkerSettings:
-    """A mock worker's settings for router tests: heartbeats every 0.2 s, 16-token blocks, the
-    engine 50 times faster than the reference timings; ``mock={...}`` overrides engine settings,
-    other keywords ``WorkerSettings`` fields (an ``instance_id`` gets credentials of its own)."""
-    mock = {"speedup_ratio": 50.0, "block_size": 16, **overrides.pop("mock", {})}
+    """A mock worker's settings for router tests: heartbeats every 0.2 s, :data:`MOCK_DEFAULTS`;
+    ``mock={...}`` overrides engine settings, other keywords ``WorkerSettings`` fields (an
+    ``instance_id`` gets credentials of its own)."""
+    mock = {**MOCK_DEFAULTS, **overrides.pop("mock", {})}
     values: dict[str, Any] = {"heartbeat_s": 0.2, **overrides}
     settings = buskit.worker_settings(nats_url=nats_url, model=model, mock=MockEngineSettings(**mock), **values)
     assert isinstance(settings, WorkerSettings)
@@ -400,7 +405,7 @@ async def mock_workers(nats_url: str, model: str, n: int = 1, *, each: Sequence[
         await asyncio.gather(*(w.stop() for w in workers))
 
 
-def mock_answer(tokens: int = MockEngineSettings().default_max_tokens) -> str:
+def mock_answer(tokens: int = MOCK_DEFAULTS["default_max_tokens"]) -> str:
     """What the mock engine answers in ``tokens`` tokens (byte tokenizer)."""
     return BYTES.decode([BYTES.output_token(i) for i in range(tokens)])
 
