@@ -1,5 +1,5 @@
 """Well-formed but hostile bus input is harmless (issue 7 item 3), against real NATS and PostgreSQL
-with real routers, a real control plane and process-local workers (``TestWorker``).
+with real routers, a real control plane and real workers (agent and mock engine, in process).
 
 - a membership record that speaks for another worker's id, or names a URL outside the router's
   allow-list, never receives traffic;
@@ -46,7 +46,15 @@ from controlplane.protocol.subjects import (
 from tests import buskit
 from tests.integration.cp_support import Tokens, client, controlplane
 from tests.support_router.policy import publish_raw
-from tests.support_router.workers import InProcessRouter, TestWorker, router_settings, wait_for
+from tests.support_router.workers import (
+    InProcessRouter,
+    MockWorker,
+    router_settings,
+    start_worker,
+    wait_for,
+    worker_settings,
+)
+from worker.settings import random_instance_id
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -56,23 +64,14 @@ def _drops(router: InProcessRouter, kind: str, reason: str) -> int:
     return totals.get((kind, reason), 0)
 
 
-class LocalhostWorker(TestWorker):
-    """A worker that announces itself as ``http://localhost:<port>``: reachable, but not allowed
-    by a router whose allow-list is ``127.0.0.1/32``."""
-
-    __test__ = False
-
-    @property
-    def url(self) -> str:
-        return f"http://localhost:{self.port}"
-
-
 async def test_forged_membership_and_disallowed_url_never_receive_traffic(nats_url: str) -> None:
     model = f"forge/{uuid.uuid4().hex[:6]}"
-    victim = await TestWorker(nats_url, model).start()
-    attacker = TestWorker(nats_url, model)  # serves HTTP, never announces itself honestly
-    await attacker.start_http()
-    outside = await LocalhostWorker(nats_url, model).start()  # announces a URL outside the list
+    victim = await start_worker(nats_url, model)
+    # Serves HTTP, never announces itself honestly.
+    attacker = await MockWorker(worker_settings(nats_url, model)).serve_only()
+    # Announces itself as http://localhost:<port>: reachable, but outside the allow-list below.
+    outside = await start_worker(nats_url, model, advertise_host="localhost")
+    assert outside.url.startswith("http://localhost:")
     router = await InProcessRouter(router_settings(
         nats_url, model, mode="round_robin", worker_url_allow="127.0.0.1/32",
     )).start()
@@ -82,13 +81,13 @@ async def test_forged_membership_and_disallowed_url_never_receive_traffic(nats_u
         await wait_for(lambda: _drops(router, "membership", "url_not_allowed") >= 1)
         # On its own subject (all its credentials allow), the attacker speaks for the victim's id
         # with its own URL.
-        forged = victim.record().model_copy(update={"url": attacker.url})
+        forged = victim.record.model_copy(update={"url": attacker.url})
         attacker_nc = await buskit.connect_as(nats_url, Identity(
             IdentityKind.WORKER, model=model, instance_id=attacker.instance_id))
         try:
             js = attacker_nc.jetstream()
             for op in (MembershipOp.JOIN, MembershipOp.HEARTBEAT):
-                event = MembershipEvent(op=op, worker=forged, load=victim.load, at=datetime.now(UTC))
+                event = MembershipEvent(op=op, worker=forged, load=victim.load(), at=datetime.now(UTC))
                 await js.publish(membership_subject(model, attacker.instance_id), event.to_bytes())
         finally:
             await attacker_nc.close()
@@ -124,7 +123,7 @@ async def test_forged_membership_and_disallowed_url_never_receive_traffic(nats_u
 
 async def test_join_with_a_million_ranks_is_refused_without_slowing_selections(nats_url: str) -> None:
     model = f"wide/{uuid.uuid4().hex[:6]}"
-    worker = await TestWorker(nats_url, model).start()
+    worker = await start_worker(nats_url, model)
     router = await InProcessRouter(router_settings(nats_url, model)).start()
     sched = router.runtime.scheduler
     try:
@@ -140,8 +139,8 @@ async def test_join_with_a_million_ranks_is_refused_without_slowing_selections(n
 
             before = await timed_selections(20)
             # A join on its own subject, ids consistent, URL allowed: only dp_size is hostile.
-            hostile = TestWorker(nats_url, model)
-            payload = json.loads(MembershipEvent(op=MembershipOp.JOIN, worker=hostile.record(),
+            hostile = worker.record.model_copy(update={"instance_id": random_instance_id()})
+            payload = json.loads(MembershipEvent(op=MembershipOp.JOIN, worker=hostile,
                                                  at=datetime.now(UTC)).to_bytes())
             payload["worker"]["dp_size"] = 10**6
             hostile_nc = await buskit.connect_as(nats_url, Identity(

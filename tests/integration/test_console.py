@@ -11,6 +11,7 @@ skips, unless CI=true, where it fails.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import sys
@@ -25,12 +26,12 @@ import httpx
 import pytest
 
 from bus.identities import Identity, IdentityKind
-from controlplane.protocol.events import PolicyEvent, RankLoad
+from controlplane.protocol.events import PolicyEvent
 from controlplane.protocol.policy import PolicyKind, PolicyOp
 from tests import buskit
 from tests.integration.cp_support import Tokens, controlplane
 from tests.policy_keys import session_keys
-from tests.support_router.workers import InProcessRouter, TestWorker, router_settings, wait_for
+from tests.support_router.workers import InProcessRouter, held, router_settings, start_worker, wait_for
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -119,9 +120,10 @@ async def test_the_console_shows_changes_the_fleet_and_keeps_viewers_out_of_the_
     model = f"ui/{uuid.uuid4().hex[:6]}"
     router = await InProcessRouter(router_settings(nats_url, model, mode="round_robin")).start()
     rid = router.settings.router_id
-    worker = TestWorker(nats_url, model, kv_total_blocks=1000)
-    worker.load = [RankLoad(dp_rank=0, kv_used_blocks=250, running=3, waiting=1, active_prefill_tokens=512)]
-    await worker.start()
+    # A real worker whose load holds still while the page is read: one sequence at a time, a
+    # minute per decode step (prefill at the reference speed).
+    worker = await start_worker(nats_url, model, mock={"num_blocks": 1000, "block_size": 16, "max_num_seqs": 1,
+                                                       "decode_c": 60_000.0})
     stopped = False
     try:
         async with controlplane(nats_url, db) as cp:
@@ -166,10 +168,26 @@ async def test_the_console_shows_changes_the_fleet_and_keeps_viewers_out_of_the_
             cell = f'#routers tr[data-router="{rid}"][data-document="{model}|selection"] td.status'
             await admin.wait_for_selector(f'{cell}[data-status="in-sync"]', timeout=5000)
             await admin.wait_for_selector(f'#workers tr[data-worker="{worker.instance_id}"]', timeout=5000)
-            load = await admin.eval_on_selector_all(f'#workers tr[data-worker="{worker.instance_id}"]', CELLS)
-            # The 64-bit worker id exactly (not rounded to a JavaScript number), its load and cache.
-            assert [cells[:9] for cells in load] == [[str(worker.instance_id), model, "aggregated", "mock", "0",
-                                                      "3", "1", "512", "25.0% (250/1000 blocks)"]]
+            # Real load: a 250-block prompt decoding, a 512-token prompt queued behind it.
+            async with held(worker, ["x" * 250 * 16, "y" * 512], max_tokens=1000):
+                (rank,) = worker.load()
+                assert rank.running == 1 and rank.waiting == 1 and rank.kv_used_blocks >= 250, rank
+                used = rank.kv_used_blocks
+                want = [[str(worker.instance_id), model, "aggregated", "mock", "0", str(rank.running),
+                         str(rank.waiting), str(rank.active_prefill_tokens),
+                         f"{100 * used / 1000:.1f}% ({used}/1000 blocks)"]]
+                row = f'#workers tr[data-worker="{worker.instance_id}"]'
+
+                async def shown() -> list[list[str]]:
+                    return [cells[:9] for cells in await admin.eval_on_selector_all(row, CELLS)]
+
+                async def matches() -> bool:
+                    return await shown() == want
+
+                with contextlib.suppress(AssertionError):
+                    await wait_for(matches, within=SHOWN_WITHIN_MS / 1000, interval=0.1)
+                # The 64-bit worker id exactly (not rounded to a JavaScript number), its load and cache.
+                assert await shown() == want
             # A document that reaches the router around the control plane (a weight this cache-free
             # router cannot feed) is NACKed: the page shows the router's reason.
             head = await cp.controlplane.queries.documents(model)

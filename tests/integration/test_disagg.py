@@ -4,6 +4,7 @@ with roles ``prefill`` and ``decode``, over real NATS (DESIGN §5, issue 4 item 
 from __future__ import annotations
 
 import asyncio
+import json
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
@@ -13,56 +14,51 @@ import openai
 import pytest
 
 from controlplane.protocol import tokenizer
-from controlplane.protocol.events import RankLoad, WorkerRole
+from controlplane.protocol.events import WorkerRole
 from controlplane.protocol.hashing import block_hashes
-from tests import buskit
-from tests.support_router.workers import InProcessRouter, TestWorker, router_settings, wait_for
+from tests.support_router.workers import (
+    InProcessRouter,
+    MockWorker,
+    mock_answer,
+    mock_workers,
+    router_settings,
+    wait_for,
+)
 
 pytestmark = pytest.mark.timeout(60)
 MODEL = "mock/disagg:1b"
 BLOCK = 16
-
-worker_agent = pytest.importorskip("worker.agent")
-worker_settings = pytest.importorskip("worker.settings")
+ROLES = [{"role": WorkerRole.PREFILL}, {"role": WorkerRole.PREFILL}, {"role": WorkerRole.DECODE},
+         {"role": WorkerRole.DECODE}]
 
 
 @dataclass
 class Fleet:
     router: InProcessRouter
-    prefill: list[Any]  # worker.agent.Worker
-    decode: list[Any]
+    prefill: list[MockWorker]
+    decode: list[MockWorker]
     http: httpx.AsyncClient
 
     def ids(self, role: str) -> set[int]:
         return {w.instance_id for w in getattr(self, role)}
 
-    def by_id(self, wid: int) -> Any:
+    def by_id(self, wid: int) -> MockWorker:
         return next(w for w in self.prefill + self.decode if w.instance_id == wid)
 
-    def requests(self, w: Any) -> int:
-        return int(w.engine.api.stats.requests)
+    def requests(self, w: MockWorker) -> int:
+        return w.api.stats.requests
 
 
 @pytest.fixture(scope="module")
 async def fleet(nats_url: str) -> AsyncIterator[Fleet]:
-    workers: dict[WorkerRole, list[Any]] = {WorkerRole.PREFILL: [], WorkerRole.DECODE: []}
-    for role in (WorkerRole.PREFILL, WorkerRole.PREFILL, WorkerRole.DECODE, WorkerRole.DECODE):
-        settings = buskit.worker_settings(
-            nats_url=nats_url, model=MODEL, role=role, heartbeat_s=0.2,
-            mock=worker_settings.MockEngineSettings(speedup_ratio=50.0, block_size=BLOCK),
-        )
-        w = worker_agent.Worker(settings)
-        await w.start()
-        workers[role].append(w)
-    router = await InProcessRouter(router_settings(nats_url, MODEL)).start()
-    sched = router.runtime.scheduler
-    await wait_for(lambda: sched.view.workers.get(MODEL) == 4, within=10)
-    assert await sched.inspect(lambda s: s.chooser.disaggregated(MODEL))
-    async with httpx.AsyncClient(base_url=router.url, timeout=20) as http:
-        yield Fleet(router, workers[WorkerRole.PREFILL], workers[WorkerRole.DECODE], http)
-    await router.stop()
-    for w in workers[WorkerRole.PREFILL] + workers[WorkerRole.DECODE]:
-        await w.stop()
+    async with mock_workers(nats_url, MODEL, each=ROLES, mock={"block_size": BLOCK}) as workers:
+        router = await InProcessRouter(router_settings(nats_url, MODEL)).start()
+        sched = router.runtime.scheduler
+        await wait_for(lambda: sched.view.workers.get(MODEL) == 4, within=10)
+        assert await sched.inspect(lambda s: s.chooser.disaggregated(MODEL))
+        async with httpx.AsyncClient(base_url=router.url, timeout=20) as http:
+            yield Fleet(router, workers[:2], workers[2:], http)
+        await router.stop()
 
 
 def _chat_hashes(messages: list[dict[str, str]]) -> list[int]:
@@ -72,10 +68,6 @@ def _chat_hashes(messages: list[dict[str, str]]) -> list[int]:
 async def _no_bookings_left(fleet: Fleet) -> None:
     sched = fleet.router.runtime.scheduler
     await wait_for(lambda: sched.inspect(lambda s: len(s.bookings) == 0), within=5)
-
-
-def _expected_text(n: int) -> str:
-    return "".join(chr(ord("a") + i % 26) for i in range(n))
 
 
 async def test_disaggregated_chat_runs_prefill_then_decode(fleet: Fleet) -> None:
@@ -91,7 +83,7 @@ async def test_disaggregated_chat_runs_prefill_then_decode(fleet: Fleet) -> None
     decode_id = int(raw.headers["x-worker-instance-id"])
     assert prefill_id in fleet.ids("prefill") and decode_id in fleet.ids("decode")
     # The decode worker produced the whole answer; the prefill worker's one token was dropped.
-    assert reply.choices[0].message.content == _expected_text(5)
+    assert reply.choices[0].message.content == mock_answer(5)
     assert reply.usage is not None and reply.usage.completion_tokens == 5
     after = {w.instance_id: fleet.requests(w) for w in fleet.prefill + fleet.decode}
     assert {wid for wid in after if after[wid] != before[wid]} == {prefill_id, decode_id}
@@ -119,7 +111,7 @@ async def test_disaggregated_streaming_chat(fleet: Fleet) -> None:
     chunks = [c async for c in raw.parse()]
     await client.close()
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
-    assert text == _expected_text(6)
+    assert text == mock_answer(6)
     assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == 6
     await _no_bookings_left(fleet)
     metrics = (await fleet.http.get("/metrics")).text
@@ -222,7 +214,7 @@ async def test_concurrent_disaggregated_requests_all_complete(fleet: Fleet) -> N
     await _no_bookings_left(fleet)
 
 
-# -- what each phase is sent, and retries per phase (recording test workers) ---------------------
+# -- what each phase is sent, and retries per phase (what the workers received) ---------------------
 
 RMODEL = "disagg-recorded"
 
@@ -230,49 +222,58 @@ RMODEL = "disagg-recorded"
 @dataclass
 class Recorded:
     router: InProcessRouter
-    prefill: list[TestWorker]
-    decode: list[TestWorker]
+    prefill: list[MockWorker]
+    decode: list[MockWorker]
     http: httpx.AsyncClient
+
+
+# The second of each pool is ten times slower than the first (their advertised timings say so).
+SLOWER = {"speedup_ratio": 5.0}
 
 
 @pytest.fixture(scope="module")
 async def recorded(nats_url: str) -> AsyncIterator[Recorded]:
-    prefill = [await TestWorker(nats_url, RMODEL, role=WorkerRole.PREFILL).start() for _ in range(2)]
-    decode = [await TestWorker(nats_url, RMODEL, role=WorkerRole.DECODE).start() for _ in range(2)]
-    router = await InProcessRouter(router_settings(nats_url, RMODEL)).start()
-    await wait_for(lambda: router.runtime.scheduler.view.workers.get(RMODEL) == 4)
-    async with httpx.AsyncClient(base_url=router.url, timeout=20) as http:
-        yield Recorded(router, prefill, decode, http)
-    await router.stop()
-    for w in prefill + decode:
-        await w.stop()
+    async with mock_workers(nats_url, RMODEL, each=[
+        {"role": WorkerRole.PREFILL}, {"role": WorkerRole.PREFILL, "mock": SLOWER},
+        {"role": WorkerRole.DECODE}, {"role": WorkerRole.DECODE, "mock": SLOWER},
+    ]) as workers:
+        router = await InProcessRouter(router_settings(nats_url, RMODEL)).start()
+        await wait_for(lambda: router.runtime.scheduler.view.workers.get(RMODEL) == 4)
+        async with httpx.AsyncClient(base_url=router.url, timeout=20) as http:
+            yield Recorded(router, workers[:2], workers[2:], http)
+        await router.stop()
 
 
 async def test_prefill_phase_is_sent_one_token_unstreamed_and_decode_the_request(recorded: Recorded) -> None:
     p, d = recorded.prefill[0], recorded.decode[1]
-    p.answer_extra = {"kv_transfer_params": {"remote_block_ids": [1, 2], "remote_engine_id": "e1"}}
-    try:
-        body = {
-            "model": RMODEL, "messages": [{"role": "user", "content": "hi"}], "stream": True,
-            "stream_options": {"include_usage": True}, "max_tokens": 7, "max_completion_tokens": 7,
-            "min_tokens": 2, "nvext": {"prefill_worker_id": p.instance_id, "decode_worker_id": d.instance_id},
-        }
-        async with recorded.http.stream("POST", "/v1/chat/completions", json=body) as r:
-            assert r.status_code == 200
-            text = "".join([line async for line in r.aiter_lines()])
-        assert f"w{d.instance_id}"[:1] in text and "[DONE]" in text
-    finally:
-        p.answer_extra = {}
+    messages = [{"role": "user", "content": "hi, long enough for a few KV blocks " * 2}]
+    body = {
+        "model": RMODEL, "messages": messages, "stream": True,
+        "stream_options": {"include_usage": True}, "max_tokens": 7, "max_completion_tokens": 7,
+        "min_tokens": 2, "nvext": {"prefill_worker_id": p.instance_id, "decode_worker_id": d.instance_id},
+    }
+    async with recorded.http.stream("POST", "/v1/chat/completions", json=body) as r:
+        assert r.status_code == 200
+        lines = [line async for line in r.aiter_lines()]
+    chunks = [json.loads(line[6:]) for line in lines if line.startswith("data: {")]
+    assert "".join(c["choices"][0]["delta"].get("content", "") for c in chunks if c["choices"]) == mock_answer(7)
+    assert "data: [DONE]" in lines
     sent_p, sent_d = p.requests[-1], d.requests[-1]
     assert sent_p["stream"] is False and "stream_options" not in sent_p and "min_tokens" not in sent_p
     assert sent_p["max_tokens"] == 1 and sent_p["max_completion_tokens"] == 1
     assert sent_p["kv_transfer_params"]["do_remote_decode"] is True
     assert sent_p["nvext"]["backend_instance_id"] == p.instance_id
     assert p.request_headers[-1]["x-worker-instance-id"] == str(p.instance_id)
-    # The decode worker gets the client's request, and what the prefill handed over.
+    # The decode worker gets the client's request, and what the prefill handed over: the prompt's
+    # blocks on the prefill engine (the mock engine answers them as vLLM's NixlConnector does).
     assert sent_d["stream"] is True and sent_d["max_tokens"] == 7 and sent_d["min_tokens"] == 2
     assert sent_d["stream_options"] == {"include_usage": True}
-    assert sent_d["kv_transfer_params"] == {"remote_block_ids": [1, 2], "remote_engine_id": "e1"}
+    handed = _chat_hashes(messages)
+    assert len(handed) >= 2
+    assert sent_d["kv_transfer_params"] == {
+        "do_remote_prefill": True, "do_remote_decode": False, "remote_engine_id": str(p.instance_id),
+        "remote_block_ids": handed,
+    }
     assert sent_d["nvext"]["backend_instance_id"] == d.instance_id
 
 
@@ -282,10 +283,14 @@ async def test_connection_failure_before_first_byte_retries_within_the_phase(
 ) -> None:
     pool = recorded.prefill if phase == "prefill" else recorded.decode
     dead, live = pool
-    # The dead worker looks idle, so the cost picks it first; its HTTP server is down.
-    live.load = [RankLoad(active_prefill_tokens=50_000, active_decode_blocks=500)]
-    await wait_for(lambda: recorded.router.runtime.scheduler.inspect(
-        lambda s: s._slots[RMODEL][(live.instance_id, 0)].active_prefill_tokens == 50_000))
+    # The dead worker is the faster one, so the cost picks it first; its HTTP server is down.
+    # (Reported load would not do: a real engine serves a new request behind that load.)
+    def dead_is_faster(s: Any) -> bool:
+        slots = s._slots[RMODEL]
+        return bool(slots[(dead.instance_id, 0)].timing.prefill_step_ms(64)
+                    < slots[(live.instance_id, 0)].timing.prefill_step_ms(64))
+
+    assert await recorded.router.runtime.scheduler.inspect(dead_is_faster)
     await dead.stop_http()
     metrics = recorded.router.runtime.metrics
     retries = metrics.retries.labels(RMODEL)._value.get()
@@ -305,7 +310,6 @@ async def test_connection_failure_before_first_byte_retries_within_the_phase(
             "model": RMODEL, "prompt": "pinned", "nvext": {field: dead.instance_id}})
         assert r.status_code == 503, r.text
     finally:
-        live.load = [RankLoad()]
         await dead.start_http()
     sched = recorded.router.runtime.scheduler
     await wait_for(lambda: sched.inspect(lambda s: len(s.bookings) == 0), within=5)

@@ -35,10 +35,11 @@ from router.settings import new_router_id
 from tests.integration.cp_support import Tokens, client, controlplane
 from tests.support_router.workers import (
     InProcessRouter,
-    TestWorker,
+    MockWorker,
     free_port,
     router_settings,
     spawn_router,
+    start_worker,
     wait_for,
     wait_http_ok,
 )
@@ -52,7 +53,7 @@ async def test_json_logs_parse_line_by_line_and_carry_the_ids(nats_url: str) -> 
     with time, level, logger and message, and the line of a routed request carries the request
     id, the router id, the chosen worker id, the policy revisions and the trace id."""
     model = f"logs/{uuid.uuid4().hex[:6]}"
-    worker = await TestWorker(nats_url, model).start()
+    worker = await start_worker(nats_url, model)
     port, rid = free_port(), new_router_id()
     with tempfile.TemporaryFile() as log_file:
         proc = spawn_router(nats_url, model, port=port, router_id=rid, stderr=log_file,
@@ -93,7 +94,7 @@ async def test_json_logs_parse_line_by_line_and_carry_the_ids(nats_url: str) -> 
 class Fleet:
     cp: Running
     router: InProcessRouter
-    workers: list[TestWorker]
+    workers: list[MockWorker]
     model: str
     tokens: Tokens
 
@@ -101,7 +102,7 @@ class Fleet:
 @pytest.fixture(scope="module")
 async def fleet(nats_url: str, db: str, tokens: Tokens) -> AsyncIterator[Fleet]:
     model = f"ops/{uuid.uuid4().hex[:6]}"
-    workers = [await TestWorker(nats_url, model).start() for _ in range(2)]
+    workers = [await start_worker(nats_url, model) for _ in range(2)]
     router = await InProcessRouter(router_settings(nats_url, model, decision_sample=1.0,
                                                    policy_lag_s=0.2)).start()
     try:

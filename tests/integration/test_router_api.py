@@ -9,67 +9,75 @@ import httpx
 import openai
 import pytest
 
-from controlplane.protocol.events import RankLoad
 from tests import buskit
-from tests.support_router.workers import InProcessRouter, TestWorker, router_settings, wait_busy, wait_for
+from tests.support_router.workers import (
+    InProcessRouter,
+    MockWorker,
+    held,
+    mock_answer,
+    mock_workers,
+    router_settings,
+    start_worker,
+    wait_busy,
+    wait_for,
+)
 
 pytestmark = pytest.mark.timeout(60)
 MODEL = "org/chat-model:v1.5"
 
 
 @pytest.fixture(scope="module")
-async def fleet(nats_url: str) -> AsyncIterator[tuple[InProcessRouter, list[TestWorker]]]:
-    workers = [await TestWorker(nats_url, MODEL).start() for _ in range(3)]
-    router = await InProcessRouter(router_settings(nats_url, MODEL)).start()
-    await wait_for(lambda: router.runtime.scheduler.view.workers.get(MODEL) == 3)
-    yield router, workers
-    await router.stop()
-    for w in workers:
-        await w.stop()
+async def fleet(nats_url: str) -> AsyncIterator[tuple[InProcessRouter, list[MockWorker]]]:
+    async with mock_workers(nats_url, MODEL, 3) as workers:
+        router = await InProcessRouter(router_settings(nats_url, MODEL)).start()
+        await wait_for(lambda: router.runtime.scheduler.view.workers.get(MODEL) == 3)
+        yield router, workers
+        await router.stop()
 
 
-async def test_openai_client_chat_non_streaming(fleet: tuple[InProcessRouter, list[TestWorker]]) -> None:
+async def test_openai_client_chat_non_streaming(fleet: tuple[InProcessRouter, list[MockWorker]]) -> None:
     router, workers = fleet
     client = openai.AsyncOpenAI(base_url=router.url + "/v1", api_key="none", max_retries=0)
-    reply = await client.chat.completions.create(
+    raw = await client.chat.completions.with_raw_response.create(
         model=MODEL, messages=[{"role": "user", "content": "hello there"}]
     )
-    text = reply.choices[0].message.content
-    assert text is not None and text.startswith("w")
-    served = [w for w in workers if text == f"w{w.instance_id}"]
+    text = raw.parse().choices[0].message.content
+    assert text == mock_answer()
+    served = [w for w in workers if int(raw.headers["x-worker-instance-id"]) == w.instance_id]
     assert len(served) == 1
     assert served[0].requests[-1]["messages"] == [{"role": "user", "content": "hello there"}]
     assert served[0].requests[-1]["nvext"]["backend_instance_id"] == served[0].instance_id
     await client.close()
 
 
-async def test_openai_client_chat_streaming(fleet: tuple[InProcessRouter, list[TestWorker]]) -> None:
+async def test_openai_client_chat_streaming(fleet: tuple[InProcessRouter, list[MockWorker]]) -> None:
     router, workers = fleet
     client = openai.AsyncOpenAI(base_url=router.url + "/v1", api_key="none", max_retries=0)
-    stream = await client.chat.completions.create(
+    raw = await client.chat.completions.with_raw_response.create(
         model=MODEL, messages=[{"role": "user", "content": "stream me"}], stream=True
     )
-    pieces = [c.choices[0].delta.content or "" async for c in stream if c.choices]
+    pieces = [c.choices[0].delta.content or "" async for c in raw.parse() if c.choices]
     text = "".join(pieces)
-    assert text in {f"w{w.instance_id}" for w in workers}
+    assert text == mock_answer()
+    assert int(raw.headers["x-worker-instance-id"]) in {w.instance_id for w in workers}
     # The booking is freed after the stream ends.
     sched = router.runtime.scheduler
     await wait_for(lambda: sched.inspect(lambda s: len(s.bookings) == 0))
     await client.close()
 
 
-async def test_openai_client_completion(fleet: tuple[InProcessRouter, list[TestWorker]]) -> None:
+async def test_openai_client_completion(fleet: tuple[InProcessRouter, list[MockWorker]]) -> None:
     router, _ = fleet
     client = openai.AsyncOpenAI(base_url=router.url + "/v1", api_key="none", max_retries=0)
     reply = await client.completions.create(model=MODEL, prompt="once upon a time")
-    assert reply.choices[0].text.startswith("w")
+    assert reply.choices[0].text == mock_answer()
     models = await client.models.list()
     assert [m.id for m in models.data] == [MODEL]
     await client.close()
 
 
 async def test_same_prefix_goes_to_the_worker_that_cached_it(
-    fleet: tuple[InProcessRouter, list[TestWorker]],
+    fleet: tuple[InProcessRouter, list[MockWorker]],
 ) -> None:
     router, workers = fleet
     prompt = "the same long shared system prompt " * 20  # ~700 tokens, 40+ blocks of 16
@@ -89,7 +97,7 @@ async def test_same_prefix_goes_to_the_worker_that_cached_it(
     assert any(w.instance_id == owner for w in workers)
 
 
-async def test_errors_use_the_openai_shape(fleet: tuple[InProcessRouter, list[TestWorker]]) -> None:
+async def test_errors_use_the_openai_shape(fleet: tuple[InProcessRouter, list[MockWorker]]) -> None:
     router, _ = fleet
     async with httpx.AsyncClient(base_url=router.url) as http:
         r = await http.post("/v1/chat/completions", json={"model": "nope", "messages": []})
@@ -104,7 +112,7 @@ async def test_errors_use_the_openai_shape(fleet: tuple[InProcessRouter, list[Te
         assert r.status_code == 400 and r.json()["error"]["param"] == "messages"
 
 
-async def test_health_live_metrics(fleet: tuple[InProcessRouter, list[TestWorker]]) -> None:
+async def test_health_live_metrics(fleet: tuple[InProcessRouter, list[MockWorker]]) -> None:
     router, _ = fleet
     async with httpx.AsyncClient(base_url=router.url) as http:
         assert (await http.get("/live")).status_code == 200
@@ -132,27 +140,31 @@ async def test_busy_workers_are_skipped_and_all_busy_is_529(nats_url: str) -> No
     from tests.support_router.policy import publish_policy
 
     model = "busy-model"
-    a = await TestWorker(nats_url, model).start()
-    b = await TestWorker(nats_url, model).start()
+    # One sequence at a time: a long generation runs and a 5000-token prompt waits behind it
+    # (5000 active prefill tokens) for far longer than the test.
+    loadable = {"max_num_seqs": 1, "speedup_ratio": 5.0}
+    a = await start_worker(nats_url, model, mock=loadable)
+    b = await start_worker(nats_url, model, mock=loadable)
     router = await InProcessRouter(router_settings(nats_url, model)).start()
+    busy_load = ["a long generation", "q" * 5000]
 
     nc = await buskit.admin_connect(nats_url)
     try:
         await wait_for(lambda: router.runtime.scheduler.view.workers.get(model) == 2)
-        a.load = [RankLoad(active_prefill_tokens=5000)]
-        await publish_policy(nc.jetstream(), model, {"active_prefill_tokens_threshold": 1000},
-                             expected_revision=0, kind=PolicyKind.BUSY_THRESHOLD)
-        await wait_for(lambda: router.runtime.scheduler.view.applied[f"{model}|busy_threshold"].revision > 0)
-        await wait_busy(router, model, a.instance_id)  # a heartbeat carried a's load
-        async with httpx.AsyncClient(base_url=router.url) as http:
-            for _ in range(5):
-                r = await http.post("/v1/completions", json={"model": model, "prompt": "x"})
-                assert int(r.headers["x-worker-instance-id"]) == b.instance_id
-            b.load = [RankLoad(active_prefill_tokens=5000)]
-            await wait_busy(router, model, b.instance_id)
-            r = await http.post("/v1/completions", json={"model": model, "prompt": "x"})
-            assert r.status_code == 529
-            assert r.json()["error"]["code"] == "overloaded"
+        async with held(a, busy_load, max_tokens=50_000):
+            await publish_policy(nc.jetstream(), model, {"active_prefill_tokens_threshold": 1000},
+                                 expected_revision=0, kind=PolicyKind.BUSY_THRESHOLD)
+            await wait_for(lambda: router.runtime.scheduler.view.applied[f"{model}|busy_threshold"].revision > 0)
+            await wait_busy(router, model, a.instance_id)  # a heartbeat carried a's load
+            async with httpx.AsyncClient(base_url=router.url) as http:
+                for _ in range(5):
+                    r = await http.post("/v1/completions", json={"model": model, "prompt": "x"})
+                    assert int(r.headers["x-worker-instance-id"]) == b.instance_id
+                async with held(b, busy_load, max_tokens=50_000):
+                    await wait_busy(router, model, b.instance_id)
+                    r = await http.post("/v1/completions", json={"model": model, "prompt": "x"})
+                    assert r.status_code == 529
+                    assert r.json()["error"]["code"] == "overloaded"
     finally:
         await nc.close()
         await router.stop()
@@ -162,8 +174,8 @@ async def test_busy_workers_are_skipped_and_all_busy_is_529(nats_url: str) -> No
 
 async def test_connection_failure_retries_on_another_worker(nats_url: str) -> None:
     model = "retry-model"
-    a = await TestWorker(nats_url, model).start()
-    b = await TestWorker(nats_url, model).start()
+    a = await start_worker(nats_url, model)
+    b = await start_worker(nats_url, model)
     router = await InProcessRouter(router_settings(nats_url, model, mode="round_robin")).start()
     try:
         await wait_for(lambda: router.runtime.scheduler.view.workers.get(model) == 2)

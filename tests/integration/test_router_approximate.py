@@ -16,7 +16,7 @@ from controlplane.protocol.events import decode_router_status
 from controlplane.protocol.hashing import chain_hashes
 from controlplane.protocol.policy import PolicyKind
 from controlplane.protocol.subjects import BUCKET_ROUTERS
-from tests.support_router.workers import InProcessRouter, TestWorker, router_settings, wait_for
+from tests.support_router.workers import InProcessRouter, MockWorker, mock_workers, router_settings, wait_for
 
 pytestmark = pytest.mark.timeout(60)
 MODEL = "approx-model"
@@ -24,20 +24,18 @@ TTL = 1.5
 
 
 @pytest.fixture(scope="module")
-async def approx(nats_url: str) -> AsyncIterator[tuple[InProcessRouter, list[TestWorker]]]:
-    workers = [await TestWorker(nats_url, MODEL).start() for _ in range(3)]
-    router = await InProcessRouter(router_settings(
-        nats_url, MODEL, kv_events=False, approx_ttl_s=TTL, tick_s=0.1,
-    )).start()
-    await wait_for(lambda: router.runtime.scheduler.view.workers.get(MODEL) == 3)
-    yield router, workers
-    await router.stop()
-    for w in workers:
-        await w.stop()
+async def approx(nats_url: str) -> AsyncIterator[tuple[InProcessRouter, list[MockWorker]]]:
+    async with mock_workers(nats_url, MODEL, 3) as workers:
+        router = await InProcessRouter(router_settings(
+            nats_url, MODEL, kv_events=False, approx_ttl_s=TTL, tick_s=0.1,
+        )).start()
+        await wait_for(lambda: router.runtime.scheduler.view.workers.get(MODEL) == 3)
+        yield router, workers
+        await router.stop()
 
 
 async def test_startup_cache_weights_other_than_device_are_zero_and_status_says_device_only(
-    approx: tuple[InProcessRouter, list[TestWorker]], nc: NATS,
+    approx: tuple[InProcessRouter, list[MockWorker]], nc: NATS,
 ) -> None:
     router, _ = approx
     startup = router.runtime.startup[PolicyKind.SELECTION]
@@ -52,7 +50,7 @@ async def test_startup_cache_weights_other_than_device_are_zero_and_status_says_
 
 
 async def test_repeated_prompt_goes_to_the_same_worker_until_the_ttl(
-    approx: tuple[InProcessRouter, list[TestWorker]],
+    approx: tuple[InProcessRouter, list[MockWorker]],
 ) -> None:
     router, _ = approx
     sched = router.runtime.scheduler

@@ -20,7 +20,7 @@ from controlplane.protocol.subjects import BUCKET_ROUTERS, HDR_MSG_ID, acks_subj
 from router.commands import RoutingRequest, SelectWorker
 from tests import buskit
 from tests.support_router.policy import publish_policy, publish_raw
-from tests.support_router.workers import InProcessRouter, TestWorker, router_settings, wait_for
+from tests.support_router.workers import InProcessRouter, router_settings, start_worker, wait_for
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -52,7 +52,7 @@ async def _acks(nc: NATS, router_id: str) -> asyncio.Queue[Any]:
 
 async def test_patch_applied_while_200_selections_are_queued(nats_url: str, client: NATS) -> None:
     model = "queued-model"
-    workers = [await TestWorker(nats_url, model).start() for _ in range(3)]
+    workers = [await start_worker(nats_url, model) for _ in range(3)]
     # Heartbeats queue behind thousands of selections here: a long stale window keeps this test
     # about policy ordering, not worker liveness.
     # More selections than the default queue bound (RUDDER_MAX_QUEUED_SELECTIONS) are queued at once.
@@ -138,7 +138,7 @@ async def test_malformed_policy_message_is_nacked_and_router_keeps_serving(
     nats_url: str, client: NATS
 ) -> None:
     model = "malformed-model"
-    worker = await TestWorker(nats_url, model).start()
+    worker = await start_worker(nats_url, model)
     router = await InProcessRouter(router_settings(nats_url, model)).start()
     rid = router.settings.router_id
     acks = await _acks(client, rid)

@@ -9,11 +9,10 @@ from typing import Any
 import httpx
 import pytest
 
-from controlplane.protocol.events import RankLoad
 from controlplane.protocol.policy import PolicyKind
 from tests import buskit
 from tests.support_router.policy import publish_policy
-from tests.support_router.workers import InProcessRouter, TestWorker, router_settings, wait_for
+from tests.support_router.workers import InProcessRouter, MockWorker, held, mock_workers, router_settings, wait_for
 
 pytestmark = pytest.mark.timeout(60)
 MODEL = "pin-model"
@@ -23,9 +22,9 @@ U64_MAX = 18446744073709551615
 @dataclass
 class Fleet:
     router: InProcessRouter
-    a: TestWorker  # id 2^64 - 1
-    b: TestWorker
-    multi: TestWorker  # 4 dp ranks
+    a: MockWorker  # id 2^64 - 1, its bus link can be paused
+    b: MockWorker  # id 42, runs one sequence at a time (to be made busy)
+    multi: MockWorker  # id 7, 4 dp ranks
     http: httpx.AsyncClient
 
     async def post(self, body: dict[str, Any] | None = None, **kw: Any) -> httpx.Response:
@@ -36,16 +35,16 @@ class Fleet:
 
 @pytest.fixture(scope="module")
 async def fleet(nats_url: str) -> AsyncIterator[Fleet]:
-    a = await TestWorker(nats_url, MODEL, instance_id=U64_MAX).start()
-    b = await TestWorker(nats_url, MODEL, instance_id=42).start()
-    multi = await TestWorker(nats_url, MODEL, instance_id=7, dp_size=4).start()
-    router = await InProcessRouter(router_settings(nats_url, MODEL)).start()
-    await wait_for(lambda: router.runtime.scheduler.view.workers.get(MODEL) == 3)
-    async with httpx.AsyncClient(base_url=router.url) as http:
-        yield Fleet(router, a, b, multi, http)
-    await router.stop()
-    for w in (a, b, multi):
-        await w.stop()
+    async with mock_workers(nats_url, MODEL, each=[
+        {"instance_id": U64_MAX, "bus_link": True},
+        {"instance_id": 42, "mock": {"max_num_seqs": 1, "speedup_ratio": 5.0}},
+        {"instance_id": 7, "dp_size": 4},
+    ]) as (a, b, multi):
+        router = await InProcessRouter(router_settings(nats_url, MODEL)).start()
+        await wait_for(lambda: router.runtime.scheduler.view.workers.get(MODEL) == 3)
+        async with httpx.AsyncClient(base_url=router.url) as http:
+            yield Fleet(router, a, b, multi, http)
+        await router.stop()
 
 
 def _served(r: httpx.Response) -> tuple[int, int]:
@@ -143,24 +142,24 @@ async def test_pinned_busy_worker_gets_overload_status_and_is_not_rerouted(
 ) -> None:
     nc = await buskit.admin_connect(nats_url)
     try:
-        fleet.b.load = [RankLoad(active_prefill_tokens=10_000)]
-        await publish_policy(nc.jetstream(), MODEL, {"active_prefill_tokens_threshold": 1000},
-                             expected_revision=0, kind=PolicyKind.BUSY_THRESHOLD)
-        sched = fleet.router.runtime.scheduler
-        await wait_for(lambda: sched.inspect(lambda s: s._slots[MODEL][(42, 0)].busy))
-        before = len(fleet.b.requests)
-        err = _error(await fleet.post({"nvext": {"backend_instance_id": 42}}), 529)
-        assert err["code"] == "overloaded" and err["type"] == "overloaded_error"
-        assert len(fleet.b.requests) == before
-        # unpinned requests still go to the others
-        assert _served(await fleet.post())[0] != 42
+        # b runs one sequence at a time: a long generation runs, a 10000-token prompt waits.
+        async with held(fleet.b, ["a long generation", "q" * 10_000], max_tokens=50_000):
+            await publish_policy(nc.jetstream(), MODEL, {"active_prefill_tokens_threshold": 1000},
+                                 expected_revision=0, kind=PolicyKind.BUSY_THRESHOLD)
+            sched = fleet.router.runtime.scheduler
+            await wait_for(lambda: sched.inspect(lambda s: s._slots[MODEL][(42, 0)].busy))
+            before = len(fleet.b.requests)
+            err = _error(await fleet.post({"nvext": {"backend_instance_id": 42}}), 529)
+            assert err["code"] == "overloaded" and err["type"] == "overloaded_error"
+            assert len(fleet.b.requests) == before
+            # unpinned requests still go to the others
+            assert _served(await fleet.post())[0] != 42
     finally:
-        fleet.b.load = [RankLoad()]
         await nc.close()
 
 
 async def test_pinned_stale_worker_is_503(fleet: Fleet) -> None:
-    fleet.a.heartbeating = False
+    fleet.a.pause_bus()  # a's link to the bus fails: its heartbeats stop reaching it
     try:
         sched = fleet.router.runtime.scheduler
         await wait_for(lambda: sched.inspect(
@@ -168,6 +167,6 @@ async def test_pinned_stale_worker_is_503(fleet: Fleet) -> None:
         err = _error(await fleet.post({"nvext": {"decode_worker_id": U64_MAX}}), 503)
         assert "stale" in err["message"] and err["code"] == "service_unavailable"
     finally:
-        fleet.a.heartbeating = True
+        fleet.a.resume_bus()
     await wait_for(lambda: sched.inspect(
         lambda s: s.discovery.health(s.discovery.get(U64_MAX), s.clock()).value == "live"))

@@ -1,56 +1,56 @@
-"""Small real workers and routers for the router's integration tests.
+"""Real workers and routers for the router's integration tests, in the test's event loop.
 
-:class:`TestWorker` is a real process-local worker: it publishes membership join / heartbeat /
-leave and KV ``stored`` events on real NATS (the subjects and payloads of
-``controlplane.protocol``), answers ``rudder.kvdump.<id>``, and serves a tiny OpenAI-compatible
-endpoint with uvicorn on a free port. It stands in for ``worker/`` until that lands; it mocks
-nothing of NATS.
+Workers are the product's: :class:`worker.agent.Worker` with the mock engine (the worker protocol
+has one implementation). :func:`mock_workers` starts N of them, each with its own instance id and
+the credentials issued for it (``tests.buskit``); what a test reads or does to one is real:
+
+- ``requests`` / ``request_headers``: what reached the worker's HTTP API, recorded by an ASGI
+  wrapper (:class:`Recorder`) around the engine's own app. The harness serves that wrapper on the
+  port the worker advertises (:class:`FrontedMock`), so ``stop_http`` / ``start_http`` close and
+  reopen that port for real while the worker keeps heartbeating;
+- ``pause_bus`` / ``resume_bus``: with ``bus_link=True`` the worker reaches NATS through a relay
+  (:class:`BusLink`) that can hold what the worker sends, as a network fault would: its heartbeats
+  and KV events stop reaching the bus until it is resumed;
+- :func:`held`: real load, streamed requests sent straight to the engine and held open; the
+  engine's settings (speedup ratio, ``max_num_seqs``, ``max_num_batched_tokens``, KV blocks) make
+  that load what the test needs;
+- ``record``, ``dump()``, ``load()``, ``api.stats``: the agent's and the engine's own state.
+
+:class:`InProcessRouter` is a router app served by uvicorn in the same loop.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import json
 import os
-import secrets
 import socket
 import subprocess
 import sys
 import time
-from datetime import UTC, datetime
+from collections.abc import AsyncIterator, Mapping, Sequence
 from pathlib import Path
 from typing import IO, Any
+from urllib.parse import urlsplit
 
 import httpx
 import uvicorn
-from nats.aio.client import Client as NATS
-from nats.aio.msg import Msg
-from starlette.applications import Starlette
-from starlette.requests import Request
-from starlette.responses import JSONResponse, Response, StreamingResponse
-from starlette.routing import Route
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from bus.identities import Identity, IdentityKind
-from controlplane.protocol import tokenizer
-from controlplane.protocol.events import (
-    KvDumpRank,
-    KvDumpReply,
-    KvEvent,
-    KvStored,
-    MembershipEvent,
-    MembershipOp,
-    RankLoad,
-    StoredBlock,
-    WorkerRecord,
-    WorkerRole,
-)
-from controlplane.protocol.hashing import block_hashes
-from controlplane.protocol.subjects import kv_subject, kvdump_subject, membership_subject
+from controlplane.protocol.events import KvDumpRank, KvDumpReply, RankLoad, WorkerRecord
 from router.app import create_app, uvicorn_options
 from router.settings import RouterSettings, new_router_id
 from tests import buskit
 from tests.policy_keys import session_keys
+from worker.agent import Worker
+from worker.engines.base import EngineInfo, KvSink
+from worker.engines.mock.api import MockApi
+from worker.engines.mock.service import MockEngine
+from worker.engines.mock.tokenizer import BYTES
+from worker.httpserver import advertised_url
+from worker.settings import MockEngineSettings, WorkerSettings
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -92,190 +92,346 @@ async def serve_in_task(app: Any, port: int, *, lifespan: str = "on", sock: sock
     return server, task
 
 
-class TestWorker:
-    __test__ = False
+@dataclasses.dataclass(frozen=True)
+class Received:
+    """One POST as the worker's app received it (``body``: the parsed JSON, None if not JSON)."""
 
-    def __init__(
-        self, nats_url: str, model: str, *, instance_id: int | None = None, dp_size: int = 1,
-        block_size: int = 16, role: WorkerRole = WorkerRole.AGGREGATED, heartbeat_s: float = 0.2,
-        kv_total_blocks: int = 1000, max_num_batched_tokens: int = 8192,
-        tokenizer_folder: str | None = None,
-    ) -> None:
-        self.nats_url = nats_url
-        self.model = model
-        self.instance_id = instance_id or secrets.randbelow(2**63) + 1
-        self.dp_size = dp_size
-        self.block_size = block_size
-        self.role = role
-        self.heartbeat_s = heartbeat_s
-        self.kv_total_blocks = kv_total_blocks
-        self.max_num_batched_tokens = max_num_batched_tokens
-        self.port = free_port()
-        self.load: list[RankLoad] = [RankLoad(dp_rank=r) for r in range(dp_size)]
-        self.requests: list[dict[str, Any]] = []
-        self.request_headers: list[dict[str, str]] = []
-        self.stored: set[int] = set()
-        self.event_id = -1
-        self.heartbeating = True
-        self.answer_extra: dict[str, Any] = {}  # merged into non-streamed answers
-        # A Hugging Face tokenizer folder: advertised, and used as vLLM uses it.
-        self.tokenizer_folder = tokenizer_folder
-        self._hf: Any = None
-        if tokenizer_folder is not None:
-            from transformers import AutoTokenizer
+    path: str
+    headers: dict[str, str]
+    body: Any
 
-            self._hf = AutoTokenizer.from_pretrained(tokenizer_folder, local_files_only=True)
-        self.nc: NATS | None = None
-        self._hb: asyncio.Task[None] | None = None
+
+class Recorder:
+    """ASGI wrapper: records every POST, once its body has been read, then passes it on."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+        self.received: list[Received] = []
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope["method"] != "POST":
+            await self.app(scope, receive, send)
+            return
+        chunks: list[bytes] = []
+
+        async def recording() -> Message:
+            message = await receive()
+            if message["type"] == "http.request":
+                chunks.append(message.get("body", b""))
+                if not message.get("more_body", False):
+                    self._record(scope, b"".join(chunks))
+            return message
+
+        await self.app(scope, recording, send)
+
+    def _record(self, scope: Scope, raw: bytes) -> None:
+        try:
+            body = json.loads(raw)
+        except ValueError:
+            body = None
+        headers = {k.decode("latin-1"): v.decode("latin-1") for k, v in scope["headers"]}
+        self.received.append(Received(scope["path"], headers, body))
+
+
+class FrontedMock:
+    """The mock engine (an ``Engine`` for the agent) whose app the harness serves, behind a
+    :class:`Recorder`, on a port it binds itself and can close and reopen; that port is the URL
+    the worker advertises. The engine's own server stays up (``direct_url``, for :func:`held`)."""
+
+    def __init__(self, settings: WorkerSettings) -> None:
+        self.settings = settings
+        self.mock = MockEngine(settings)
+        self.recorder: Recorder | None = None
+        self.url = ""  # advertised: the front
+        self.direct_url = ""
+        self._sock: socket.socket | None = bind_socket(0)
+        self.port: int = self._sock.getsockname()[1]
         self._server: uvicorn.Server | None = None
-        self._server_task: asyncio.Task[None] | None = None
-        self.started_at = datetime.now(UTC)
+        self._task: asyncio.Task[None] | None = None
+
+    async def start(self, kv_sink: KvSink) -> EngineInfo:
+        info = await self.mock.start(kv_sink)
+        assert self.mock.api is not None
+        self.direct_url = info.url
+        self.recorder = Recorder(self.mock.api.app)
+        try:
+            await self.start_http()
+        except BaseException:
+            await self.mock.stop()
+            raise
+        s = self.settings
+        self.url = advertised_url(host=s.host, port=self.port, advertise_host=s.advertise_host)
+        return dataclasses.replace(info, url=self.url)
+
+    async def start_http(self) -> None:
+        assert self.recorder is not None and self._server is None
+        sock, self._sock = self._sock or bind_socket(self.port), None
+        self._server, self._task = await serve_in_task(self.recorder, self.port, lifespan="off", sock=sock)
+
+    async def stop_http(self) -> None:
+        if self._server is not None and self._task is not None:
+            self._server.should_exit = True
+            await self._task
+            self._server = self._task = None
+
+    async def stop(self) -> None:
+        # The front first: requests in flight there drain before the engine stops (as the
+        # engine's own server does).
+        await self.stop_http()
+        if self._sock is not None:
+            self._sock.close()
+        await self.mock.stop()
+
+    def load(self) -> list[RankLoad]:
+        return self.mock.load()
+
+    def dump(self) -> list[KvDumpRank]:
+        return self.mock.dump()
+
+    @property
+    def partial_view(self) -> bool:
+        return False
+
+
+class BusLink:
+    """A TCP relay between one worker and its NATS server (one ``nats://host:port``).
+
+    ``pause`` holds what the worker sends (the server's side still reaches it): its heartbeats and
+    KV events stop reaching the bus, as when its network fails, while it keeps running;
+    ``resume`` delivers what was held and relays again."""
+
+    def __init__(self, nats_url: str) -> None:
+        parts = urlsplit(nats_url)
+        if parts.scheme != "nats" or parts.hostname is None or parts.port is None:
+            raise ValueError(f"a bus link relays one plain nats://host:port, not {nats_url!r}")
+        self._upstream = (parts.hostname, parts.port)
+        self._open = asyncio.Event()
+        self._open.set()
+        self._server: asyncio.Server | None = None
+        self._writers: list[asyncio.StreamWriter] = []
+        self._relays: set[asyncio.Task[Any]] = set()
+
+    async def start(self) -> str:
+        """Listen; returns the URL the worker connects to."""
+        self._server = await asyncio.start_server(self._relay, "127.0.0.1", 0)
+        return f"nats://127.0.0.1:{self._server.sockets[0].getsockname()[1]}"
+
+    def pause(self) -> None:
+        self._open.clear()
+
+    def resume(self) -> None:
+        self._open.set()
+
+    async def stop(self) -> None:
+        self._open.set()
+        if self._server is not None:
+            self._server.close()
+        for writer in self._writers:
+            writer.close()
+        for task in list(self._relays):
+            task.cancel()
+        await asyncio.gather(*self._relays, return_exceptions=True)
+        if self._server is not None:
+            await self._server.wait_closed()  # (3.12+ waits for the connections closed above)
+
+    async def _relay(self, worker_r: asyncio.StreamReader, worker_w: asyncio.StreamWriter) -> None:
+        task = asyncio.current_task()
+        assert task is not None
+        self._relays.add(task)
+        self._writers.append(worker_w)
+        try:
+            server_r, server_w = await asyncio.open_connection(*self._upstream)
+            self._writers.append(server_w)
+            await asyncio.gather(self._pump(worker_r, server_w, gated=True),
+                                 self._pump(server_r, worker_w, gated=False))
+        except OSError:
+            worker_w.close()
+        finally:
+            self._relays.discard(task)
+
+    async def _pump(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, *, gated: bool) -> None:
+        try:
+            while data := await reader.read(65536):
+                if gated:
+                    await self._open.wait()
+                writer.write(data)
+                await writer.drain()
+        except OSError:
+            pass
+        finally:
+            writer.close()
+
+
+class MockWorker:
+    """One real worker (agent + mock engine) and what tests read from it or do to it."""
+
+    def __init__(self, settings: WorkerSettings, *, link: BusLink | None = None) -> None:
+        self.settings = settings
+        self.engine = FrontedMock(settings)
+        self.worker = Worker(settings, engine=self.engine)
+        self.link = link
+
+    @property
+    def instance_id(self) -> int:
+        return self.settings.instance_id
 
     @property
     def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
+        """The URL it advertises (or would: see :meth:`serve_only`)."""
+        return self.engine.url
 
+    @property
     def record(self) -> WorkerRecord:
-        return WorkerRecord(
-            instance_id=self.instance_id, model=self.model, role=self.role, url=self.url,
-            dp_size=self.dp_size, block_size=self.block_size, kv_total_blocks=self.kv_total_blocks,
-            max_num_batched_tokens=self.max_num_batched_tokens, started_at=self.started_at,
-            tokenizer=self.tokenizer_folder or tokenizer.NAME,
-        )
+        assert self.worker.record is not None, "the worker is not started"
+        return self.worker.record
 
-    async def publish_membership(self, op: MembershipOp) -> None:
-        assert self.nc is not None
-        event = MembershipEvent(op=op, worker=self.record(), load=self.load, at=datetime.now(UTC))
-        await self.nc.jetstream().publish(membership_subject(self.model, self.instance_id), event.to_bytes())
+    @property
+    def api(self) -> MockApi:
+        assert self.engine.mock.api is not None, "the worker is not started"
+        return self.engine.mock.api
 
-    async def start(self) -> TestWorker:
-        # A worker's own identity: it may publish only its own membership and KV subjects.
-        self.nc = await buskit.connect_as(
-            self.nats_url, Identity(IdentityKind.WORKER, model=self.model, instance_id=self.instance_id))
-        await self.nc.subscribe(kvdump_subject(self.instance_id), cb=self._on_dump)
-        await self.start_http()
-        await self.publish_membership(MembershipOp.JOIN)
-        self._hb = asyncio.create_task(self._heartbeats())
+    @property
+    def received(self) -> list[Received]:
+        return [] if self.engine.recorder is None else self.engine.recorder.received
+
+    @property
+    def requests(self) -> list[Any]:
+        """The bodies of the POSTs that reached the worker's advertised URL, in order."""
+        return [r.body for r in self.received]
+
+    @property
+    def request_headers(self) -> list[dict[str, str]]:
+        return [r.headers for r in self.received]
+
+    def dump(self) -> KvDumpReply:
+        """What the worker answers a ``kvdump`` request with."""
+        return self.worker.dump()
+
+    def load(self) -> list[RankLoad]:
+        """The per-rank load its next heartbeat reports."""
+        return self.engine.load()
+
+    def cached_blocks(self) -> int:
+        return sum(len(rank.blocks) for rank in self.dump().ranks)
+
+    async def start(self) -> MockWorker:
+        try:
+            await self.worker.start()
+        except BaseException:
+            if self.link is not None:
+                await self.link.stop()
+            raise
         return self
 
-    async def start_http(self) -> None:
-        app = Starlette(routes=[
-            Route("/v1/chat/completions", self._chat, methods=["POST"]),
-            Route("/v1/completions", self._completion, methods=["POST"]),
-        ])
-        self._server, self._server_task = await serve_in_task(app, self.port, lifespan="off")
+    async def serve_only(self) -> MockWorker:
+        """Start the engine and its HTTP API without the agent: a server that never announces
+        itself on the bus (its KV events go nowhere)."""
+        await self.engine.start(lambda *_: None)
+        return self
+
+    async def stop(self) -> None:
+        """Leave (through a resumed link), drain, close. Safe to call twice."""
+        if self.link is not None:
+            self.link.resume()
+        await self.worker.stop()
+        if self.link is not None:
+            await self.link.stop()
+
+    def pause_bus(self) -> None:
+        assert self.link is not None, "start the worker with bus_link=True"
+        self.link.pause()
+
+    def resume_bus(self) -> None:
+        assert self.link is not None, "start the worker with bus_link=True"
+        self.link.resume()
 
     async def stop_http(self) -> None:
-        if self._server is not None and self._server_task is not None:
-            self._server.should_exit = True
-            await self._server_task
-            self._server = None
+        """Close the advertised port (connections are refused); the worker keeps heartbeating."""
+        await self.engine.stop_http()
 
-    async def _heartbeats(self) -> None:
-        while True:
-            await asyncio.sleep(self.heartbeat_s)
-            if self.heartbeating:
-                with contextlib.suppress(Exception):
-                    await self.publish_membership(MembershipOp.HEARTBEAT)
+    async def start_http(self) -> None:
+        await self.engine.start_http()
 
-    async def stop(self, *, leave: bool = True) -> None:
-        if self._hb is not None:
-            self._hb.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._hb
-        if leave and self.nc is not None and self.nc.is_connected:
-            with contextlib.suppress(Exception):
-                await self.publish_membership(MembershipOp.LEAVE)
-        await self.stop_http()
-        if self.nc is not None:
-            await self.nc.close()
 
-    async def _on_dump(self, msg: Msg) -> None:
-        blocks = [(None, h, h) for h in sorted(self.stored)]  # parents unknown here; chain hashes suffice
-        reply = KvDumpReply(
-            instance_id=self.instance_id, last_event_id=self.event_id,
-            ranks=[KvDumpRank(dp_rank=0, blocks=blocks)],
-        )
-        await msg.respond(reply.to_bytes())
+# The engine 50 times faster than the reference timings, 16-token blocks, 3 tokens an answer
+# unless the request says otherwise.
+MOCK_DEFAULTS: dict[str, Any] = {"speedup_ratio": 50.0, "block_size": 16, "default_max_tokens": 3}
 
-    async def _cache(self, tokens: list[int], dp_rank: int) -> int:
-        """Store the prompt's blocks; publish a KV event for the new ones. Returns cached tokens."""
-        assert self.nc is not None
-        pairs = block_hashes(tokens, self.block_size)
-        hit = 0
-        for chain, _ in pairs:
-            if chain not in self.stored:
-                break
-            hit += 1
-        new = [StoredBlock(block_hash=c, tokens_hash=b) for c, b in pairs if c not in self.stored]
-        if new:
-            self.stored.update(b.block_hash for b in new)
-            self.event_id += 1
-            event = KvEvent(
-                instance_id=self.instance_id, dp_rank=dp_rank, event_id=self.event_id,
-                data=KvStored(parent_hash=None, blocks=new),
-            )
-            await self.nc.publish(kv_subject(self.model, self.instance_id), event.to_bytes())
-        return hit * self.block_size
 
-    async def _handle(self, request: Request, chat: bool) -> Response:
-        body = await request.json()
-        self.requests.append(body)
-        self.request_headers.append(dict(request.headers))
-        if self._hf is not None:
-            if chat:
-                out = self._hf.apply_chat_template(body["messages"], add_generation_prompt=True, tokenize=True)
-                tokens = list(out if isinstance(out, list) else out["input_ids"])
-            else:
-                prompt = body["prompt"]
-                tokens = list(prompt) if isinstance(prompt, list) else self._hf.encode(prompt, add_special_tokens=True)
-        elif chat:
-            tokens = tokenizer.encode_chat(body["messages"])
-        else:
-            prompt = body["prompt"]
-            tokens = list(prompt) if isinstance(prompt, list) else tokenizer.encode(prompt)
-        rank = int((body.get("nvext") or {}).get("dp_rank") or 0)
-        cached = await self._cache(tokens, rank)
-        text = f"w{self.instance_id}"
-        usage = {
-            "prompt_tokens": len(tokens), "completion_tokens": 3, "total_tokens": len(tokens) + 3,
-            "prompt_tokens_details": {"cached_tokens": cached},
-        }
-        created = int(time.time())
-        obj = "chat.completion" if chat else "text_completion"
-        if not body.get("stream"):
-            choice: dict[str, Any] = {"index": 0, "finish_reason": "stop"}
-            if chat:
-                choice["message"] = {"role": "assistant", "content": text}
-            else:
-                choice["text"] = text
-            return JSONResponse({
-                "id": "cmpl-1", "object": obj, "created": created, "model": body["model"],
-                "choices": [choice], "usage": usage, **self.answer_extra,
-            })
+def worker_settings(nats_url: str, model: str, **overrides: Any) -> WorkerSettings:
+    """A mock worker's settings for router tests: heartbeats every 0.2 s, :data:`MOCK_DEFAULTS`;
+    ``mock={...}`` overrides engine settings, other keywords ``WorkerSettings`` fields (an
+    ``instance_id`` gets credentials of its own)."""
+    mock = {**MOCK_DEFAULTS, **overrides.pop("mock", {})}
+    values: dict[str, Any] = {"heartbeat_s": 0.2, **overrides}
+    settings = buskit.worker_settings(nats_url=nats_url, model=model, mock=MockEngineSettings(**mock), **values)
+    assert isinstance(settings, WorkerSettings)
+    return settings
 
-        async def events() -> Any:
-            for i, piece in enumerate((text[:1], text[1:], "")):
-                choice: dict[str, Any] = {"index": 0, "finish_reason": "stop" if i == 2 else None}
-                if chat:
-                    choice["delta"] = {"role": "assistant", "content": piece} if i == 0 else {"content": piece}
-                else:
-                    choice["text"] = piece
-                chunk = {
-                    "id": "cmpl-1", "object": obj + ".chunk" if chat else obj, "created": created,
-                    "model": body["model"], "choices": [choice],
-                }
-                yield f"data: {json.dumps(chunk)}\n\n"
-                await asyncio.sleep(0.005)
-            yield "data: [DONE]\n\n"
 
-        return StreamingResponse(events(), media_type="text/event-stream")
+async def start_worker(nats_url: str, model: str, *, bus_link: bool = False, **overrides: Any) -> MockWorker:
+    """One started worker (joined: its membership is on the bus). ``bus_link``: through a
+    :class:`BusLink`, for ``pause_bus``."""
+    if not bus_link:
+        return await MockWorker(worker_settings(nats_url, model, **overrides)).start()
+    link = BusLink(nats_url)
+    try:
+        worker = MockWorker(worker_settings(await link.start(), model, **overrides), link=link)
+    except BaseException:
+        await link.stop()
+        raise
+    return await worker.start()
 
-    async def _chat(self, request: Request) -> Response:
-        return await self._handle(request, True)
 
-    async def _completion(self, request: Request) -> Response:
-        return await self._handle(request, False)
+@contextlib.asynccontextmanager
+async def mock_workers(nats_url: str, model: str, n: int = 1, *, each: Sequence[Mapping[str, Any]] = (),
+                       **common: Any) -> AsyncIterator[list[MockWorker]]:
+    """``n`` workers (or one per entry of ``each``, its keywords over ``common``'s, ``mock``
+    merged), started together and stopped (leaving) at the end."""
+    specs = [dict(spec) for spec in each] or [{} for _ in range(n)]
+    for spec in specs:
+        spec["mock"] = {**common.get("mock", {}), **spec.get("mock", {})}
+        for key, value in common.items():
+            spec.setdefault(key, value)
+    started = await asyncio.gather(*(start_worker(nats_url, model, **spec) for spec in specs),
+                                   return_exceptions=True)
+    workers = [w for w in started if isinstance(w, MockWorker)]
+    try:
+        for result in started:
+            if isinstance(result, BaseException):
+                raise result
+        yield workers
+    finally:
+        await asyncio.gather(*(w.stop() for w in workers))
+
+
+def mock_answer(tokens: int = MOCK_DEFAULTS["default_max_tokens"]) -> str:
+    """What the mock engine answers in ``tokens`` tokens (byte tokenizer)."""
+    return BYTES.decode([BYTES.output_token(i) for i in range(tokens)])
+
+
+def engine_idle(worker: MockWorker) -> bool:
+    return all(r.running == 0 and r.waiting == 0 for r in worker.load())
+
+
+@contextlib.asynccontextmanager
+async def held(worker: MockWorker, prompts: Sequence[str], *, max_tokens: int) -> AsyncIterator[None]:
+    """Real load on ``worker`` while the block runs: each prompt sent as a streamed completion
+    straight to its engine (not through the recorded port), in order, each queued by the engine
+    before the next is sent, and held open unread. Then the streams are closed (the engine aborts
+    them) and the engine is idle again."""
+    async with httpx.AsyncClient(base_url=worker.engine.direct_url, timeout=30) as http, \
+            contextlib.AsyncExitStack() as streams:
+        for i, prompt in enumerate(prompts):
+            resp = await streams.enter_async_context(http.stream("POST", "/v1/completions", json={
+                "prompt": prompt, "max_tokens": max_tokens, "stream": True}))
+            assert resp.status_code == 200, await resp.aread()
+            await wait_for(lambda n=i + 1: sum(r.running + r.waiting for r in worker.load()) >= n)
+        try:
+            yield
+        finally:
+            await streams.aclose()
+            await wait_for(lambda: engine_idle(worker))
 
 
 class InProcessRouter:

@@ -5,6 +5,11 @@
 ``/health``, ``/metrics`` (Prometheus text), ``POST /reset_prefix_cache`` (as vLLM's).
 The router's chosen dp rank comes in ``x-dp-rank`` or ``nvext.dp_rank``.
 
+A ``prefill`` worker asked for a remote decode (``kv_transfer_params.do_remote_decode``, as vLLM's
+disaggregated proxy asks) answers, unstreamed, with ``kv_transfer_params`` shaped as vLLM's
+NixlConnector's: the engine that holds the prompt's KV and its blocks (the mock's pool names a
+block by its chain hash), which the router hands to the decode worker.
+
 Kept lean on purpose: the router benchmark compares router-proxied and direct throughput, so
 bodies are parsed with ``json`` and stream chunks are formatted from per-request templates.
 """
@@ -23,6 +28,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+from controlplane.protocol.events import WorkerRole
 from worker.engines.mock.engine import EngineStopped, MockCore, RequestHandle, RequestRejected
 from worker.engines.mock.tokenizer import BYTES, MockTokenizer
 
@@ -114,6 +120,12 @@ def requested_dp_rank(request: Request, body: Mapping[str, Any]) -> int | None:
     if isinstance(nvext, dict) and nvext.get("dp_rank") is not None:
         return _int_field(nvext["dp_rank"], "nvext.dp_rank", minimum=0)
     return None
+
+
+def remote_decode_asked(body: Mapping[str, Any]) -> bool:
+    """The request asks this (prefill) engine to keep the prompt's KV for a remote decode."""
+    params = body.get("kv_transfer_params")
+    return isinstance(params, dict) and params.get("do_remote_decode") is True
 
 
 def _usage(handle: RequestHandle) -> dict[str, Any]:
@@ -221,6 +233,7 @@ class MockApi:
             dp_rank = requested_dp_rank(request, body)
             stream = bool(body.get("stream", False))
             options = body.get("stream_options")
+            handoff = self.core.role is WorkerRole.PREFILL and remote_decode_asked(body)
             include_usage = isinstance(options, dict) and bool(options.get("include_usage"))
             try:
                 handle = await self.core.submit(prompt, max_tokens=max_tokens, dp_rank=dp_rank)
@@ -257,10 +270,23 @@ class MockApi:
                       "logprobs": None, "finish_reason": "length"}
         else:
             choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": "length"}
-        return JSONResponse({
+        answer: dict[str, Any] = {
             "id": rid, "object": "chat.completion" if chat else "text_completion",
             "created": created, "model": self.model, "choices": [choice], "usage": _usage(handle),
-        }, headers=headers)
+        }
+        if handoff:
+            answer["kv_transfer_params"] = self.kv_transfer_params(handle)
+        return JSONResponse(answer, headers=headers)
+
+    def kv_transfer_params(self, handle: RequestHandle) -> dict[str, Any]:
+        """What this prefill engine hands the decode engine for ``handle``'s prompt: its full
+        blocks (chain hashes, parents first) and this engine's id (vLLM's NixlConnector keys)."""
+        full = handle.prompt_tokens // self.core.settings.block_size
+        return {
+            "do_remote_prefill": True, "do_remote_decode": False,
+            "remote_engine_id": str(self.instance_id),
+            "remote_block_ids": [chain for chain, _ in handle.seq.chain[:full]],
+        }
 
     async def _stream(self, handle: RequestHandle, rid: str, created: int, *, chat: bool,
                       include_usage: bool) -> AsyncIterator[str]:
