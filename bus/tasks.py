@@ -68,10 +68,22 @@ class Tasks:
         self._tasks.clear()
 
 
-async def _cancel(tasks: list[asyncio.Task[Any]]) -> None:
-    for task in tasks:
-        task.cancel()
+async def _cancel(tasks: list[asyncio.Task[Any]], *, again_s: float = 1.0) -> None:
+    """Cancel ``tasks`` and wait for them, cancelling again every ``again_s`` a task that is still
+    running: on Python 3.11 ``asyncio.wait_for`` (under nats-py's requests) can swallow a cancel
+    that arrives as its answer lands, and a loop that swallowed one would keep the stop waiting."""
+    pending = {t for t in tasks if not t.done()}
+    while pending:
+        for task in pending:
+            task.cancel()
+        _, pending = await asyncio.wait(pending, timeout=again_s)
     await asyncio.gather(*tasks, return_exceptions=True)
+
+
+def _cancelled() -> bool:
+    """The current task was asked to stop (a cancel a callee swallowed still counts)."""
+    task = asyncio.current_task()
+    return task is not None and task.cancelling() > 0
 
 
 async def every(interval: float, fn: Callable[[], Awaitable[Any]], what: str) -> None:
@@ -86,4 +98,6 @@ async def every(interval: float, fn: Callable[[], Awaitable[Any]], what: str) ->
             log.debug("%s: %s", what, exc.message)
         except Exception:
             log.exception("%s failed", what)
+        if _cancelled():
+            raise asyncio.CancelledError
         await asyncio.sleep(interval)
