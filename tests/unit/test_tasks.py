@@ -38,15 +38,17 @@ async def _swallows_one_cancel() -> None:
 async def test_close_ends_a_periodic_loop_whose_callee_swallowed_the_cancel() -> None:
     tasks = Tasks("t")
     calls = 0
+    running = asyncio.Event()
 
     async def tick() -> None:
         nonlocal calls
         calls += 1
+        if calls >= 3:
+            running.set()
         await _swallows_one_cancel()
 
     task = tasks.spawn(every(0.0, tick, "tick"), name="tick")
-    while calls < 3:
-        await asyncio.sleep(0.01)
+    await asyncio.wait_for(running.wait(), 5)
     await asyncio.wait_for(tasks.close(), 5)
     assert task.done()
 
