@@ -250,8 +250,9 @@ class WritePath:
             a.head_revision = exc.head_revision
             await self.record_rejection(ctx, a, exc)
             raise
-        except LogAmbiguous:
+        except LogAmbiguous as exc:
             log.warning("publish outcome unknown event_id=%s; left to the reconciler", a.event_id)
+            exc.facts.setdefault("event_id", str(a.event_id))  # the client may look it up later
             raise
         except LogUnavailable as exc:
             await self.record_rejection(ctx, a, exc)

@@ -228,9 +228,10 @@ def check_applies(applies: Iterable[Apply], *,
 
 
 def check_convergence(applies: Iterable[Apply], *, heads: Mapping[str, int], routers: Iterable[str],
-                      last_fault_at: float, within_s: float = 2.0) -> list[Problem]:
+                      last_fault_at: float, within_s: float = 2.0,
+                      written_at: Mapping[str, float] | None = None) -> list[Problem]:
     """Every live router applied the head of every document no later than ``within_s`` after
-    the last fault (or had applied it before)."""
+    the last fault, or after the head was written (``written_at``, per document) if later."""
     first_at: dict[tuple[str, str, int], float] = {}
     newest: dict[tuple[str, str], int] = {}
     for ap in applies:
@@ -244,7 +245,7 @@ def check_convergence(applies: Iterable[Apply], *, heads: Mapping[str, int], rou
             if at is None:
                 problems.append(Problem("not_converged", f"{router} never applied {doc}@{head} "
                                                          f"(newest applied @{newest.get((router, doc), 0)})"))
-            elif at > last_fault_at + within_s:
+            elif at > max(last_fault_at, (written_at or {}).get(doc, -math.inf)) + within_s:
                 problems.append(Problem("slow_convergence", f"{router} applied {doc}@{head} "
                                                             f"{at - last_fault_at:.2f}s after the last fault"))
     return problems
@@ -312,8 +313,11 @@ def check(h: History) -> Verdict:
     verdict.problems += check_applies(h.applies, stream=h.stream, retired_below=h.retired_below)
     if h.last_fault_at is not None and h.stream:
         heads = {doc: max(held) for doc, held in h.stream.items() if held}
+        written = {a.document: a.completed for a in h.attempts
+                   if a.completed is not None and a.new_revision == heads.get(a.document)}
         verdict.problems += check_convergence(h.applies, heads=heads, routers=h.live_routers,
-                                              last_fault_at=h.last_fault_at, within_s=h.converge_within_s)
+                                              last_fault_at=h.last_fault_at, within_s=h.converge_within_s,
+                                              written_at=written)
     verdict.problems += check_acknowledged(h.attempts, stream=h.stream, audit=h.audit,
                                            retired_below=h.retired_below)
     verdict.problems += check_audit_truth(h.audit, stream=h.stream, acked_events=h.acked_events)
