@@ -198,7 +198,12 @@ class PolicyConsumer:
         """Re-sync when ``RUDDER_POLICY`` went backwards: it was created again (its creation time
         changed) or its last sequence is below a revision this router has seen. Otherwise the
         router would skip every later revision as "already seen" (and its ordered consumers would
-        wait past the old sequence). Returns whether it re-synced."""
+        wait past the old sequence). Returns whether it re-synced.
+
+        The highest revision seen is read *before* the stream's state: a revision stored and
+        applied between the two reads is then below the last sequence read, not above it (read
+        the other way round, it looked like a revision the stream no longer had)."""
+        seen = await self.scheduler.inspect(lambda s: s.policy.max_seen())
         info = await self._stream_info()
         if info is None:
             return False
@@ -206,7 +211,6 @@ class PolicyConsumer:
             async with self._resync_lock:
                 if not self._subs:
                     await self._subscribe()
-        seen = await self.scheduler.inspect(lambda s: s.policy.max_seen())
         reason = stream_went_backwards(
             known_created=self._stream_created, created=info.created,
             last_seq=info.last_seq, max_seen=seen,
