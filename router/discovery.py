@@ -16,7 +16,9 @@ stored it (JetStream's own timestamp, so a replayed heartbeat of a dead worker i
 a live one; without one, the age is 0). ``bus_now`` is the newest ``received_at`` of an event
 delivered live (after the replay), projected forward on the monotonic clock; the router's wall
 clock is used only until the first live event, so a router clock ahead of or behind the NATS
-server does not matter once heartbeats flow. All clocks are passed in.
+server does not matter once heartbeats flow. A live event stamped more than the TTL before the
+projection means the server's clock stepped back (live deliveries come in stored order): the
+projection follows it. All clocks are passed in.
 
 While the router knows the bus cannot store (its own status write fails), :meth:`bus_unhealthy`
 holds every age: heartbeats cannot arrive, so their absence says nothing about the workers (a
@@ -111,7 +113,10 @@ class Discovery:
             return Change.LEFT
         age = 0.0
         if received_at is not None:
-            if live and (self._bus_ref is None or received_at > self.bus_now(now, wall_now)):
+            if live and (self._bus_ref is None or received_at > self.bus_now(now, wall_now)
+                         or received_at < self.bus_now(now, wall_now) - timedelta(seconds=self.ttl_s)):
+                # Newer than projected; or, delivered live yet older than the TTL: the server's
+                # clock stepped back (live deliveries come in stored order), so follow it.
                 self._bus_ref = (received_at, now)
             age = max(0.0, (self.bus_now(now, wall_now) - received_at).total_seconds())
         if age >= self.ttl_s:

@@ -59,13 +59,13 @@ def test_a_router_clock_off_the_servers_keeps_live_workers_live(skew: timedelta)
 
 
 def test_a_replayed_old_heartbeat_after_live_ones_is_aged_on_the_servers_clock() -> None:
-    """Once live heartbeats flow, a record the server stored 20 s ago (a re-delivery after a
-    consumer reset) is 20 s old whatever the router's wall clock says."""
+    """Once live heartbeats flow, a replayed record the server stored 20 s ago is 20 s old
+    whatever the router's wall clock says."""
     for skew in (timedelta(hours=-1), timedelta(hours=1)):
         d = Discovery(ttl_s=10, stale_s=3, models=frozenset({"m"}))
         _beat(d, 1, 30.0, skew)
-        assert _beat(d, 2, 30.5, skew, stored_ago=20.0) is Change.IGNORED  # older than the TTL
-        _beat(d, 3, 31.0, skew, stored_ago=5.0)
+        assert _beat(d, 2, 30.5, skew, stored_ago=20.0, live=False) is Change.IGNORED  # older than the TTL
+        _beat(d, 3, 31.0, skew, stored_ago=5.0, live=False)
         s3 = d.get(3)
         assert s3 is not None and d.health(s3, 31.0) is Health.STALE
 
@@ -115,3 +115,17 @@ def test_bus_clock_hold_is_continuous() -> None:
     assert c.heard(502.0) == 103.5
     c.hold(502.0, False)  # (no change: nothing moves)
     assert c.at(502.0) == 103.5
+
+
+def test_a_server_clock_stepped_back_is_followed() -> None:
+    """Live deliveries come in stored order: one stamped more than the TTL before the projected
+    server time means the server's clock stepped back, not a heartbeat that old."""
+    d = Discovery(ttl_s=10, stale_s=3, models=frozenset({"m"}))
+    _beat(d, 1, 0.0, timedelta(0))
+    back = timedelta(hours=-1)  # the server's clock from now on
+    for t in (1.0, 2.0, 3.0):
+        server_now = T0 + timedelta(seconds=t) + back
+        d.apply(_mem(MembershipOp.HEARTBEAT, 1), now=t, wall_now=T0 + timedelta(seconds=t),
+                received_at=server_now, live=True)
+    s = d.get(1)
+    assert s is not None and d.health(s, 3.0) is Health.LIVE
