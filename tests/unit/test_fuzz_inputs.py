@@ -76,9 +76,9 @@ from tests.unit.test_router_scheduler import Clock, _sched
 pytestmark = pytest.mark.timeout(60)
 
 NOW = datetime(2026, 6, 1, tzinfo=UTC)
-FUZZ = settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+FUZZ = settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 #: Per decoder and strategy (7 decoders x 3 strategies).
-FUZZ_DECODER = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+FUZZ_DECODER = settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
 json_values = st.recursive(
     st.none() | st.booleans() | st.integers(min_value=-(2**70), max_value=2**70)
