@@ -7,15 +7,22 @@ mapped onto it."""
 from __future__ import annotations
 
 import asyncio
+import os
+import subprocess
+import sys
 import time
+import uuid
 from datetime import datetime
+from pathlib import Path
 
 import httpx
 from nats.aio.client import Client as NATS
 
+from cli.embedded import free_port
 from controlplane.audit.records import AuditStage
 from controlplane.audit.store import AuditStore
 from controlplane.protocol.policy import PolicyKind
+from tests import buskit
 from tests.policy_keys import session_keys
 from tests.reliability.history import Answer, Apply, Attempt, Decision, History
 
@@ -103,3 +110,20 @@ async def read_back(nc: NATS, store: AuditStore, model: str, *, routers: list[st
                 h.applies.append(Apply(router, doc, int(ack["revision"]), to_mono(ack["at"])))
     h.live_routers = set(routers)
     return h
+
+
+def start_router_process(nats_url: str, model: str, log_path: Path, *,
+                         prefix: list[str] | None = None) -> tuple[subprocess.Popen[bytes], str, str]:
+    """A router as its own process (``rudder serve router``) so that it can be paused, killed or
+    run under another clock (``prefix``: e.g. ``faketime -f +1h``); returns it, its id and URL."""
+    router_id = f"r-{uuid.uuid4().hex[:10]}"
+    port = free_port()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RUDDER_")}
+    env.update({"RUDDER_NATS_URL": nats_url, "RUDDER_NATS_CREDS": str(buskit.router_creds(router_id)),
+                "RUDDER_ROUTER_ID": router_id, "RUDDER_POLICY_VERIFY_KEYS": str(session_keys().verify_path),
+                "RUDDER_HEARTBEAT_S": "0.5", "PYTHONUNBUFFERED": "1"})
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen([*(prefix or []), sys.executable, "-m", "cli.main", "serve", "router",
+                                 "--model", model, "--port", str(port)], env=env, stdout=log,
+                                stderr=subprocess.STDOUT)
+    return proc, router_id, f"http://127.0.0.1:{port}"
