@@ -6,11 +6,13 @@ out.
 
 - **admin** (one-shot jobs: ``rudder bus init``, tests that stand in for an attacker with full
   rights): everything, including stream create/update/delete. No long-running service holds it.
-- **controlplane**: publishes policy (CAS), audit checkpoints and its storage probe; reads every stream (info, direct
-  get, its own consumers, the ACK stream's durable consumer); never creates, updates, purges or
-  deletes a stream.
+- **controlplane**: publishes policy (CAS), audit checkpoints and its storage probe; reads every
+  stream (info, direct get, its own consumers, the ACK stream's durable consumer); asks routers
+  for their decision records (``rudder.decisions.*``); never creates, updates, purges or deletes
+  a stream.
 - **router ``<router_id>``**: publishes only its own ACKs and its own status key, kvdump requests;
-  creates consumers on the policy and membership streams; subscribes to KV events.
+  creates consumers on the policy and membership streams; subscribes to KV events; answers
+  requests on its own decisions subject (``rudder.decisions.<router_id>``).
 - **worker ``<model>/<instance_id>``**: publishes only its own membership and KV subjects, and
   answers requests on its own kvdump subject.
 
@@ -29,6 +31,7 @@ from controlplane.protocol.subjects import (
     ACKS_PREFIX,
     AUDIT_PREFIX,
     BUCKET_ROUTERS,
+    DECISIONS_PREFIX,
     KV_PREFIX,
     KVDUMP_PREFIX,
     POLICY_PREFIX,
@@ -37,6 +40,7 @@ from controlplane.protocol.subjects import (
     STREAM_AUDIT_CHECKPOINTS,
     STREAM_MEMBERSHIP,
     STREAM_POLICY,
+    decisions_subject,
     kv_subject,
     kvdump_subject,
     membership_subject,
@@ -104,8 +108,8 @@ def permissions(identity: Identity) -> Permissions:
     if kind is IdentityKind.ADMIN:
         return Permissions(publish=(">",), subscribe=(">",))
     if kind is IdentityKind.CONTROLPLANE:
-        pub = [f"{POLICY_PREFIX}.>", f"{AUDIT_PREFIX}.>", PROBE_CONTROLPLANE, "$JS.API.INFO",
-               "$JS.API.STREAM.NAMES"]
+        pub = [f"{POLICY_PREFIX}.>", f"{AUDIT_PREFIX}.>", PROBE_CONTROLPLANE, f"{DECISIONS_PREFIX}.*",
+               "$JS.API.INFO", "$JS.API.STREAM.NAMES"]
         for stream in (STREAM_POLICY, STREAM_MEMBERSHIP, STREAM_ACKS, KV_STREAM_ROUTERS,
                        STREAM_AUDIT_CHECKPOINTS):
             pub += _js_read(stream, consumers=True)
@@ -124,7 +128,9 @@ def permissions(identity: Identity) -> Permissions:
             f"$JS.API.STREAM.INFO.{KV_STREAM_ROUTERS}",
             f"$JS.API.DIRECT.GET.{KV_STREAM_ROUTERS}.$KV.{BUCKET_ROUTERS}.{identity.router_id}",
         ]
-        return Permissions(publish=tuple(pub), subscribe=(inbox, f"{KV_PREFIX}.>"))
+        return Permissions(publish=tuple(pub),
+                           subscribe=(inbox, f"{KV_PREFIX}.>", decisions_subject(identity.router_id)),
+                           responses=True)
     assert identity.model is not None and identity.instance_id is not None
     pub = [
         membership_subject(identity.model, identity.instance_id),

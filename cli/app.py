@@ -14,7 +14,7 @@ from cli.client import AdminClient
 from cli.config import Settings
 from cli.errors import CliError
 from cli.output import report_error
-from cli.params import PairError, Value, parse_names, parse_pairs
+from cli.params import PairError, Parameters, parse_names, parse_parameters
 
 JSON_HELP = "Print only JSON on stdout (for scripts)."
 
@@ -87,10 +87,11 @@ def client() -> AdminClient:
     return AdminClient(settings())
 
 
-def pairs(values: list[str], param_hint: str = "NAME=VALUE") -> dict[str, Value]:
-    """Parse ``name=value`` arguments; a bad pair is a usage error (exit 2) naming the pair."""
+def parameters(values: list[str], param_hint: str = "NAME=VALUE") -> Parameters:
+    """Parse ``name=value`` arguments into a write's parameters; a bad pair is a usage error
+    (exit 2) naming the pair."""
     try:
-        return parse_pairs(values)
+        return parse_parameters(values)
     except PairError as exc:
         raise typer.BadParameter(str(exc), param_hint=param_hint) from None
 

@@ -7,7 +7,7 @@ from typing import Annotated
 
 import typer
 
-from cli import admin, audit, bus, fleet, keys, policy, serve, threshold, up
+from cli import admin, audit, bus, explain, fleet, keys, policy, serve, threshold, up
 from cli.app import JSON_HELP, RudderGroup, use_settings
 from cli.config import DEFAULT_SERVER, resolve
 from cli.errors import EXIT_CODES_HELP
@@ -74,6 +74,7 @@ app.add_typer(keys.app, name="keys")
 app.add_typer(serve.app, name="serve")
 app.command("up")(up.up)
 app.command("status")(up.status)
+app.command("explain")(explain.explain)
 
 
 def main() -> None:

@@ -1,4 +1,5 @@
-"""Parsing of ``name=value`` pairs on the command line (pure).
+"""Parsing of ``name=value`` pairs on the command line (pure): a write's ``parameters``, the
+patch that goes by that one name from here to the write path (``{name: value | None}``).
 
 Values are JSON numbers (``0.8``, ``3``, ``1e-3``) or ``null``. Anything else (strings, ``NaN``,
 ``Infinity``, booleans) is a usage error naming the pair: the server would refuse it anyway, and
@@ -13,6 +14,7 @@ import re
 from datetime import UTC, datetime, timedelta
 
 Value = int | float | None
+Parameters = dict[str, Value]
 
 _NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 
@@ -53,9 +55,10 @@ def parse_pair(pair: str) -> tuple[str, Value]:
     return name, parse_value(pair, raw)
 
 
-def parse_pairs(pairs: list[str]) -> dict[str, Value]:
-    """Parse every pair; a name given twice is an error (which one wins would be a guess)."""
-    out: dict[str, Value] = {}
+def parse_parameters(pairs: list[str]) -> Parameters:
+    """Parse every pair into the parameters of a write; a name given twice is an error (which one
+    wins would be a guess)."""
+    out: Parameters = {}
     for pair in pairs:
         name, value = parse_pair(pair)
         if name in out:

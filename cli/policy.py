@@ -7,15 +7,27 @@ gets in between.
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
 from typing import Annotated, Any
 
 import typer
 
 from cli import app as shared
+from cli import policyset
 from cli.client import AdminClient
 from cli.errors import CliError, ExitCode
-from cli.output import fmt_time, fmt_value, print_json, say, show, table
+from cli.output import fmt_time, fmt_value, print_json, say, show, table, to_json
 from controlplane.protocol.policy import PolicyKind, diff_documents
+from controlplane.protocol.policyfile import (
+    PlanStep,
+    drifted,
+    json_schema,
+    moved,
+    plan,
+)
+from controlplane.protocol.policyfile import export as export_file
+from controlplane.protocol.policyfile import revision_file as revisions_of
 
 app = shared.new_app("Read and change routing policy documents (revisioned, compare-and-set).")
 
@@ -161,7 +173,7 @@ def get(
 @app.command("set")
 def set_(
     model: Model,
-    assignments: Annotated[
+    parameters: Annotated[
         list[str], typer.Argument(help="name=value pairs; value is a JSON number or null.")
     ],
     kind: KindOpt = PolicyKind.SELECTION,
@@ -170,13 +182,11 @@ def set_(
     dry_run: DryRunOpt = False,
 ) -> None:
     """Set overrides: `rudder policy set MODEL overlap_score_credit=0.5 --revision 7`."""
-    changes = shared.pairs(assignments)
+    body: dict[str, Any] = {"model": model, "kind": kind.value,
+                            "parameters": shared.parameters(parameters), "dry_run": dry_run}
     with shared.client() as api:
-        expected = expected_revision(api, model, kind, revision, latest)
-        result = api.patch("/router_policy", {
-            "model": model, "kind": kind.value, "expected_revision": expected,
-            "parameters": changes, "dry_run": dry_run,
-        })
+        body["expected_revision"] = expected_revision(api, model, kind, revision, latest)
+        result = api.patch("/router_policy", body)
     _print_write(result)
 
 
@@ -252,16 +262,30 @@ def history(
 
 @app.command("diff")
 def diff(
-    model: Model,
+    model: Annotated[str | None, typer.Argument(help="Model name (with --from).")] = None,
     from_revision: Annotated[
-        int, typer.Option("--from", min=0, help="Older revision (0 = before the first write).")
-    ],
+        int | None, typer.Option("--from", min=0, help="Older revision (0 = before the first write).")
+    ] = None,
     to_revision: Annotated[
         int | None, typer.Option("--to", min=0, help="Newer revision (default: the head).")
     ] = None,
     kind: KindOpt = PolicyKind.SELECTION,
+    file: Annotated[Path | None, typer.Option(
+        "--file", "-f", help="A policy file or folder: exit 1 when the live state has drifted from it.")] = None,
 ) -> None:
-    """What changed between two revisions of a document (from its history)."""
+    """What changed between two revisions of a document (MODEL --from N), or how the live state
+    differs from a policy file (-f FILE: exit 1 on drift, for CI)."""
+    if file is not None:
+        if model is not None or from_revision is not None or to_revision is not None:
+            raise typer.BadParameter("give -f FILE, or MODEL --from N, not both", param_hint="--file")
+        _drift(file)
+        return
+    if model is None or from_revision is None:
+        raise typer.BadParameter("give MODEL --from N (revisions) or -f FILE (drift)", param_hint="MODEL")
+    _revision_diff(model, from_revision, to_revision, kind)
+
+
+def _revision_diff(model: str, from_revision: int, to_revision: int | None, kind: PolicyKind) -> None:
     with shared.client() as api:
         revs = history_of(api, model, kind, limit=1000)
     by_rev = {int(r["revision"]): r.get("document") or {} for r in revs if "revision" in r}
@@ -309,3 +333,123 @@ def rollback(
             "expected_revision": expected, "dry_run": dry_run,
         })
     _print_write(result)
+
+
+# ---- policy as code (docs/operator-guide.md, "Policy as code") --------------------------------
+
+FileOpt = Annotated[Path, typer.Option(
+    "--file", "-f", help="A policy file (YAML or JSON) or a folder of them.")]
+
+
+def _drift(file: Path) -> None:
+    desired = policyset.read_policy_set(file)
+    with shared.client() as api:
+        steps = plan(desired, policyset.live_heads(api))
+    changed = drifted(steps)
+    if shared.json_mode():
+        print_json({"drifted": bool(changed), "plan": policyset.as_json(steps)})
+    else:
+        policyset.print_plan(steps, title="drift" if changed else "in sync")
+    if changed:
+        raise CliError(ExitCode.ERROR, f"{len(changed)} document(s) differ from {file}: "
+                       + ", ".join(str(s.key) for s in changed))
+
+
+@app.command("apply")
+def apply(
+    file: FileOpt,
+    dry_run: Annotated[bool, typer.Option("--dry-run", help="Show the plan only; write nothing.")] = False,
+    revision_file: Annotated[Path | None, typer.Option(
+        "--revision-file", help="With --dry-run: write the head revisions the plan was shown against. "
+        "Without: apply only if every document is still at those revisions (else exit 3).")] = None,
+) -> None:
+    """Bring the documents a policy file names to exactly its overrides: show the plan (each
+    document's diff against its head, or "no change"), then write each change with
+    compare-and-set on the head it was planned against. If any document moved since the plan
+    was shown, nothing is applied (exit 3)."""
+    desired = policyset.read_policy_set(file)
+    expected = policyset.read_revision_file(revision_file) if revision_file and not dry_run else None
+    with shared.client() as api:
+        steps = plan(desired, policyset.live_heads(api))
+        if dry_run:
+            if revision_file is not None:
+                revision_file.write_text(policyset.dump_yaml(revisions_of(steps)), encoding="utf-8")
+            _print_plan_result(steps, [], dry_run=True)
+            return
+        planned = {s.key: s.revision for s in steps}
+        if expected is not None:
+            # The dry run's plan, or nothing: same documents, same heads, same file.
+            policyset.check_revisions(steps, expected, str(revision_file))
+            planned = {k: expected.revisions[k] for k in planned}
+            gone = moved(planned, {s.key: s.revision for s in steps})
+            if gone:
+                raise policyset.conflict(gone)
+            policyset.check_digest(steps, expected, str(revision_file))
+        if not shared.json_mode():
+            policyset.print_plan(steps)
+        # The heads again, right before writing: every document must still be where the plan
+        # shown was computed, or nothing is written.
+        gone = moved(planned, {k: v.revision for k, v in policyset.live_heads(api).items()})
+        if gone:
+            raise policyset.conflict(gone)
+        applied: list[dict[str, Any]] = []
+        for step in steps:
+            body = step.patch_body()
+            if body is None:
+                continue
+            try:
+                applied.append(api.patch("/router_policy", body))
+            except CliError as err:
+                # Documents are separate compare-and-set subjects: say which ones were written.
+                err.message = f"{step.key}: {err.message}"
+                if applied:
+                    err.message += (" (applied before it: "
+                                    + ", ".join(f"{a.get('model')} {a.get('kind')} r{a.get('revision')}"
+                                                for a in applied) + "; fix and run apply again)")
+                    err.body = {**err.body, "applied": applied}
+                raise
+    _print_plan_result(steps, applied, dry_run=False)
+
+
+def _print_plan_result(steps: list[PlanStep], applied: list[dict[str, Any]], *, dry_run: bool) -> None:
+    if shared.json_mode():
+        print_json({"dry_run": dry_run, "plan": policyset.as_json(steps), "applied": applied})
+        return
+    if dry_run:
+        policyset.print_plan(steps)
+        say("dry run: nothing applied")
+        return
+    if not applied:
+        say("nothing to apply: every document matches the file")
+    for a in applied:
+        say(f"applied: {a.get('model')} {a.get('kind')} revision {a.get('previous_revision')} → "
+            f"{a.get('revision')} (event {a.get('event_id')})")
+
+
+@app.command("export")
+def export(
+    output: Annotated[Path | None, typer.Option(
+        "--output", "-o", help="Write to this file (default: stdout).")] = None,
+    model: Annotated[str | None, typer.Option("--model", "-m", help="Only this model.")] = None,
+) -> None:
+    """Write the live policy as a policy file (YAML; JSON with --json): every document that
+    exists, with its overrides. `rudder policy apply -f` of it changes nothing."""
+    with shared.client() as api:
+        heads = policyset.live_heads(api)
+    data = export_file({k: v for k, v in heads.items() if model is None or k.model == model})
+    text = to_json(data) + "\n" if shared.json_mode() else policyset.dump_yaml(data)
+    if output is None:
+        sys.stdout.write(text)
+        return
+    output.write_text(text, encoding="utf-8")
+    count = sum(len(d) for d in data["models"].values())
+    if shared.json_mode():
+        print_json({"output": str(output), "documents": count})
+    else:
+        say(f"wrote {count} document(s) to {output}")
+
+
+@app.command("schema")
+def schema() -> None:
+    """Print the JSON Schema of a policy file (for editors and CI linters)."""
+    print_json(json_schema())

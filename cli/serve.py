@@ -7,7 +7,6 @@ does) and hands over to the package's blocking ``run(settings)``.
 
 from __future__ import annotations
 
-import logging
 from typing import Annotated, Any
 
 import typer
@@ -15,6 +14,7 @@ import typer
 from cli import app as shared
 from cli.errors import CliError, ExitCode
 from cli.loader import load
+from controlplane.telemetry.logs import configure_logging
 
 app = shared.new_app("Run a control plane, router or worker in the foreground.")
 
@@ -22,10 +22,10 @@ app = shared.new_app("Run a control plane, router or worker in the foreground.")
 def _configure_logging(level: str) -> None:
     """Logging, and the event loop every served process runs on: uvloop when installed
     (``uvicorn[standard]`` brings it), since each package's ``run`` uses ``asyncio.run``."""
-    logging.basicConfig(
-        level=level.upper(),
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-    )
+    try:
+        configure_logging(level)
+    except ValueError as exc:
+        raise CliError(ExitCode.USAGE, str(exc)) from exc
     try:
         import asyncio
 

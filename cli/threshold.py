@@ -48,7 +48,7 @@ def get(model: Model) -> None:
 @app.command("set")
 def set_(
     model: Model,
-    assignments: Annotated[
+    parameters: Annotated[
         list[str],
         typer.Argument(help="name=value, e.g. active_decode_blocks_threshold=0.8."),
     ],
@@ -58,7 +58,8 @@ def set_(
     revision: RevisionOpt = None,
 ) -> None:
     """Set thresholds; thresholds not named keep their value."""
-    body: dict[str, Any] = {"model": model, **shared.pairs(assignments)}
+    # The compatible API takes the parameters as top-level fields.
+    body: dict[str, Any] = {"model": model, **shared.parameters(parameters)}
     if create:
         body["create"] = True
     if revision is not None:

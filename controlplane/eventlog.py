@@ -29,6 +29,7 @@ from controlplane.protocol.subjects import (
     parse_policy_subject,
     policy_subject,
 )
+from controlplane.telemetry import traces
 
 log = logging.getLogger(__name__)
 
@@ -92,7 +93,7 @@ class PolicyLog:
         payload = event.to_bytes()
         result = await self.bus.publish_cas(
             STREAM_POLICY, subject, payload, expected_seq=event.expected_revision,
-            msg_id=str(event.event_id), headers=self.signer.sign(subject, payload))
+            msg_id=str(event.event_id), headers=_traced(self.signer.sign(subject, payload)))
         return PublishResult(revision=result.seq, recovered=result.recovered)
 
     async def find(self, model: str, kind: PolicyKind, event_id: uuid.UUID) -> StoredEvent | None:
@@ -128,3 +129,11 @@ class PolicyLog:
             except (ValueError, InvalidRequest):
                 log.warning("ignoring foreign subject %s on %s", subject, STREAM_POLICY)
         return out
+
+
+def _traced(headers: dict[str, str]) -> dict[str, str]:
+    """A policy message's headers, with the current span's ``traceparent`` when tracing is on
+    (a header beside the signature, outside the signed payload: controlplane.telemetry.traces)."""
+    if traces.enabled():
+        traces.inject(headers)
+    return headers

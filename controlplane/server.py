@@ -7,7 +7,7 @@ import asyncio
 import contextlib
 import logging
 import os
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
 import uvicorn
@@ -22,6 +22,7 @@ from controlplane.api import build_app
 from controlplane.audit.store import AuditStore
 from controlplane.auth import AuthFailureLimiter, TokenStore, failure_entry
 from controlplane.checkpoints import Checkpointer, CheckpointLog
+from controlplane.decisions import DecisionQueries
 from controlplane.eventlog import PolicyLog
 from controlplane.failpoints import Failpoints
 from controlplane.fleet import FleetView
@@ -31,6 +32,8 @@ from controlplane.protocol.subjects import PROBE_CONTROLPLANE
 from controlplane.queries import Queries
 from controlplane.reconcile import Reconciler
 from controlplane.settings import ControlPlaneSettings
+from controlplane.telemetry import traces
+from controlplane.telemetry.logs import configure_logging
 from controlplane.writepath import WritePath
 
 log = logging.getLogger(__name__)
@@ -47,6 +50,8 @@ class ControlPlane:
         self.auth_failures = AuthFailureLimiter(
             limit=settings.auth_failure_limit, window_s=settings.auth_failure_window_s,
             max_sources=settings.auth_failure_max_sources)
+        #: Told each audit append's duration and outcome (the admin API's metrics set it).
+        self.on_audit_append: Callable[[float, bool], None] | None = None
 
     async def start(self) -> None:
         s = self.settings
@@ -60,6 +65,7 @@ class ControlPlane:
         await self._ensure_streams()
         self.audit = AuditStore.from_url(s.database_url.get_secret_value())
         await self._check_database_role()
+        self.audit.on_append = self.on_audit_append
         self.tokens = TokenStore(self.audit.engine)
         self.checkpoints = self._checkpoint_log()
         self.checkpointer: Checkpointer | None = None
@@ -78,6 +84,7 @@ class ControlPlane:
         self.writes = WritePath(self.log, self.audit, self.fleet,
                                 busy_threshold_retries=s.busy_threshold_retries, failpoints=self.failpoints)
         self.queries = Queries(self.log, self.fleet)
+        self.decisions = DecisionQueries(self.bus, self.fleet)
         self.reconciler = Reconciler(self.log, self.audit, grace_s=s.reconcile_grace_s)
         self.tasks.spawn(self.reconciler.run_periodically(s.reconcile_interval_s), name="reconciler")
         auth_interval = min(s.auth_failure_window_s / 4, 5.0)
@@ -305,14 +312,14 @@ async def serving(settings: ControlPlaneSettings, *, failpoints: Failpoints | No
 async def serve(settings: ControlPlaneSettings) -> None:
     config = uvicorn.Config(create_app(settings), host=settings.admin_host, port=settings.admin_port,
                             log_level=settings.log_level.lower(), lifespan="on", access_log=False,
-                            timeout_graceful_shutdown=10)
+                            timeout_graceful_shutdown=10, log_config=None)  # the process's one log setup
     await uvicorn.Server(config).serve()
 
 
 def run(settings: ControlPlaneSettings | None = None) -> None:
     settings = settings or ControlPlaneSettings()
-    logging.basicConfig(level=settings.log_level.upper(),
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    configure_logging(settings.log_level)
+    traces.setup_tracing("rudder-controlplane")
     asyncio.run(serve(settings))
 
 

@@ -1,5 +1,11 @@
-"""The control plane's write path (DESIGN §4): authenticate, validate, read the head, check
+"""The control plane's write path (DESIGN §4): authorize, validate, read the head, check
 capabilities, record "received", publish with compare-and-set, record the decision.
+
+Every write's logic is here, none in the HTTP routes. The edge hands over who is asking
+(:class:`RequestContext`: the principal, or the authentication error to record) and the body as
+read (:class:`Body`: the JSON, or why it could not be read); this module decides, once, whether
+the caller may write (answered first, whatever the body), then checks the body against the
+write's model (controlplane/protocol/requests.py), and records every refusal.
 
 Fail closed: if the audit store cannot record, nothing is published and the answer is 503.
 
@@ -22,10 +28,10 @@ import asyncio
 import logging
 import random
 import uuid
-from collections.abc import Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime
-from typing import Any
+from typing import Any, TypeVar
 
 from controlplane.audit.records import AuditEntry, AuditStage, Decision
 from controlplane.audit.store import AuditStore
@@ -38,28 +44,31 @@ from controlplane.protocol.errors import (
     CapabilityMismatch,
     DecisionUnrecorded,
     Forbidden,
-    InvalidRequest,
     LogAmbiguous,
     LogUnavailable,
     NotFound,
     RevisionConflict,
     RudderError,
-    ValidationFailed,
 )
 from controlplane.protocol.events import PolicyEvent
 from controlplane.protocol.policy import (
+    THRESHOLD_PARAMETERS,
     Document,
     PolicyKind,
     PolicyOp,
     apply_patch,
     diff_documents,
     merge_thresholds,
-    parse_kind,
-    require_revision,
-    validate_changes,
-    validate_unset,
 )
-from controlplane.protocol.subjects import encode_model_key
+from controlplane.protocol.requests import (
+    CalibrationReset,
+    PolicyPatch,
+    PolicyRollback,
+    ThresholdsUpdate,
+    WriteRequest,
+    parse,
+)
+from controlplane.telemetry import traces
 
 log = logging.getLogger(__name__)
 
@@ -84,6 +93,31 @@ class RequestContext:
     def roles(self) -> list[str]:
         return [self.principal.role.value] if self.principal else []
 
+    def authorize(self, action: Action) -> Principal:
+        """The principal, if it may ``action``. Raises the authentication error decided at the edge
+        (401), or Forbidden (403)."""
+        if self.auth_error is not None:
+            raise self.auth_error
+        if self.principal is None or not self.principal.can(action):
+            role = self.principal.role.value if self.principal else "none"
+            raise Forbidden(f"role {role} may not {action.value}", required=action.value)
+        return self.principal
+
+
+@dataclass(frozen=True, kw_only=True)
+class Body:
+    """A write's body as the edge read it: its decoded JSON, or why it could not be read
+    (``error``: 415, 413, not JSON). Nothing in it is checked yet: the write path first decides
+    whether the caller may write, then checks the body against the write's model, and records
+    every refusal."""
+
+    json: Any = None
+    error: RudderError | None = None
+
+    def field(self, name: str) -> Any:
+        """The raw value of a top-level field (``None`` if absent, or if the body is no object)."""
+        return self.json.get(name) if isinstance(self.json, Mapping) else None
+
 
 @dataclass(kw_only=True)
 class Attempt:
@@ -102,6 +136,15 @@ class Attempt:
     dry_run: bool = False
     # Set when the head it replaces is malformed: that head's decode error.
     replaces_malformed: str | None = None
+
+    def note(self, name: str, value: Any) -> None:
+        """A request field that passed its check: a refusal after it is recorded with it."""
+        if name in _NOTED:
+            setattr(self, name, value)
+
+
+#: The request fields an attempt records as soon as they are checked.
+_NOTED = frozenset({"model", "kind", "expected_revision", "dry_run"})
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -131,34 +174,7 @@ class WriteResult:
 
 
 # ---------------------------------------------------------------------------------------------
-# Request parsing (pure)
-
-
-def _obj(body: Any) -> Mapping[str, Any]:
-    if not isinstance(body, Mapping):
-        raise InvalidRequest("request body must be a JSON object", field="body")
-    return body
-
-
-def _check_keys(body: Mapping[str, Any], allowed: set[str]) -> None:
-    for key in body:
-        if key not in allowed:
-            raise ValidationFailed(f"unknown field {key!r}; allowed: {', '.join(sorted(allowed))}", field=key)
-
-
-def _model(body: Mapping[str, Any]) -> str:
-    model = body.get("model")
-    if not isinstance(model, str) or not model.strip():
-        raise InvalidRequest("model is required and must be a non-empty string", field="model")
-    encode_model_key(model)  # raises for an unusable name
-    return model
-
-
-def _bool(body: Mapping[str, Any], name: str) -> bool:
-    value = body.get(name, False)
-    if not isinstance(value, bool):
-        raise InvalidRequest(f"{name} must be true or false", field=name)
-    return value
+# Steps (pure)
 
 
 def _require_head(a: Attempt) -> None:
@@ -183,8 +199,38 @@ def _hint(a: Attempt, body: Any) -> None:
         a.kind = PolicyKind(body.get("kind", "selection"))
 
 
-THRESHOLD_FIELDS = {"active_decode_blocks_threshold", "active_prefill_tokens_threshold",
-                    "active_prefill_tokens_threshold_frac"}
+THRESHOLD_FIELDS = tuple(THRESHOLD_PARAMETERS)
+
+
+def asks_nothing(body: Body) -> bool:
+    """A threshold body that names no threshold and nothing to unset: the compatible API's read."""
+    return (isinstance(body.json, Mapping) and all(body.field(k) is None for k in THRESHOLD_FIELDS)
+            and not body.field("unset"))
+
+
+def _threshold_changes(parameters: Mapping[str, Any], unset: list[str]) -> dict[str, Any]:
+    """What a threshold write records as its changes: the values it sets, None for each unset."""
+    changes = {k: v for k, v in parameters.items() if v is not None}
+    changes.update({name: None for name in unset})
+    return changes
+
+
+def _threshold_notes(a: Attempt) -> Callable[[str, Any], None]:
+    """Note a threshold body's fields as they pass; once ``create`` has (every field but the
+    expected revision), the attempt's changes are known and recorded with a later refusal."""
+    seen: dict[str, Any] = {}
+
+    def note(name: str, value: Any) -> None:
+        a.note(name, value)
+        seen[name] = value
+        if name == "create":
+            a.changes = _threshold_changes({k: seen[k] for k in THRESHOLD_FIELDS}, seen["unset"])
+
+    return note
+
+
+R = TypeVar("R", bound=WriteRequest)
+T = TypeVar("T")
 
 
 class WritePath:
@@ -217,10 +263,11 @@ class WritePath:
 
     async def record_rejection(self, ctx: RequestContext, a: Attempt, error: RudderError) -> None:
         """Record a refused attempt. If that fails, the caller gets 503 instead of ``error``."""
-        await self.audit.append(self._entry(
-            ctx, a, stage=AuditStage.DECISION, decision=Decision.REJECTED,
-            reason_code=error.code, reason=error.message,
-        ))
+        with traces.step("decision", **{"rudder.decision": "rejected", "rudder.reason_code": error.code}):
+            await self.audit.append(self._entry(
+                ctx, a, stage=AuditStage.DECISION, decision=Decision.REJECTED,
+                reason_code=error.code, reason=error.message,
+            ))
         log.info("rejected request_id=%s model=%s kind=%s code=%s: %s", ctx.request_id, a.model,
                  a.kind, error.code, error.message)
 
@@ -232,20 +279,39 @@ class WritePath:
             return exc
         return error
 
-    def _authorize(self, ctx: RequestContext, action: Action) -> None:
-        if ctx.auth_error is not None:
-            raise ctx.auth_error
-        if ctx.principal is None or not ctx.principal.can(action):
-            role = ctx.principal.role.value if ctx.principal else "none"
-            raise Forbidden(f"role {role} may not {action.value}", required=action.value)
+    async def _refused(self, ctx: RequestContext, a: Attempt, step: Callable[[], Awaitable[T]]) -> T:
+        """Run steps 1-4: a refusal is recorded, and raised (503 instead if it could not be)."""
+        try:
+            return await step()
+        except AuditUnavailable:
+            raise
+        except RudderError as exc:
+            raise await self.refusal(ctx, a, exc) from exc
+
+    @staticmethod
+    def _admit(ctx: RequestContext, a: Attempt, body: Body, request: type[R],
+               note: Callable[[str, Any], None] | None = None) -> R:
+        """Steps 1-2: whether the caller may write (answered first, whatever the body), then the
+        body, checked against the write's model; every field that passes is noted in ``a``
+        (by ``note``, if given)."""
+        with traces.step("validate"):
+            _hint(a, body.json)
+            ctx.authorize(Action.WRITE_POLICY)
+            if body.error is not None:
+                raise body.error
+            return parse(request, body.json, note=note or a.note)
 
     # ---- the commit (steps 5-7) ----------------------------------------------------------
 
     async def _commit(self, ctx: RequestContext, a: Attempt, event: PolicyEvent) -> tuple[int, bool]:
-        await self.audit.append(self._entry(ctx, a, stage=AuditStage.RECEIVED, decision=Decision.PENDING))
+        with traces.step("audit received", **{"rudder.event_id": str(a.event_id)}):
+            await self.audit.append(self._entry(ctx, a, stage=AuditStage.RECEIVED, decision=Decision.PENDING))
         self.failpoints.hit("after_received")
         try:
-            result = await self.log.publish(event)
+            with traces.step("publish", **{"rudder.expected_revision": a.expected_revision}) as span:
+                result = await self.log.publish(event)  # the bus message carries this span's traceparent
+                if span is not None:
+                    span.set_attribute("rudder.revision", result.revision)
         except RevisionConflict as exc:
             a.head_revision = exc.head_revision
             await self.record_rejection(ctx, a, exc)
@@ -266,10 +332,11 @@ class WritePath:
             reason = (f"replaced malformed head revision {a.head_revision}: "
                       f"{a.replaces_malformed}")[:2000]
         try:
-            await self.audit.append(self._entry(
-                ctx, a, stage=AuditStage.DECISION, decision=Decision.ACCEPTED,
-                reason_code=code, reason=reason, new_revision=result.revision,
-            ))
+            with traces.step("decision", **{"rudder.decision": "accepted", "rudder.revision": result.revision}):
+                await self.audit.append(self._entry(
+                    ctx, a, stage=AuditStage.DECISION, decision=Decision.ACCEPTED,
+                    reason_code=code, reason=reason, new_revision=result.revision,
+                ))
         except AuditUnavailable as exc:
             log.error("published event_id=%s as revision %d of %s/%s but its decision could not be "
                       "recorded; left to the reconciler", a.event_id, result.revision, a.model, a.kind)
@@ -278,7 +345,8 @@ class WritePath:
                 "(the change is live; the reconciler will record it)", retry_after=exc.retry_after,
                 new_revision=result.revision, event_id=str(a.event_id)) from exc
         log.info("accepted request_id=%s event_id=%s model=%s kind=%s revision=%d actor=%s",
-                 ctx.request_id, a.event_id, a.model, a.kind, result.revision, ctx.actor)
+                 ctx.request_id, a.event_id, a.model, a.kind, result.revision, ctx.actor,
+                 extra={"revision": result.revision, "model": a.model})
         return result.revision, result.recovered
 
     def _event(self, ctx: RequestContext, a: Attempt) -> PolicyEvent:
@@ -293,7 +361,10 @@ class WritePath:
 
     async def _head(self, a: Attempt) -> Document:
         assert a.model is not None and a.kind is not None
-        head = await self.log.head(a.model, a.kind)
+        with traces.step("head", **{"rudder.model": a.model, "rudder.kind": a.kind.value}) as span:
+            head = await self.log.head(a.model, a.kind)
+            if span is not None:
+                span.set_attribute("rudder.head_revision", head.revision if head else 0)
         a.head_revision = head.revision if head else 0
         if head is not None and head.event is None:
             # The newest message is not a valid event (written around the control plane). Never
@@ -323,14 +394,9 @@ class WritePath:
                 weights=weights, routers=routers,
             )
 
-    async def _run(self, ctx: RequestContext, a: Attempt, prepare: Any) -> WriteResult:
+    async def _run(self, ctx: RequestContext, a: Attempt, prepare: Callable[[], Awaitable[None]]) -> WriteResult:
         """Steps 1-4 in ``prepare`` (audited on rejection), then dry-run or commit."""
-        try:
-            await prepare()
-        except AuditUnavailable:
-            raise
-        except RudderError as exc:
-            raise await self.refusal(ctx, a, exc) from exc
+        await self._refused(ctx, a, prepare)
         assert a.model is not None and a.kind is not None and a.op is not None and a.after is not None
         assert a.before is not None and a.head_revision is not None
         result = WriteResult(
@@ -347,50 +413,67 @@ class WritePath:
 
     # ---- operations ----------------------------------------------------------------------
 
-    def _versioned_write(self, ctx: RequestContext, a: Attempt, body: Any,
-                         extra: set[str]) -> tuple[Mapping[str, Any], str, PolicyKind]:
-        """The common head of PATCH and rollback: who, which document, at which revision."""
-        _hint(a, body)
-        self._authorize(ctx, Action.WRITE_POLICY)
-        b = _obj(body)
-        _check_keys(b, {"model", "kind", "expected_revision", "dry_run"} | extra)
-        a.model = _model(b)
-        a.kind = parse_kind(b.get("kind", PolicyKind.SELECTION.value))
-        if "expected_revision" not in b:
-            raise InvalidRequest("expected_revision is required (use the current revision, or 0 "
-                                 "for a new document)", field="expected_revision")
-        a.expected_revision = require_revision(b["expected_revision"])
-        a.dry_run = _bool(b, "dry_run")
-        return b, a.model, a.kind
+    @staticmethod
+    def _target(a: Attempt, request: PolicyPatch | PolicyRollback) -> None:
+        """Which document, at which revision (set from the checked request)."""
+        a.model, a.kind = request.model, request.kind
+        a.expected_revision, a.dry_run = request.expected_revision, request.dry_run
 
-    async def patch(self, ctx: RequestContext, body: Any) -> WriteResult:
+    async def _patch(self, a: Attempt, request: PolicyPatch) -> None:
+        """Steps 3-4 of a patch: the head, compare-and-set, the new document, capabilities."""
+        self._target(a, request)
+        if request.reset:
+            a.op = PolicyOp.RESET
+        a.changes = dict(request.parameters or {})
+        a.before = await self._head(a)
+        _require_head(a)
+        if request.reset:
+            a.changes = {name: None for name in a.before}
+        a.after = {} if request.reset else apply_patch(a.before, a.changes)
+        self._check_capabilities(a)
+
+    async def patch(self, ctx: RequestContext, body: Body) -> WriteResult:
+        """PATCH /router_policy: set or remove overrides, or reset the document."""
         a = Attempt(op=PolicyOp.PATCH)
 
         async def prepare() -> None:
-            b, _, kind = self._versioned_write(ctx, a, body, {"parameters", "reset"})
-            reset = _bool(b, "reset")
-            if reset == ("parameters" in b):
-                raise InvalidRequest("give either parameters or reset: true", field="parameters")
-            if reset:
-                a.op = PolicyOp.RESET
-                a.changes = {}
-            else:
-                a.changes = validate_changes(kind, b["parameters"])
-            a.before = await self._head(a)
-            _require_head(a)
-            if reset:
-                a.changes = {name: None for name in a.before}
-            a.after = {} if reset else apply_patch(a.before, a.changes)
-            self._check_capabilities(a)
+            await self._patch(a, self._admit(ctx, a, body, PolicyPatch))
 
         return await self._run(ctx, a, prepare)
 
-    async def rollback(self, ctx: RequestContext, body: Any) -> WriteResult:
+    async def reset_calibration(self, ctx: RequestContext, body: Body, *, attempts: int = 3) -> WriteResult:
+        """Reset every router's timing fit of a model: a patch of the selection document's
+        ``calibration_epoch`` to the head's + 1, checked, revisioned and recorded like any other
+        patch; read again and retried (``attempts`` in all) when another write gets in between."""
+        for attempt in range(1, attempts + 1):
+            a = Attempt(op=PolicyOp.PATCH, kind=PolicyKind.SELECTION)
+
+            async def prepare(a: Attempt = a) -> None:
+                model = self._admit(ctx, a, body, CalibrationReset).model
+                head = await self.log.head(model, PolicyKind.SELECTION)
+                document = dict(head.event.document) if head and head.event else {}
+                epoch = int(document.get("calibration_epoch", 0)) + 1
+                await self._patch(a, parse(PolicyPatch, {
+                    "model": model, "kind": PolicyKind.SELECTION.value,
+                    "expected_revision": head.revision if head else 0,
+                    "parameters": {"calibration_epoch": epoch},
+                }))
+
+            try:
+                return await self._run(ctx, a, prepare)
+            except RevisionConflict:
+                if attempt == attempts:
+                    raise
+        raise AssertionError("unreachable")
+
+    async def rollback(self, ctx: RequestContext, body: Body) -> WriteResult:
+        """POST /router_policy/rollback: an older revision's document as a new forward revision."""
         a = Attempt(op=PolicyOp.ROLLBACK)
 
         async def prepare() -> None:
-            b, model, kind = self._versioned_write(ctx, a, body, {"to_revision"})
-            target_rev = require_revision(b.get("to_revision"), field="to_revision")
+            request = self._admit(ctx, a, body, PolicyRollback)
+            self._target(a, request)
+            model, kind, target_rev = request.model, request.kind, request.to_revision
             if target_rev == 0:
                 target_doc: Document = {}
             else:
@@ -408,73 +491,49 @@ class WritePath:
             a.rollback_to = target_rev
             self._check_capabilities(a)
 
-        result = await self._run(ctx, a, prepare)
-        return result
+        return await self._run(ctx, a, prepare)
 
-    async def set_thresholds(self, ctx: RequestContext, body: Any) -> WriteResult | None:
+    async def set_thresholds(self, ctx: RequestContext, body: Body) -> WriteResult | None:
         """Compatible busy-threshold write. Returns None when the body asks for nothing (a read).
 
         Without ``expected_revision`` it reads the head, merges, and publishes with CAS, retrying
         on conflict, so concurrent partial updates never lose each other.
         """
-        b0 = body if isinstance(body, Mapping) else {}
-        if (isinstance(body, Mapping) and all(body.get(k) is None for k in THRESHOLD_FIELDS)
-                and not body.get("unset")):
+        if asks_nothing(body):
             return None  # all null: the compatible API treats it as a read
-        kind = PolicyKind.BUSY_THRESHOLD
+        explicit = body.field("expected_revision") is not None
         conflicts = 0
         while True:
-            a = Attempt(op=PolicyOp.PATCH, kind=kind)
-            _hint(a, body)
-            explicit = "expected_revision" in b0 and b0["expected_revision"] is not None
+            a = Attempt(op=PolicyOp.PATCH, kind=PolicyKind.BUSY_THRESHOLD)
 
-            async def prepare(a: Attempt = a, explicit: bool = explicit) -> None:
-                self._authorize(ctx, Action.WRITE_POLICY)
-                b = _obj(body)
-                _check_keys(b, {"model", "expected_revision", "unset", "create", "dry_run"} | THRESHOLD_FIELDS)
-                a.model = _model(b)
-                changes = validate_changes(kind, {k: b[k] for k in THRESHOLD_FIELDS if k in b}, prefix="body")
-                unset = validate_unset(kind, b.get("unset"))
-                a.dry_run = _bool(b, "dry_run")
-                create = _bool(b, "create")
-                a.changes = {k: v for k, v in changes.items() if v is not None}
-                a.changes.update({name: None for name in unset})
-                if explicit:  # known before the head is read: it may name a malformed head
-                    a.expected_revision = require_revision(b["expected_revision"])
+            async def prepare(a: Attempt = a) -> None:
+                request = self._admit(ctx, a, body, ThresholdsUpdate, note=_threshold_notes(a))
+                model = request.model
+                parameters = {k: getattr(request, k) for k in THRESHOLD_FIELDS if k in request.model_fields_set}
+                a.changes = _threshold_changes(parameters, request.unset)
                 a.before = await self._head(a)
-                if a.head_revision == 0 and not create and not self.fleet.serves(a.model):
-                    raise NotFound(f"model {a.model!r} is not served by any live worker or router and "
+                if a.head_revision == 0 and not request.create and not self.fleet.serves(model):
+                    raise NotFound(f"model {model!r} is not served by any live worker or router and "
                                    "has no policy; pass create: true to create it", field="model")
-                a.expected_revision = (require_revision(b["expected_revision"]) if explicit
-                                       else a.head_revision)
+                if request.expected_revision is None:
+                    a.expected_revision = a.head_revision
                 _require_head(a)
-                a.after = merge_thresholds(a.before, changes, unset)
+                a.after = merge_thresholds(a.before, parameters, request.unset)
 
             try:
-                result = await self._run_thresholds(ctx, a, prepare)
-                return result
+                return await self._run_thresholds(ctx, a, prepare)
             except RevisionConflict as exc:
                 conflicts += 1
                 if explicit or conflicts >= self.retries or exc.facts.get("malformed_head"):
                     raise
                 await asyncio.sleep(random.uniform(0, 0.005 * min(conflicts, 10)))
 
-    async def _run_thresholds(self, ctx: RequestContext, a: Attempt, prepare: Any) -> WriteResult:
+    async def _run_thresholds(self, ctx: RequestContext, a: Attempt,
+                              prepare: Callable[[], Awaitable[None]]) -> WriteResult:
         """Like ``_run``, but a merge that changes nothing publishes nothing (recorded as
         accepted with reason ``unchanged`` and no revision, so reconcile expects no event)."""
-        unchanged = False
-
-        async def prepare_and_compare() -> None:
-            nonlocal unchanged
-            await prepare()
-            unchanged = a.after == a.before
-
-        try:
-            await prepare_and_compare()
-        except AuditUnavailable:
-            raise
-        except RudderError as exc:
-            raise await self.refusal(ctx, a, exc) from exc
+        await self._refused(ctx, a, prepare)
+        unchanged = a.after == a.before
         assert a.model is not None and a.kind is not None and a.op is not None
         assert a.after is not None and a.before is not None and a.head_revision is not None
         if unchanged and not a.dry_run:

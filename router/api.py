@@ -22,6 +22,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import re
 import time
 import uuid
 from collections.abc import AsyncGenerator, Awaitable, Callable, Mapping
@@ -41,6 +42,7 @@ from controlplane.protocol.errors import (
     ServiceUnavailable,
 )
 from controlplane.protocol.hashing import chain_hashes
+from controlplane.telemetry import logs, traces
 from router.commands import (
     MarkUnavailable,
     Phase,
@@ -50,6 +52,7 @@ from router.commands import (
     Selection,
     SelectWorker,
 )
+from router.decisions import DecisionLog, figures
 from router.ingress import read_body
 from router.metrics import RouterMetrics
 from router.proxy import Proxy, WorkerUnreachable, forward_headers
@@ -68,6 +71,7 @@ from router.targets import (
     parse_ttft_slo,
 )
 from router.tokenize import Tokenizer, TokenizerRegistry
+from router.tracing import RequestTrace
 from router.upstream import UpstreamError, UpstreamResponse
 
 log = logging.getLogger(__name__)
@@ -103,6 +107,7 @@ class Runtime(Protocol):
     proxy: Proxy
     metrics: RouterMetrics
     tokenizers: TokenizerRegistry
+    decisions: DecisionLog
 
     def readiness(self) -> list[str]: ...
 
@@ -120,6 +125,7 @@ async def _wait_disconnect(request: Request) -> None:
 
 async def _select(request: Request, rt: Runtime, req: RoutingRequest) -> Selection:
     """Queue the selection; if the client goes away first, cancel it (the actor skips it)."""
+    asked = time.perf_counter()
     fut = rt.scheduler.submit(SelectWorker(req))
     watcher: asyncio.Future[Any] = asyncio.ensure_future(_wait_disconnect(request))
     waiting: list[asyncio.Future[Any]] = [fut, watcher]
@@ -130,7 +136,36 @@ async def _select(request: Request, rt: Runtime, req: RoutingRequest) -> Selecti
     if not fut.done():
         fut.cancel()
         raise ClientGone("client disconnected while the request was queued")
-    return fut.result()
+    sel = fut.result()
+    rt.metrics.selection.labels(req.model).observe(time.perf_counter() - asked)
+    return sel
+
+
+def _sampled(rt: Runtime, sel: Selection) -> dict[str, Any] | None:
+    """The figures of the selection's decision, if it was sampled (for its trace span)."""
+    record = rt.decisions.last(sel.request_id, sel.instance_id) if rt.decisions.sample > 0.0 else None
+    return figures(record) if record is not None else None
+
+
+_CACHED = re.compile(rb'"cached_tokens"\s*:\s*(\d+)')
+
+
+def _observe_answer(rt: Runtime, sel: Selection, status: str, tail: bytes, ttft_ms: float | None) -> None:
+    """A worker's answer ended: count it by worker and status, compare the cached tokens the
+    worker reported (``usage``, in ``tail``: the whole answer, or a stream's last chunks) with
+    the prediction (a byte scan, no JSON parse), and complete the decision's record if it was
+    sampled (router.decisions) with the measured TTFT (sent to the worker → first token)."""
+    rt.metrics.worker_requests.labels(sel.model, str(sel.instance_id), status).inc()
+    found = _CACHED.search(tail) if b'"cached_tokens"' in tail else None
+    cached = int(found.group(1)) if found is not None else None
+    if cached is not None:
+        rt.metrics.predicted_cached.labels(sel.model).inc(sel.cached_tokens)
+        rt.metrics.reported_cached.labels(sel.model).inc(cached)
+    if rt.decisions.sample > 0.0:
+        record = rt.decisions.finish(sel.request_id, sel.instance_id, ttft_ms=ttft_ms,
+                                     cached_tokens=cached, status=status)
+        if record is not None:
+            rt.metrics.observe_decision(record)
 
 
 def _target_body(
@@ -284,8 +319,15 @@ async def _completion(request: Request, rt: Runtime, path: str, chat: bool) -> R
     else:
         _, n_prompt, hashes = _tokenize(tok, body, chat, block_sizes)
     request_id = request.headers.get("x-request-id") or uuid.uuid4().hex
+    logs.bind(request_id=request_id, router_id=settings.router_id, model=model)  # this request's task only
     headers = forward_headers(request.headers)
     headers["x-request-id"] = request_id
+    tr: RequestTrace | None = None
+    if traces.enabled():
+        tr = request.state.trace = RequestTrace(request.headers, request_id=request_id, model=model,
+                                                router_id=settings.router_id, path=path, started=t0,
+                                                prompt_tokens=n_prompt)
+        tr.inject(headers)  # the worker's spans are children of this request's
     labels = (model,)
     routing = RoutingRequest(
         request_id=request_id, model=model, prompt_tokens=n_prompt, hashes=hashes, targets=targets,
@@ -302,15 +344,19 @@ async def _completion(request: Request, rt: Runtime, path: str, chat: bool) -> R
             rt.metrics.observe_slo(model, "rejected")
         raise
     sel = opened.sel
+    if tr is not None:
+        tr.selected(sel, tr.tokenized, opened.selected_at, opened.sent_at, _sampled(rt, sel))
     rt.metrics.overhead.labels(*labels).observe(opened.selected_at - t0)
     rt.metrics.hit_rate.labels(*labels).observe(sel.predicted_hit_rate)
     # What the router predicted for the worker that computes the prompt (the prefill worker when
     # disaggregated), and which policy revisions scored it: an operator (or a test) compares the
     # first with usage.prompt_tokens_details.cached_tokens.
+    revisions = ",".join(f"{k}={v}" for k, v in sorted(sel.revisions.items()))
+    logs.bind(worker_id=sel.instance_id, revision=revisions)
     out_headers = {
         "x-request-id": request_id,
         HDR_PREDICTED_CACHED: str(sel.cached_tokens),
-        HDR_POLICY_REVISIONS: ",".join(f"{k}={v}" for k, v in sorted(sel.revisions.items())),
+        HDR_POLICY_REVISIONS: revisions,
     }
     phase_started: float | None = None  # disaggregated: when the decode worker was selected
 
@@ -327,6 +373,9 @@ async def _completion(request: Request, rt: Runtime, path: str, chat: bool) -> R
         if status >= 400:
             log.warning("request %s: prefill worker %s answered %d", request_id, sel.instance_id, status)
             rt.metrics.requests.labels(model, path, str(status)).inc()
+            _observe_answer(rt, sel, str(status), b"", None)
+            if tr is not None:
+                tr.done(str(status))
             return Response(
                 content, status_code=status, headers=out_headers,
                 media_type=opened.resp.headers.get("content-type", "application/json"),
@@ -340,6 +389,9 @@ async def _completion(request: Request, rt: Runtime, path: str, chat: bool) -> R
         phase_started = opened.selected_at
         rt.metrics.phase_overhead.labels(model, "decode").observe(phase_started - done)
         sel = opened.sel
+        if tr is not None:
+            tr.selected(sel, done, phase_started, opened.sent_at, _sampled(rt, sel))
+        logs.bind(worker_id=sel.instance_id)
     resp = opened.resp
     booking = sel.booking_id
 
@@ -352,6 +404,8 @@ async def _completion(request: Request, rt: Runtime, path: str, chat: bool) -> R
             rt.metrics.observe_slo(model, "met" if (now - t0) * 1e3 <= slo else "missed")
         if phase_started is not None:
             rt.metrics.phase_ttft.labels(model, "decode").observe(now - phase_started)
+        if tr is not None:
+            tr.first_token(now)
 
     log.info(
         "request %s → %s worker %s rank %d (revision %s, predicted hit %.2f)", request_id,
@@ -362,8 +416,12 @@ async def _completion(request: Request, rt: Runtime, path: str, chat: bool) -> R
     content_type = resp.headers.get("content-type", "application/json")
     if not stream or resp.status_code >= 400:
         content = await _read_all(rt, opened)
-        observe_first_token(time.perf_counter())
+        answered = time.perf_counter()
+        observe_first_token(answered)
         rt.metrics.requests.labels(model, path, str(resp.status_code)).inc()
+        _observe_answer(rt, sel, str(resp.status_code), content, (answered - opened.sent_at) * 1e3)
+        if tr is not None:
+            tr.done(str(resp.status_code))
         return Response(content, status_code=resp.status_code, media_type=content_type, headers=out_headers)
 
     client_gone = False
@@ -372,6 +430,7 @@ async def _completion(request: Request, rt: Runtime, path: str, chat: bool) -> R
     # worker's decode calibration: its mean inter-token time).
     chunks = 0
     first_at = last = 0.0
+    previous = tail = b""  # the last two chunks: where a stream's usage is (its last data line)
 
     async def finish(status: str) -> None:
         """Release the worker connection and the booking, once, whoever gets here first: the relay
@@ -384,9 +443,13 @@ async def _completion(request: Request, rt: Runtime, path: str, chat: bool) -> R
         itl_ms = (last - first_at) * 1e3 / (chunks - 1) if chunks > 1 and status == "200" else None
         rt.scheduler.send(RequestDone(booking, itl_ms=itl_ms, decode_tokens=chunks or None))
         rt.metrics.requests.labels(model, path, status).inc()
+        _observe_answer(rt, sel, status, previous + tail,
+                        (first_at - opened.sent_at) * 1e3 if chunks else None)
+        if tr is not None:
+            tr.done(status)
 
     async def relay() -> AsyncGenerator[bytes, None]:
-        nonlocal chunks, first_at, last
+        nonlocal chunks, first_at, last, previous, tail
         status = "200"
         first = FirstTokenDetector()  # a role-only opening chunk is not the first token
         try:
@@ -402,6 +465,7 @@ async def _completion(request: Request, rt: Runtime, path: str, chat: bool) -> R
                     rt.metrics.itl.labels(*labels).observe(now - last)
                     last = now
                     chunks += 1
+                previous, tail = tail, chunk
                 yield chunk
         except UpstreamError as exc:
             if client_gone:
@@ -468,14 +532,22 @@ def _rudder_error_response(rt: Runtime, request: Request, exc: RudderError) -> R
     status = overload if isinstance(exc, Overloaded) else exc.status_code
     rt.metrics.rejections.labels(_reason(exc)).inc()
     rt.metrics.requests.labels(getattr(request.state, "model", ""), request.url.path, str(status)).inc()
+    _trace_done(request, status)
     if status >= 500 and not isinstance(exc, (ServiceUnavailable, Overloaded)):
         log.error("bug: %r", exc)
     return error_response(exc, overload_status=overload)
 
 
+def _trace_done(request: Request, status: int) -> None:
+    tr: RequestTrace | None = getattr(request.state, "trace", None)
+    if tr is not None:
+        tr.done(str(status))
+
+
 def _bug_response(rt: Runtime, request: Request) -> Response:
     log.exception("unhandled error on %s", request.url.path)
     rt.metrics.rejections.labels("internal_error").inc()
+    _trace_done(request, 500)
     return error_response(RudderError("internal error"), overload_status=rt.settings.overload_status)
 
 
@@ -564,6 +636,7 @@ def build_api(rt: Runtime, app: FastAPI) -> None:
             rt.metrics.revision.labels(model, kind).set(doc.revision)
         for model, n in view.workers.items():
             rt.metrics.workers.labels(model).set(n)
+        rt.metrics.queue_depth.set(rt.scheduler.queue_depth)
         with contextlib.suppress(RudderError):  # a stopping router still answers its metrics
             calibration, returns = await rt.scheduler.inspect(
                 lambda s: (s.calibration_status(), s.tables.returns.status()))

@@ -22,15 +22,17 @@ import uvicorn
 from fastapi import FastAPI
 from fastapi.responses import Response
 
-from bus.client import Bus
+from bus.client import Bus, Message, Subscription
 from bus.keyfiles import KeyringFile
 from bus.streams import ROUTER_STREAMS
 from bus.tasks import Tasks, every
 from controlplane.protocol.errors import KeyFileInvalid, RudderError
-from controlplane.protocol.events import utcnow
+from controlplane.protocol.events import DecisionReply, decode_decision_query, doc_key, utcnow
 from controlplane.protocol.guard import Drops
 from controlplane.protocol.policy import Number, PolicyKind, startup_values
-from controlplane.protocol.subjects import BUCKET_ROUTERS
+from controlplane.protocol.subjects import BUCKET_ROUTERS, STREAM_POLICY, decisions_subject, policy_subject
+from controlplane.telemetry import logs, traces
+from controlplane.telemetry.logs import configure_logging
 from router.api import build_api, error_response
 from router.commands import UseVerifyKeys
 from router.consumers import (
@@ -41,6 +43,7 @@ from router.consumers import (
     StatusPublisher,
     tick,
 )
+from router.decisions import DecisionLog
 from router.ingress import IngressLimits, protocol_class
 from router.metrics import RouterMetrics
 from router.policy_state import ApplyResult, Outcome
@@ -66,6 +69,7 @@ class RouterRuntime:
             for kind in PolicyKind
         }
         assert settings.policy_verify_keys is not None  # the settings refuse to exist without it
+        self.decisions = DecisionLog(sample=settings.decision_sample, capacity=settings.decision_records)
         self.verify_keys = KeyringFile(settings.policy_verify_keys, field="RUDDER_POLICY_VERIFY_KEYS")
         self.scheduler = Scheduler(
             router_id=settings.router_id, models=settings.models, role=settings.role,
@@ -74,7 +78,7 @@ class RouterRuntime:
             worker_stale_s=settings.worker_stale_s, bus_outage_grace_s=settings.bus_outage_grace_s,
             approx_ttl_s=settings.approx_ttl_s,
             keyring=self.verify_keys.keyring, rng=rng,
-            max_queued_selections=settings.max_queued_selections,
+            max_queued_selections=settings.max_queued_selections, decisions=self.decisions,
         )
         self.metrics = RouterMetrics()
         self.drops = Drops(
@@ -94,9 +98,11 @@ class RouterRuntime:
         self.policy: PolicyConsumer | None = None
         self.membership: MembershipConsumer | None = None
         self.kv: KvEventSubscriber | None = None
+        self._decision_sub: Subscription | None = None
 
     async def start(self) -> None:
         s = self.settings
+        logs.bind(router_id=s.router_id)  # the lifespan's tasks (consumers, ticks) inherit it
         self.scheduler.start()
         self.bus = bus = await Bus.connect(s.bus_options(f"rudder-router-{s.router_id}"))
         await bus.wait_ready(s.bus_layout(worker_ttl_s=s.worker_ttl_s, router_heartbeat_s=s.heartbeat_s),
@@ -122,6 +128,7 @@ class RouterRuntime:
             models=list(s.models), on_result=self._count, on_resync=self.metrics.policy_resyncs.inc,
         )
         await self.policy.start()
+        self._decision_sub = await bus.subscribe(decisions_subject(s.router_id), self._answer_decisions)
         self.tasks.spawn(self.policy.acks.run(), name="ack-publisher")
         await self.status.put()
         self.tasks.spawn(every(s.tick_s, lambda: tick(self.scheduler), "tick"), name="tick")
@@ -129,6 +136,7 @@ class RouterRuntime:
         self.tasks.spawn(self.status.run(), name="status-writer")
         self.tasks.spawn(every(s.heartbeat_s, self.policy.check_stream, "policy stream check"),
                          name="policy-stream-check")
+        self.tasks.spawn(every(s.policy_lag_s, self.policy_lag, "policy lag"), name="policy-lag")
         self.tasks.spawn(every(s.tick_s, self._prewarm_tokenizers, "tokenizers"), name="tokenizers")
         self.tasks.spawn(every(s.tick_s, self.refresh_verify_keys, "verify keys"), name="verify-keys")
         # /health answers 503 until the membership replay is applied; the API serves meanwhile.
@@ -138,6 +146,20 @@ class RouterRuntime:
             s.router_id, ", ".join(s.models), s.url(), s.mode.value, s.role.value,
             ", ".join(sorted(self.cache_inputs)) or "none", ", ".join(self.verify_keys.keyring.key_ids),
         )
+
+    async def _answer_decisions(self, msg: Message) -> None:
+        """``rudder.decisions.<router_id>``: this router's records of one request (router.decisions)."""
+        try:
+            query = decode_decision_query(msg.data)
+        except RudderError as exc:
+            self.drops.drop("decision_query", "malformed", msg.subject, exc.message)
+            return
+        records = [r.to_dict() for r in self.decisions.get(query.request_id)]
+        reply = DecisionReply(router_id=self.settings.router_id, decisions=records[-64:])
+        try:
+            await msg.respond(reply.to_bytes())
+        except RudderError as exc:
+            log.info("decision query for %s not answered: %s", query.request_id, exc.message)
 
     def readiness(self) -> list[str]:
         """What this router still waits for before it should get traffic; [] when ready."""
@@ -166,6 +188,34 @@ class RouterRuntime:
                 self._logged_stale = {}
         return waiting
 
+    async def policy_lag(self) -> None:
+        """Each served document's head on the stream and how many of its revisions this router
+        has not applied (``rudder_router_policy_revisions_behind``; the alert on a router behind
+        the head reads it). Every ``RUDDER_POLICY_LAG_S``: one direct get per document, and one
+        per missing revision."""
+        assert self.bus is not None
+        applied = self.scheduler.view.applied
+        for model in self.settings.models:
+            for kind in PolicyKind:
+                subject = policy_subject(model, kind.value)
+                try:
+                    head = await self.bus.last(STREAM_POLICY, subject)
+                    head_rev = head.seq if head is not None and head.seq is not None else 0
+                    doc = applied.get(doc_key(model, kind))
+                    mine = doc.revision if doc is not None else 0
+                    behind, seq = 0, mine + 1
+                    while head_rev > mine and seq <= head_rev:
+                        msg = await self.bus.get(STREAM_POLICY, seq, subject=subject)
+                        if msg is None or msg.seq is None:
+                            break
+                        behind, seq = behind + 1, msg.seq + 1
+                except RudderError as exc:
+                    log.debug("policy head of %s|%s not read: %s", model, kind.value, exc.message)
+                    continue
+                self.metrics.policy_head.labels(model, kind.value).set(head_rev)
+                self.metrics.revision.labels(model, kind.value).set(mine)
+                self.metrics.behind.labels(model, kind.value).set(behind)
+
     async def _prewarm_tokenizers(self) -> None:
         """Load a newly advertised tokenizer (a model folder) before requests need it."""
         for names in self.scheduler.view.tokenizers.values():
@@ -189,6 +239,9 @@ class RouterRuntime:
         self.metrics.policy_results.labels(status).inc()
 
     async def stop(self) -> None:
+        if self._decision_sub is not None:
+            with contextlib.suppress(RudderError):
+                await self._decision_sub.stop()
         for part in (self.policy, self.membership, self.kv):
             if part is not None:
                 await part.stop()
@@ -225,12 +278,6 @@ def create_app(settings: RouterSettings, *, runtime: RouterRuntime | None = None
     return app
 
 
-def configure_logging(level: str) -> None:
-    logging.basicConfig(
-        level=level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
-    )
-
-
 async def serve(settings: RouterSettings) -> None:
     """Serve until cancelled (or SIGINT/SIGTERM, which uvicorn handles)."""
     print(
@@ -242,6 +289,7 @@ async def serve(settings: RouterSettings) -> None:
     config = uvicorn.Config(
         app, host=settings.host, port=settings.port, log_level=settings.log_level.lower(),
         access_log=False, lifespan="on", timeout_graceful_shutdown=settings.shutdown_grace_s,
+        log_config=None,  # uvicorn's lines go through the process's one setup (controlplane.telemetry.logs)
         **uvicorn_options(app),
     )
     await DrainingServer(config, app.state.runtime, drain_delay_s=settings.drain_delay_s).serve()
@@ -314,4 +362,5 @@ def run(settings: RouterSettings | None = None) -> None:
     """Blocking entry point: settings from ``RUDDER_*`` when not given."""
     settings = settings or RouterSettings()
     configure_logging(settings.log_level)
+    traces.setup_tracing("rudder-router")
     asyncio.run(serve(settings))

@@ -23,7 +23,8 @@ changes with policy and calibration. Pure: no I/O, the clock is passed in.
 from __future__ import annotations
 
 import random
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
@@ -35,6 +36,7 @@ from router.commands import Phase, RoutingRequest
 from router.cost.blocks import costs, vector_costs
 from router.cost.common import (
     NO_OVERLAP,
+    TIE_EPS,
     Candidate,
     Overlap,
     SelectionParams,
@@ -44,6 +46,7 @@ from router.cost.common import (
     pick_index,
 )
 from router.cost.time import row_costs, vector_time_costs
+from router.decisions import MAX_CANDIDATES, CandidateTerms, DecisionLog, DecisionRecord, Why, time_terms
 from router.discovery import Discovery, WorkerState
 from router.index import PrefixIndex
 from router.loadvec import LoadTable
@@ -66,6 +69,7 @@ class Choice(NamedTuple):
     cost: float | None
     candidates: int
     slo_met: bool | None
+    record: DecisionRecord | None = None  # when this decision was sampled (router.decisions)
 
 
 @dataclass(slots=True)
@@ -78,6 +82,9 @@ class Scored:
     overlaps: dict[WorkerKey, Overlap]
     cost: Any  # list[float] or numpy array
     ttft: Any  # list[float] or numpy array or None (block cost without an objective)
+    # What the cost was given, kept for a sampled decision's record (router.decisions).
+    request_blocks: Mapping[int, int] | None = None
+    shared: Mapping[WorkerKey, int] | None = None
 
     def slot(self, i: int) -> Slot:
         """The candidate at index ``i`` of :attr:`cost`."""
@@ -92,7 +99,8 @@ class Chooser:
     index (None when the mode or the router's role reads no cache)."""
 
     def __init__(self, *, mode: RoutingMode, role: RouterRole, models: Sequence[str], pools: Pools,
-                 discovery: Discovery, index: PrefixIndex | None, rng: random.Random) -> None:
+                 discovery: Discovery, index: PrefixIndex | None, rng: random.Random,
+                 decisions: DecisionLog | None = None, wall: Callable[[], float] = time.time) -> None:
         self.mode = mode
         self.cost_mode = mode.cost  # KV_BLOCKS, KV_TIME or None (load-only)
         self.role = role
@@ -103,6 +111,8 @@ class Chooser:
         self.rng = rng
         self.round_robin = {m: RoundRobin() for m in models}
         self.slo = {m: {"requests": 0, "predicted_met": 0, "rejected": 0} for m in models}
+        self.decisions = decisions  # sampled records of the decisions (None: none kept)
+        self.wall = wall
 
     def disaggregated(self, model: str) -> bool:
         """The model's snapshot holds prefill and decode workers (and this router runs both)."""
@@ -151,7 +161,10 @@ class Chooser:
         hashes = req.hashes.get(slot.block_size, ())
         if self.index is not None and hashes:
             overlap = self.index.overlaps(hashes).get(slot.key, NO_OVERLAP)
-        return Choice(slot, overlap, None, 1, None)
+        record = None
+        if self.decisions is not None and self.decisions.sample > 0.0 and self.decisions.sampled():
+            record = self._record(req, pool, slot, None, 1, [Why.EXPLICIT_TARGET], [])
+        return Choice(slot, overlap, None, 1, None, record)
 
     def choose(self, req: RoutingRequest, table: LoadTable[Slot], pool: WorkerRole, params: SelectionParams,
                decode_tokens: float) -> Choice:
@@ -166,12 +179,76 @@ class Chooser:
                 i = self.rng.randrange(len(eligible))
             else:
                 i = least_loaded(eligible, self.rng)
-            return Choice(eligible[i], NO_OVERLAP, None, len(eligible), None)
+            record = None
+            if self.decisions is not None and self.decisions.sample > 0.0 and self.decisions.sampled():
+                record = self._record(req, pool, eligible[i], None, len(eligible), [Why.MODE], [])
+            return Choice(eligible[i], NO_OVERLAP, None, len(eligible), None, record)
         scored = self.score(req, table, pool, params, decode_tokens)
         i, met = self.pick(req, scored, params)
         chosen = scored.slot(i)
+        record = None
+        if self.decisions is not None and self.decisions.sample > 0.0 and self.decisions.sampled():
+            record = self._explain(req, table, pool, params, decode_tokens, scored, i)
         return Choice(chosen, scored.overlaps.get(chosen.key, NO_OVERLAP), float(scored.cost[i]),
-                      len(scored.cost), met)
+                      len(scored.cost), met, record)
+
+    # -- sampled decisions (router.decisions): off the path unless sampled ---------------------
+
+    def _record(self, req: RoutingRequest, pool: WorkerRole, slot: Slot, cost: float | None, total: int,
+                why: list[Why], candidates: list[CandidateTerms]) -> DecisionRecord:
+        assert self.decisions is not None
+        record = DecisionRecord(
+            request_id=req.request_id, model=req.model, at=self.wall(), pool=pool.value,
+            mode=self.mode.value, why=[w.value for w in why], instance_id=slot.instance_id,
+            dp_rank=slot.dp_rank, cost_ms=cost, prompt_tokens=req.prompt_tokens,
+            candidates_total=total, candidates=candidates, ttft_slo_ms=req.ttft_slo_ms,
+        )
+        self.decisions.add(record)
+        return record
+
+    def _explain(self, req: RoutingRequest, table: LoadTable[Slot], pool: WorkerRole, params: SelectionParams,
+                 decode_tokens: float, scored: Scored, i: int) -> DecisionRecord:
+        """The record of a scored decision: every candidate's terms, the chosen one, and why."""
+        p = req.prompt_tokens
+        n = len(scored.cost)
+        slots = [scored.slot(j) for j in range(n)]
+        costs = [float(c) for c in scored.cost]
+        blocks = scored.request_blocks or {}
+        shared = scored.shared or {}
+        terms: list[CandidateTerms] = []
+        if self.cost_mode is RoutingMode.KV_TIME:
+            rows = [table.current_time_row(s) for s in slots]
+            least = min(r.queued for r in rows) if params.overlap_score_credit_decay else 0
+            for s, row in zip(slots, rows, strict=True):
+                terms.append(time_terms(row, params, p, scored.overlaps.get(s.key, NO_OVERLAP), least_prefill=least,
+                                        request_blocks=blocks.get(s.block_size), booked_shared=shared.get(s.key, 0),
+                                        decode_tokens=decode_tokens))
+        else:
+            for s, cost in zip(slots, costs, strict=True):
+                hit = scored.overlaps.get(s.key, NO_OVERLAP).total
+                cached = min(hit, max(p - 1, 0) // s.block_size) * s.block_size
+                terms.append(CandidateTerms(
+                    instance_id=s.instance_id, dp_rank=s.dp_rank, cost_ms=cost, overlap_blocks=hit,
+                    cached_tokens=cached, uncached_tokens=p - cached, queued_tokens=s.active_prefill_tokens,
+                    running=s.active_requests))
+        terms[i].chosen = True
+        others = [j for j in sorted(range(n), key=lambda j: terms[j].cost_ms) if j != i][:MAX_CANDIDATES - 1]
+        kept = [terms[j] for j in sorted([*others, i], key=lambda j: terms[j].cost_ms)]
+        why: list[Why] = []
+        if req.ttft_slo_ms is not None:
+            why.append(Why.OBJECTIVE)
+        elif params.router_temperature > 0.0:
+            why.append(Why.TEMPERATURE_DRAW)
+        else:
+            least_cost = min(costs)
+            why.append(Why.TIE if sum(c <= least_cost + TIE_EPS for c in costs) > 1 else Why.LOWEST_COST)
+        busy = sorted({s.instance_id for s in table.values() if s.busy})
+        if busy:
+            why.append(Why.BUSY_FILTER)
+        record = self._record(req, pool, slots[i], costs[i], n, why, kept)
+        record.busy = busy
+        record.temperature = params.router_temperature
+        return record
 
     def score(self, req: RoutingRequest, table: LoadTable[Slot], pool: WorkerRole, params: SelectionParams,
               decode_tokens: float) -> Scored:
@@ -212,7 +289,7 @@ class Chooser:
                                                 booked_shared=shared, decode_tokens=decode_tokens)
             cost = tcost if self.cost_mode is RoutingMode.KV_TIME else vector_costs(
                 cols, params, p, overlaps=overlaps, request_blocks=request_blocks, booked_shared=shared)
-            return Scored((), rows, table, overlaps, cost, ttft)
+            return Scored((), rows, table, overlaps, cost, ttft, request_blocks, shared)
         if timed:
             tcost, ttft = row_costs(chosen_from.time_rows, params, p, overlaps=overlaps,
                                     request_blocks=request_blocks, booked_shared=shared,
@@ -221,7 +298,7 @@ class Chooser:
                                     order=chosen_from.order)
         cost = tcost if self.cost_mode is RoutingMode.KV_TIME else costs(
             slots, params, p, overlaps=overlaps, request_blocks=request_blocks, booked_shared=shared)
-        return Scored(slots, None, None, overlaps, cost, ttft)
+        return Scored(slots, None, None, overlaps, cost, ttft, request_blocks, shared)
 
     def pick(self, req: RoutingRequest, scored: Scored, params: SelectionParams) -> tuple[int, bool | None]:
         """Index of the chosen candidate, and whether it is predicted to meet the request's TTFT

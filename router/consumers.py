@@ -71,6 +71,7 @@ from controlplane.protocol.subjects import (
     policy_subject,
     router_status_key,
 )
+from controlplane.telemetry import traces
 from router.commands import (
     ApplyKvEvents,
     ApplyMembership,
@@ -198,11 +199,9 @@ class PolicyConsumer:
         """Re-sync when ``RUDDER_POLICY`` went backwards: it was created again (its creation time
         changed) or its last sequence is below a revision this router has seen. Otherwise the
         router would skip every later revision as "already seen" (and its ordered consumers would
-        wait past the old sequence). Returns whether it re-synced.
-
-        The highest revision seen is read *before* the stream's state: a revision stored and
-        applied between the two reads is then below the last sequence read, not above it (read
-        the other way round, it looked like a revision the stream no longer had)."""
+        wait past the old sequence). Returns whether it re-synced."""
+        # The highest revision seen is read before the stream's last sequence: read after, a
+        # revision stored and applied between the two reads looked like the stream going back.
         seen = await self.scheduler.inspect(lambda s: s.policy.max_seen())
         info = await self._stream_info()
         if info is None:
@@ -268,12 +267,24 @@ class PolicyConsumer:
     async def _apply(
         self, model: str, kind: PolicyKind, revision: int, payload: bytes, headers: dict[str, str] | None,
     ) -> None:
+        span = None
+        if traces.enabled():  # linked to the PATCH that published it (its traceparent header)
+            span = traces.tracer(__name__).start_span(
+                "policy apply", links=traces.link_from(headers), attributes={
+                    "rudder.router_id": self.router_id, "rudder.model": model, "rudder.kind": kind.value,
+                    "rudder.revision": revision})
         try:
             applied = await self.scheduler.call(ApplyPolicy(model, kind, revision, payload, headers))
         except RudderError as exc:
             log.warning("policy %s|%s revision %d not applied: %s", model, kind.value, revision, exc)
+            if span is not None:
+                span.set_attribute("rudder.outcome", "error")
+                span.end()
             return
         result = applied.result
+        if span is not None:
+            span.set_attribute("rudder.outcome", result.outcome.value)
+            span.end()
         if result.outcome is Outcome.SKIP:
             return
         await self._ack(result)

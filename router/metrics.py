@@ -4,9 +4,11 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Summary, generate_latest
 
 from controlplane.protocol.events import WorkerCalibration
+from controlplane.telemetry.build import build_info
+from router.decisions import DecisionRecord
 
 _LATENCY = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
 _OVERHEAD = (0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.1)
@@ -96,6 +98,70 @@ class RouterMetrics:
             ["model", "instance_id", "fit"], registry=r,
         )
 
+        # Issue 19, the fleet view: how far this router is behind each document's head (refreshed
+        # every heartbeat by the runtime), the scheduler's queue, the selection's time, what was
+        # predicted cached against what the worker reported, and each worker's answers.
+        self.policy_head = Gauge(
+            "rudder_router_policy_head_revision", "Head revision of each policy document on the stream",
+            ["model", "kind"], registry=r,
+        )
+        self.behind = Gauge(
+            "rudder_router_policy_revisions_behind",
+            "Revisions of a policy document on the stream newer than the one applied here",
+            ["model", "kind"], registry=r,
+        )
+        self.queue_depth = Gauge(
+            "rudder_router_scheduler_queue_depth", "Commands waiting in the scheduler actor's queue",
+            registry=r,
+        )
+        self.selection = Histogram(
+            "rudder_router_selection_seconds",
+            "Selection asked of the scheduler to its answer (queue wait and scoring)", ["model"],
+            buckets=_OVERHEAD, registry=r,
+        )
+        self.predicted_cached = Counter(
+            "rudder_router_predicted_cached_tokens", "Prompt tokens predicted cached on the chosen "
+            "worker (requests whose worker reported its cached tokens)", ["model"], registry=r,
+        )
+        self.reported_cached = Counter(
+            "rudder_router_reported_cached_tokens",
+            "Prompt tokens the worker reported cached (usage.prompt_tokens_details.cached_tokens)",
+            ["model"], registry=r,
+        )
+        self.worker_requests = Counter(
+            "rudder_router_worker_requests", "Requests forwarded, by worker and answer status",
+            ["model", "instance_id", "status"], registry=r,
+        )
+        # Decision quality, over the sampled decisions (RUDDER_DECISION_SAMPLE; router.decisions).
+        self.decisions = Counter(
+            "rudder_router_decisions", "Sampled selection decisions, by why the worker was chosen",
+            ["model", "reason"], registry=r,
+        )
+        self.largest_overlap = Counter(
+            "rudder_router_decisions_largest_overlap",
+            "Sampled decisions that chose a worker holding the largest cached prefix", ["model"], registry=r,
+        )
+        self.decision_prompt = Counter(
+            "rudder_router_decision_prompt_tokens", "Prompt tokens of the sampled decisions that finished",
+            ["model"], registry=r,
+        )
+        self.reachable_cached = Counter(
+            "rudder_router_decision_reachable_cached_tokens",
+            "Prompt tokens cached on the best candidate of each finished sampled decision", ["model"],
+            registry=r,
+        )
+        self.achieved_cached = Counter(
+            "rudder_router_decision_achieved_cached_tokens",
+            "Prompt tokens the chosen worker reported cached, finished sampled decisions", ["model"],
+            registry=r,
+        )
+        self.ttft_error = Summary(
+            "rudder_router_decision_ttft_error_seconds",
+            "Predicted vs measured TTFT of the sampled decisions (absolute), per worker",
+            ["model", "instance_id"], registry=r,
+        )
+        self.build = build_info(r, "router")
+
         # What the time cost expects back (router.returns), refreshed at each scrape.
         self.returns = Gauge(
             "rudder_router_expected_returns",
@@ -103,6 +169,22 @@ class RouterMetrics:
             "seen back), delay_seconds (mean delay of a return), fraction (of finished requests "
             "that come back)", ["stat"], registry=r,
         )
+
+    def observe_decision(self, r: DecisionRecord) -> None:
+        """A sampled decision whose request finished: the decision-quality counters."""
+        self.decisions.labels(r.model, r.why[0] if r.why else "").inc()
+        chosen = r.chosen
+        if chosen is None:  # no cost was computed (explicit target, comparison mode)
+            return
+        if chosen.overlap_blocks >= max(c.overlap_blocks for c in r.candidates):
+            self.largest_overlap.labels(r.model).inc()
+        self.decision_prompt.labels(r.model).inc(r.prompt_tokens)
+        self.reachable_cached.labels(r.model).inc(max(c.cached_tokens for c in r.candidates))
+        achieved = r.reported_cached_tokens if r.reported_cached_tokens is not None else chosen.cached_tokens
+        self.achieved_cached.labels(r.model).inc(achieved)
+        if chosen.ttft_ms is not None and r.measured_ttft_ms is not None:
+            self.ttft_error.labels(r.model, str(r.instance_id)).observe(
+                abs(chosen.ttft_ms - r.measured_ttft_ms) / 1e3)
 
     def set_returns(self, status: Mapping[str, float]) -> None:
         self.returns.labels("open").set(status["open"])

@@ -72,6 +72,7 @@ from router.commands import (
 )
 from router.cost.common import SelectionParams
 from router.cost.time import Timing, predict_row, time_row
+from router.decisions import DecisionLog
 from router.discovery import Change, Discovery, Health
 from router.index import KvApplied, PrefixIndex, WorkerKey
 from router.policy_state import Outcome, PolicyState
@@ -92,6 +93,7 @@ class Scheduler:
         worker_ttl_s: float, worker_stale_s: float, bus_outage_grace_s: float = 30.0, approx_ttl_s: float = 120.0,
         clock: Callable[[], float] = time.monotonic, wall: Callable[[], datetime] = utcnow,
         keyring: Keyring, rng: random.Random | None = None, max_queued_selections: int | None = None,
+        decisions: DecisionLog | None = None,
     ) -> None:
         self.router_id = router_id
         # Selections waiting in the queue at most (None: unbounded); past it submit refuses.
@@ -129,7 +131,8 @@ class Scheduler:
         )
         # Where a selection goes: its pool, its rank (and the round-robin positions, the objective counters).
         self.chooser = Chooser(mode=mode, role=role, models=models, pools=self.tables, discovery=self.discovery,
-                               index=self.index if self.use_index else None, rng=rng or random.Random())
+                               index=self.index if self.use_index else None, rng=rng or random.Random(),
+                               decisions=decisions)
         self._params: dict[str, SelectionParams] = {}
         self._revisions: dict[str, dict[str, int]] = {}  # model → revisions (Scheduler.revisions)
         for m in models:
@@ -486,6 +489,9 @@ class Scheduler:
         else:
             choice = self.chooser.choose(req, self.tables.table(model, pool), pool, self._params[model],
                                          self.timings.decode_tokens[model].value)
+        if choice.record is not None:  # a sampled decision (router.decisions)
+            choice.record.revisions = dict(revisions)
+            choice.record.router_id = self.router_id
         return self._book(req, seq, revisions, choice, pinned=pin is not None, disaggregated=then_decode)
 
     def _book(

@@ -146,6 +146,13 @@ class RouterSettings(BusSettings):
     # Selections waiting in the scheduler queue; past it a request is answered with the
     # overload status (code queue_full) at once.
     max_queued_selections: int = Field(default=1024, ge=1)
+    # "Why did this request go there?" (router/decisions.py): the fraction of selections whose
+    # decision is recorded (every candidate's cost terms), and how many records are kept.
+    decision_sample: float = Field(default=0.01, ge=0.0, le=1.0)
+    decision_records: int = Field(default=1024, ge=1)
+    # How often the router reads each served document's head for its lag metric
+    # (rudder_router_policy_revisions_behind): one direct get per document each time.
+    policy_lag_s: float = Field(default=5.0, gt=0)
     # Bodies at least this large are tokenized and hashed in a thread, off the event loop;
     # smaller ones inline, where a thread hop would cost more than the work (docs/router.md).
     offload_min_bytes: int = Field(default=16 * 1024, ge=0)

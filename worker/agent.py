@@ -36,6 +36,8 @@ from controlplane.protocol.events import (
 )
 from controlplane.protocol.policy import CacheInput
 from controlplane.protocol.subjects import kv_subject, kvdump_subject, membership_subject
+from controlplane.telemetry import logs
+from controlplane.telemetry.logs import configure_logging
 from worker.engines.base import Engine, EngineInfo, KvData
 from worker.settings import EngineKind, WorkerSettings
 
@@ -253,6 +255,7 @@ async def serve(
     after a graceful ``leave``. ``on_ready`` is called once the worker has joined.
     """
     stop = stop if stop is not None else asyncio.Event()
+    logs.bind(worker_id=settings.instance_id, model=settings.model)  # this task and those it starts
     loop = asyncio.get_running_loop()
     installed: list[signal.Signals] = []
     if threading.current_thread() is threading.main_thread():
@@ -278,8 +281,5 @@ async def serve(
 
 def run(settings: WorkerSettings) -> None:
     """Blocking entry point for ``rudder serve worker``: configure logging, serve until signal."""
-    logging.basicConfig(
-        level=settings.log_level.upper(),
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-    )
+    configure_logging(settings.log_level)
     asyncio.run(serve(settings))

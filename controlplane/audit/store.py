@@ -20,6 +20,7 @@ arguments. This module also names what its methods take and return (``AckRecord`
 from __future__ import annotations
 
 import enum
+import time
 import uuid
 from collections.abc import Callable, Sequence
 from datetime import datetime
@@ -68,6 +69,8 @@ class AuditStore:
         self.router_acks = AckChain(self._db, on_commit=self._committed)
         #: Called with the number of rows after each commit (the checkpointer counts them).
         self.on_rows: Callable[[int], None] | None = None
+        #: Called with each append's duration in seconds and whether it was stored (metrics).
+        self.on_append: Callable[[float, bool], None] | None = None
 
     def _committed(self, rows: int) -> None:
         if self.on_rows is not None and rows:
@@ -109,7 +112,16 @@ class AuditStore:
 
     async def append(self, entry: AuditEntry) -> AuditRow:
         """Record ``entry``; returns it as stored (id, prev_hash, row_hash)."""
-        return await self.audit_log.append(entry)
+        if self.on_append is None:
+            return await self.audit_log.append(entry)
+        start = time.perf_counter()
+        try:
+            row = await self.audit_log.append(entry)
+        except Exception:
+            self.on_append(time.perf_counter() - start, False)
+            raise
+        self.on_append(time.perf_counter() - start, True)
+        return row
 
     async def append_many(self, entries: Sequence[AuditEntry]) -> list[AuditRow]:
         """Record ``entries`` in order, in one transaction, as consecutive rows of the chain."""

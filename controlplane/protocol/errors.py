@@ -16,6 +16,7 @@
     ├── Unauthenticated              (401)
     ├── Forbidden                    (403)
     ├── NotFound                     (404)
+    ├── MethodNotAllowed             (405) the path exists, the method does not; carries ``allow``
     ├── RevisionConflict             (409) carries expected_revision and head_revision
     ├── ServiceUnavailable           (503) carries retry_after
     │   ├── AuditUnavailable         (503) the audit store could not record: nothing happens
@@ -133,6 +134,18 @@ class Forbidden(RudderError):
 class NotFound(RudderError):
     status_code = 404
     code = "not_found"
+
+
+class MethodNotAllowed(RudderError):
+    """The path is served, not with this method. ``allow`` lists the methods it takes (also sent
+    as the ``Allow`` header)."""
+
+    status_code = 405
+    code = "method_not_allowed"
+
+    def __init__(self, message: str, *, allow: list[str], **facts: Any) -> None:
+        super().__init__(message, allow=allow, **facts)
+        self.allow = allow
 
 
 class RevisionConflict(RudderError):

@@ -370,6 +370,37 @@ def decode_kv_dump(data: bytes | str | dict[str, Any]) -> KvDumpReply:
 
 
 # ---------------------------------------------------------------------------------------------
+# Decisions: "why did this request go there?" (router.decisions), asked over the bus
+
+
+class DecisionQuery(_Event):
+    """A request on ``rudder.decisions.<router_id>``: that router's records of one request."""
+
+    schema_version: Literal[1] = 1
+    request_id: str = Field(min_length=1, max_length=128)
+
+
+class DecisionReply(_Event):
+    """A router's answer to a :class:`DecisionQuery`: its records of the request ([] if it has
+    none: not routed there, not sampled, or dropped from its bounded log). Each record is
+    router.decisions.DecisionRecord as a JSON object."""
+
+    schema_version: Literal[1] = 1
+    router_id: str = Field(min_length=1, max_length=64)
+    decisions: list[dict[str, Any]] = Field(max_length=64)
+
+
+def decode_decision_query(data: bytes | str | dict[str, Any]) -> DecisionQuery:
+    query: DecisionQuery = _decode(DecisionQuery, data)
+    return query
+
+
+def decode_decision_reply(data: bytes | str | dict[str, Any]) -> DecisionReply:
+    reply: DecisionReply = _decode(DecisionReply, data)
+    return reply
+
+
+# ---------------------------------------------------------------------------------------------
 # A payload speaks only for its subject (DESIGN §9). One pure check per message kind; each raises
 # SubjectMismatch naming the payload field, the subject and both ids. The subject (or KV key) is
 # what NATS permissions bind to an identity, so it is the id that counts.

@@ -25,6 +25,9 @@ POLICY_PREFIX = "rudder.policy"
 MEMBERSHIP_PREFIX = "rudder.workers"
 KV_PREFIX = "rudder.kv"
 KVDUMP_PREFIX = "rudder.kvdump"
+# Request/reply: the control plane asks one router for its sampled decision records
+# (``GET /decisions/{request_id}``); the router answers on the request's reply inbox.
+DECISIONS_PREFIX = "rudder.decisions"
 ACKS_PREFIX = "rudder.acks"
 AUDIT_PREFIX = "rudder.audit"
 
@@ -45,6 +48,11 @@ HDR_MSG_ID = "Nats-Msg-Id"
 # Policy event signature (DESIGN §9): key id and base64 Ed25519 signature over subject + payload.
 HDR_KEY_ID = "Rudder-Key-Id"
 HDR_SIGNATURE = "Rudder-Signature"
+# W3C trace context (controlplane.telemetry.traces): on HTTP requests, and on a policy message so
+# that a router's apply span links to the PATCH that published it. Not signed, not stored in the
+# event: a trace is a diagnostic, never a fact of the policy.
+HDR_TRACEPARENT = "traceparent"
+HDR_TRACESTATE = "tracestate"
 
 # JetStream API error codes we branch on.
 JS_ERR_WRONG_LAST_SEQUENCE = 10071
@@ -129,6 +137,10 @@ def kv_filter(model: str) -> str:
 
 def kvdump_subject(instance_id: int) -> str:
     return f"{KVDUMP_PREFIX}.{instance_id}"
+
+
+def decisions_subject(router_id: str) -> str:
+    return f"{DECISIONS_PREFIX}.{router_id}"
 
 
 def acks_subject(router_id: str) -> str:

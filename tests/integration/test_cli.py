@@ -13,9 +13,11 @@ import threading
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import pytest
+import yaml
 from pydantic import SecretStr
 from typer.testing import CliRunner, Result
 
@@ -277,3 +279,74 @@ def test_json_is_accepted_after_the_command(env: Env) -> None:
         assert before.exit_code == after.exit_code == 0, (after.stdout, after.stderr)
         assert json.loads(after.stdout) == json.loads(before.stdout)
     assert json.loads(env.run("workers", "list", "--json", json_out=False).stdout) == []
+
+
+def test_policy_apply_a_folder_of_three_models(env: Env, tmp_path: Path) -> None:
+    """Policy as code: the plan, the apply, a second apply that changes nothing, a refused apply
+    after a concurrent CLI change (exit 3, nothing written), drift, and export round-trips."""
+    a, b, c = model_name(), model_name(), model_name()
+    env.ok("policy", "set", c, "router_temperature=0.3", "prefill_load_scale=2", "--revision", "0",
+           role="operator")
+    folder = tmp_path / "policy"
+    folder.mkdir()
+    (folder / "a.yaml").write_text(yaml.safe_dump({"apiVersion": "rudder/v1", "kind": "PolicySet", "models": {
+        a: {"selection": {"overlap_score_credit": 0.5},
+            "busy_threshold": {"active_decode_blocks_threshold": 0.8}}}}))
+    (folder / "b.yaml").write_text(yaml.safe_dump({"apiVersion": "rudder/v1", "kind": "PolicySet", "models": {
+        b: {"selection": {"router_temperature": 0.1}}}}))
+    (folder / "c.json").write_text(json.dumps({"apiVersion": "rudder/v1", "kind": "PolicySet", "models": {
+        c: {"selection": {"router_temperature": 0.3}}}}))
+    (folder / "README.txt").write_text("not a policy file")
+
+    # The plan: two creates for a, one for b, an update of c that removes prefill_load_scale.
+    dry = env.ok("policy", "apply", "-f", str(folder), "--dry-run", "--revision-file",
+                 str(tmp_path / "revs.yaml"), role="operator")
+    actions = {(s["model"], s["kind"]): s["action"] for s in dry["plan"]}
+    assert actions == {(a, "selection"): "create", (a, "busy_threshold"): "create",
+                       (b, "selection"): "create", (c, "selection"): "update"}
+    update = next(s for s in dry["plan"] if s["model"] == c)
+    assert update["diff"] == {"prefill_load_scale": {"before": 2, "after": None}}
+    assert dry["applied"] == [] and env.ok("policy", "get", a, "--kind", "selection")["revision"] == 0
+    human_plan = env.run("policy", "apply", "-f", str(folder), "--dry-run", role="operator", json_out=False)
+    assert human_plan.exit_code == 0 and "3 to create, 1 to update" in human_plan.stdout
+    assert "prefill_load_scale" in human_plan.stdout and "nothing applied" in human_plan.stdout
+
+    # Drift is reported for CI (exit 1), then the apply (against the dry run's revisions).
+    assert env.run("policy", "diff", "-f", str(folder)).exit_code == ExitCode.ERROR
+    applied = env.ok("policy", "apply", "-f", str(folder), "--revision-file", str(tmp_path / "revs.yaml"),
+                     role="operator")
+    assert len(applied["applied"]) == 4
+    assert env.ok("policy", "get", a, "--kind", "busy_threshold")["document"] == {
+        "active_decode_blocks_threshold": 0.8}
+    assert env.ok("policy", "get", c, "--kind", "selection")["document"] == {"router_temperature": 0.3}
+    assert env.ok("policy", "diff", "-f", str(folder))["drifted"] is False
+
+    # A second apply changes nothing.
+    again = env.run("policy", "apply", "-f", str(folder), role="operator", json_out=False)
+    assert again.exit_code == 0 and "nothing to apply" in again.stdout and "4 unchanged" in again.stdout
+
+    # A plan is shown (its revisions kept), another CLI user changes b, the apply is refused whole.
+    env.ok("policy", "apply", "-f", str(folder), "--dry-run", "--revision-file", str(tmp_path / "revs.yaml"))
+    moved = env.ok("policy", "set", b, "router_temperature=0.9", "--latest", role="operator")
+    refused = env.run("policy", "apply", "-f", str(folder), "--revision-file", str(tmp_path / "revs.yaml"),
+                      role="operator")
+    assert refused.exit_code == ExitCode.CONFLICT, (refused.stdout, refused.stderr)
+    err = json.loads(refused.stderr)["error"]
+    assert err["code"] == "revision_conflict"
+    assert [(m["model"], m["head_revision"]) for m in err["moved"]] == [(b, moved["revision"])]
+    assert env.ok("policy", "get", b, "--kind", "selection")["revision"] == moved["revision"]
+    # A revision file of another version of the file is refused (exit 2): the plan would differ.
+    env.ok("policy", "apply", "-f", str(folder), "--dry-run", "--revision-file", str(tmp_path / "revs.yaml"))
+    (folder / "a.yaml").write_text((folder / "a.yaml").read_text().replace("0.5", "0.6"))
+    edited = env.run("policy", "apply", "-f", str(folder), "--revision-file", str(tmp_path / "revs.yaml"),
+                     role="operator")
+    assert edited.exit_code == ExitCode.USAGE and "changed since the dry run" in edited.stderr
+    assert env.ok("policy", "get", a, "--kind", "selection")["document"] == {"overlap_score_credit": 0.5}
+
+    # Export writes the same format; applying it changes nothing.
+    exported = tmp_path / "export.yaml"
+    env.ok("policy", "export", "-o", str(exported))
+    assert yaml.safe_load(exported.read_text())["models"][b] == {"selection": {"router_temperature": 0.9}}
+    assert env.ok("policy", "apply", "-f", str(exported), role="operator")["applied"] == []
+    bad = env.run("policy", "apply", "-f", str(folder / "README.txt"), role="operator")
+    assert bad.exit_code == ExitCode.USAGE

@@ -20,7 +20,7 @@ import sys
 import time
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 import httpx
 import uvicorn
@@ -346,8 +346,9 @@ async def wait_busy(router: InProcessRouter, model: str, instance_id: int, busy:
 
 
 def spawn_router(nats_url: str, model: str, *, port: int, router_id: str, command: list[str] | None = None,
-                 **env: str) -> subprocess.Popen[bytes]:
-    """A router replica as its own process (``python -m router``, or ``command``)."""
+                 stderr: IO[bytes] | None = None, **env: str) -> subprocess.Popen[bytes]:
+    """A router replica as its own process (``python -m router``, or ``command``); its log goes to
+    ``stderr`` if given."""
     full = dict(os.environ)
     full.update({
         "RUDDER_NATS_URL": nats_url, "RUDDER_MODELS": json.dumps([model]), "RUDDER_PORT": str(port),
@@ -358,7 +359,7 @@ def spawn_router(nats_url: str, model: str, *, port: int, router_id: str, comman
     full.update(env)
     return subprocess.Popen(
         command or [sys.executable, "-m", "router"], env=full, cwd=str(ROOT),
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
+        stdout=subprocess.DEVNULL, stderr=stderr or subprocess.DEVNULL, start_new_session=True,
     )
 
 

@@ -6,7 +6,7 @@ from datetime import UTC, datetime
 
 import pytest
 
-from cli.params import PairError, parse_names, parse_pair, parse_pairs, parse_time
+from cli.params import PairError, parse_names, parse_pair, parse_parameters, parse_time
 
 
 @pytest.mark.parametrize(
@@ -40,10 +40,10 @@ def test_bad_pairs_name_the_pair(pair: str) -> None:
     assert repr(pair) in str(info.value)
 
 
-def test_parse_pairs_refuses_a_name_given_twice() -> None:
+def test_parse_parameters_refuses_a_name_given_twice() -> None:
     with pytest.raises(PairError, match="more than once"):
-        parse_pairs(["x=1", "x=2"])
-    assert parse_pairs(["a=1", "b=null"]) == {"a": 1, "b": None}
+        parse_parameters(["x=1", "x=2"])
+    assert parse_parameters(["a=1", "b=null"]) == {"a": 1, "b": None}
 
 
 def test_parse_names() -> None:

@@ -1,0 +1,198 @@
+"""Who is asking, decided once per request, and a write's body as read (FastAPI dependencies).
+
+A read route depends on :func:`allowed` (its action): the caller is authenticated and authorized
+here, and refused at once (401, 403, 429). A write route depends on :data:`Writer`: the caller is
+authenticated here and the outcome handed to the write path in a :class:`RequestContext` (the
+principal, or the authentication error); the write path authorizes and records every refusal.
+Failed authentications are counted per source address (AuthFailureLimiter): a source past its
+limit is answered 429 before its token is looked up, and a write's failed authentication is
+recorded by the write path only when it is its source's first in the window (later ones are
+answered at once and written later as one row with their count).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ipaddress
+import json
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Annotated, Any
+
+from fastapi import Depends, Request
+
+from controlplane.api.observe import Metrics
+from controlplane.auth import Action, Principal
+from controlplane.protocol.errors import (
+    Forbidden,
+    InvalidRequest,
+    PayloadTooLarge,
+    RateLimited,
+    RudderError,
+    Unauthenticated,
+    UnsupportedMediaType,
+)
+from controlplane.telemetry import traces
+from controlplane.writepath import Body, RequestContext
+
+if TYPE_CHECKING:
+    from controlplane.server import ControlPlane
+
+
+class Gate:
+    """Authentication: the caller's source address and bearer token (one look-up per request)."""
+
+    def __init__(self, cp: ControlPlane) -> None:
+        self.cp = cp
+        settings = cp.settings
+        self.header_cap = settings.audit_header_max_chars
+        self.proxies = [ipaddress.ip_network(p, strict=False) for p in settings.trusted_proxies]
+
+    def source_of(self, request: Request) -> str:
+        """The caller's address: the peer's, or the last X-Forwarded-For hop if the peer is a
+        trusted proxy (``trusted_proxies``; none by default, so the header is not believed)."""
+        peer = request.client.host if request.client else "unknown"
+        if self.proxies:
+            try:
+                trusted = any(ipaddress.ip_address(peer) in net for net in self.proxies)
+            except ValueError:
+                trusted = False
+            forwarded = request.headers.get("x-forwarded-for", "").split(",")[-1].strip()
+            if trusted and forwarded:
+                with contextlib.suppress(ValueError):
+                    return str(ipaddress.ip_address(forwarded))
+        return peer
+
+    async def authenticate(self, request: Request, *, audited: bool) -> Principal | Unauthenticated:
+        """As :meth:`_authenticate`, in an ``authenticate`` span when tracing is on."""
+        with traces.step("authenticate") as span:
+            result = await self._authenticate(request, audited=audited)
+            if span is not None and isinstance(result, Principal):
+                span.set_attribute("rudder.role", result.role.value)
+            return result
+
+    async def _authenticate(self, request: Request, *, audited: bool) -> Principal | Unauthenticated:
+        """The caller's principal, or, when the caller audits failures (``audited``) and this is
+        its source's first failure in the window, the error for the write path to audit.
+
+        A source past its failure limit is refused before its token is even looked up. Raises
+        RateLimited (429) for it and Unauthenticated for every other failure (counted, and
+        written later as one row per window: AuthFailureLimiter)."""
+        failures = self.cp.auth_failures
+        source = self.source_of(request)
+        retry = failures.retry_after(source)
+        if retry is not None:
+            failures.refused(source)
+            raise RateLimited(f"too many failed authentications from {source}; retry in {retry} s",
+                              retry_after=retry)
+        header = request.headers.get("authorization", "")
+        scheme, _, token = header.partition(" ")
+        error: Unauthenticated | None = None
+        principal: Principal | None = None
+        if scheme.lower() != "bearer" or not token.strip():
+            error = Unauthenticated("missing bearer token")
+        else:
+            principal = await self.cp.tokens.authenticate(token.strip())
+            if principal is None:
+                error = Unauthenticated("unknown or revoked token")
+        if principal is not None:
+            return principal
+        assert error is not None
+        if failures.failed(source, audited_if_first=audited):
+            return error
+        raise error
+
+    async def allow(self, request: Request, action: Action) -> Principal:
+        """A read's caller, if its role may ``action``. Raises RateLimited, Unauthenticated,
+        Forbidden."""
+        principal = await self.authenticate(request, audited=False)
+        assert isinstance(principal, Principal)  # an error is only returned to an auditing caller
+        if not principal.can(action):
+            raise Forbidden(f"role {principal.role.value} may not {action.value}", required=action.value)
+        return principal
+
+    async def context(self, request: Request) -> RequestContext:
+        """A write's caller, for the write path to authorize and record. Raises RateLimited and
+        (after the window's first) Unauthenticated at once."""
+        result = await self.authenticate(request, audited=True)
+        user_agent = request.headers.get("user-agent")
+        return RequestContext(
+            request_id=request.state.request_id,
+            principal=result if isinstance(result, Principal) else None,
+            auth_error=result if isinstance(result, Unauthenticated) else None,
+            auth_method="bearer" if request.headers.get("authorization") else None,
+            source_ip=self.source_of(request),
+            user_agent=user_agent[:self.header_cap] if user_agent is not None else None,
+        )
+
+
+@dataclass(frozen=True)
+class Services:
+    """What the routes use (``app.state.services``, one per app)."""
+
+    cp: ControlPlane
+    metrics: Metrics
+    gate: Gate
+
+
+def services(request: Request) -> Services:
+    found: Services = request.app.state.services
+    return found
+
+
+Svc = Annotated[Services, Depends(services)]
+
+
+def allowed(action: Action) -> Callable[[Request, Services], Awaitable[Principal]]:
+    """The dependency of a read that needs ``action``."""
+
+    async def caller(request: Request, svc: Svc) -> Principal:
+        return await svc.gate.allow(request, action)
+
+    caller.__name__ = f"allowed_{action.value}"
+    return caller
+
+
+ReadPolicy = Annotated[Principal, Depends(allowed(Action.READ_POLICY))]
+ReadAudit = Annotated[Principal, Depends(allowed(Action.READ_AUDIT))]
+
+
+async def write_context(request: Request, svc: Svc) -> RequestContext:
+    return await svc.gate.context(request)
+
+
+Writer = Annotated[RequestContext, Depends(write_context)]
+
+
+async def read_body(request: Request, ctx: Writer, svc: Svc) -> Body:
+    """A write's body, read within the size limit and decoded as JSON, or why it could not be
+    (415, 413, 400). Nothing is raised here: the write path answers whether the caller may write
+    first, and records the refusal. (It depends on the write's context, so a caller refused at
+    once is answered before its body is read.)"""
+    try:
+        return Body(json=await _json(request, svc.cp.settings.max_body_bytes))
+    except RudderError as exc:
+        return Body(error=exc)
+
+
+WriteBody = Annotated[Body, Depends(read_body)]
+
+
+async def _json(request: Request, limit: int) -> Any:
+    ctype = request.headers.get("content-type", "").split(";")[0].strip().lower()
+    if ctype != "application/json":
+        raise UnsupportedMediaType(f"content-type must be application/json, got {ctype or 'none'!r}",
+                                   field="content-type")
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise PayloadTooLarge(f"body is {declared} bytes; the limit is {limit}", field="body", limit=limit)
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise PayloadTooLarge(f"body exceeds the limit of {limit} bytes", field="body", limit=limit)
+        chunks.append(chunk)
+    try:
+        return json.loads(b"".join(chunks))  # NaN/Infinity parse, then fail validation by name
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise InvalidRequest(f"body is not valid JSON: {exc}", field="body") from exc
