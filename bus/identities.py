@@ -6,10 +6,9 @@ out.
 
 - **admin** (one-shot jobs: ``rudder bus init``, tests that stand in for an attacker with full
   rights): everything, including stream create/update/delete. No long-running service holds it.
-- **controlplane**: publishes policy (CAS), audit checkpoints and its storage probe; reads every
-  stream (info, direct get, its own consumers, the ACK stream's durable consumer); asks routers
-  for their decision records (``rudder.decisions.*``); never creates, updates, purges or deletes
-  a stream.
+- **controlplane**: publishes policy (CAS) and audit checkpoints; reads every stream (info, direct
+  get, its own consumers, the ACK stream's durable consumer); asks routers for their decision
+  records (``rudder.decisions.*``); never creates, updates, purges or deletes a stream.
 - **router ``<router_id>``**: publishes only its own ACKs and its own status key, kvdump requests;
   creates consumers on the policy and membership streams; subscribes to KV events; answers
   requests on its own decisions subject (``rudder.decisions.<router_id>``).
@@ -35,7 +34,6 @@ from controlplane.protocol.subjects import (
     KV_PREFIX,
     KVDUMP_PREFIX,
     POLICY_PREFIX,
-    PROBE_CONTROLPLANE,
     STREAM_ACKS,
     STREAM_AUDIT_CHECKPOINTS,
     STREAM_MEMBERSHIP,
@@ -108,8 +106,8 @@ def permissions(identity: Identity) -> Permissions:
     if kind is IdentityKind.ADMIN:
         return Permissions(publish=(">",), subscribe=(">",))
     if kind is IdentityKind.CONTROLPLANE:
-        pub = [f"{POLICY_PREFIX}.>", f"{AUDIT_PREFIX}.>", PROBE_CONTROLPLANE, f"{DECISIONS_PREFIX}.*",
-               "$JS.API.INFO", "$JS.API.STREAM.NAMES"]
+        pub = [f"{POLICY_PREFIX}.>", f"{AUDIT_PREFIX}.>", f"{DECISIONS_PREFIX}.*", "$JS.API.INFO",
+               "$JS.API.STREAM.NAMES"]
         for stream in (STREAM_POLICY, STREAM_MEMBERSHIP, STREAM_ACKS, KV_STREAM_ROUTERS,
                        STREAM_AUDIT_CHECKPOINTS):
             pub += _js_read(stream, consumers=True)

@@ -36,8 +36,10 @@ MEMBERSHIP_SUBJECTS = f"{MEMBERSHIP_PREFIX}.>"
 ACKS_SUBJECTS = f"{ACKS_PREFIX}.>"
 #: One subject: every checkpoint of the audit and ACK chains, in order (CAS on its sequence).
 AUDIT_CHECKPOINTS_SUBJECT = "rudder.audit.checkpoints"
-#: The control plane's storage probe (readiness) and ``rudder up``'s (supervision).
-PROBE_PREFIX = "rudder.probe"
+#: The control plane's storage probe (readiness) and ``rudder up``'s (supervision). Under the audit
+#: prefix, which the control plane may already publish to (a subject of its own would lengthen its
+#: credentials past NATS's control-line limit).
+PROBE_PREFIX = f"{AUDIT_PREFIX}.probe"
 PROBE_SUBJECTS = f"{PROBE_PREFIX}.>"
 PROBE_CONTROLPLANE = f"{PROBE_PREFIX}.controlplane"
 #: Durable pull consumer on ``RUDDER_ACKS`` shared by every control-plane replica of a fleet.

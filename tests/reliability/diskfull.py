@@ -13,6 +13,8 @@ from pathlib import Path
 import pytest
 from nats.aio.client import Client as NATS
 
+from controlplane.protocol.subjects import PROBE_PREFIX
+
 
 @contextlib.contextmanager
 def small_disk(path: Path, size_mb: int) -> Iterator[Path]:
@@ -39,7 +41,7 @@ def occupy(path: Path, leave_mb: float) -> Path:
     return filler
 
 
-async def fill_stream(nc: NATS, *, prefix: str = "rudder.probe.fill", chunk: int = 60_000,
+async def fill_stream(nc: NATS, *, prefix: str = f"{PROBE_PREFIX}.fill", chunk: int = 60_000,
                       limit: int = 2000) -> int:
     """Publish ``chunk``-byte messages until JetStream refuses or stops answering; how many
     were stored."""
