@@ -27,12 +27,15 @@ class BusClock:
         return max(0.0, (gap if self._holding else min(gap, self.grace_s)) - self.counted_s)
 
     def hold(self, now: float, holding: bool) -> None:
-        """From ``now`` on, the bus is known unhealthy (True) or healthy again (False). A hold
-        counts no silence beyond ``counted_s``; the bus clock is continuous across the switch
-        (after a hold, the silence counts as it would have, less the held time)."""
+        """From ``now`` on, the bus is known unhealthy (True) or healthy again (False).
+
+        A hold counts no silence beyond ``counted_s``, and applies to the whole current silence
+        (it began with the failure: everyone's messages stopped at once), so ages that grew past
+        the grace before the failure was noticed shrink back. When the hold ends the bus clock is
+        continuous (the silence counts on as it would have, less the held time)."""
         if holding == self._holding:
             return
-        if self._heard is None:
+        if self._heard is None or holding:
             self._holding = holding
             return
         gap = max(now, self._heard) - self._heard

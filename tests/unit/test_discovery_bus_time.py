@@ -117,6 +117,17 @@ def test_bus_clock_hold_is_continuous() -> None:
     assert c.at(502.0) == 103.5
 
 
+def test_a_hold_noticed_after_the_grace_covers_the_whole_silence() -> None:
+    """The router notices the failure late (its status write times out): the silence began with
+    the failure, so the hold counts none of it beyond ``counted_s``."""
+    c = BusClock(counted_s=1.5, grace_s=30)
+    c.heard(100.0)
+    assert c.at(140.0) == 111.5  # past the grace: 10 s counted again
+    c.hold(140.0, True)
+    assert c.at(140.0) == 101.5
+    assert c.at(900.0) == 101.5
+
+
 def test_a_server_clock_stepped_back_is_followed() -> None:
     """Live deliveries come in stored order: one stamped more than the TTL before the projected
     server time means the server's clock stepped back, not a heartbeat that old."""
