@@ -194,7 +194,7 @@ def reconcile() -> None:
     if not result.get("ok"):
         problems = [f"{k}={fmt_value(result.get(k))}" for k in
                     ("events_without_decision", "decisions_without_event", "duplicate_decisions",
-                     "bad_signatures", "document_mismatches", "reused_msg_ids", "replayed")
+                     "bad_signatures", "document_mismatches", "reused_msg_ids", "replayed", "undeterminable")
                     if result.get(k)]
         raise CliError(ExitCode.ERROR,
                        "stream and audit log disagree: " + (", ".join(problems) or "not ok"),

@@ -169,6 +169,8 @@ class EmbeddedNats:
         self.cluster = cluster
         self.sync_always = sync_always
         self.proc: subprocess.Popen[bytes] | None = None
+        self.restarts = 0  # restarts by a supervisor (``rudder up``), shown by ``rudder status``
+        self.last_exit: int | None = None
 
     @property
     def url(self) -> str:
@@ -327,6 +329,7 @@ class EmbeddedPostgres:
         self._auto_port = port is None
         self._started = False
         self.port = port or free_port()
+        self.restarts = 0  # restarts by a supervisor (``rudder up``), shown by ``rudder status``
         self.system_user: str | None = None
         self._superuser_password: str | None = None
 
@@ -490,6 +493,14 @@ class EmbeddedPostgres:
             return
         with contextlib.suppress(subprocess.CalledProcessError):
             self._run([self._bin("pg_ctl"), "-D", str(self.data_dir), "-w", "-m", mode, "stop"])
+
+    @property
+    def pid(self) -> int | None:
+        """The postmaster's pid (``postmaster.pid``), or None."""
+        try:
+            return int((self.data_dir / "postmaster.pid").read_text().split("\n", 1)[0])
+        except (OSError, ValueError):
+            return None
 
     @property
     def running(self) -> bool:
@@ -700,8 +711,46 @@ class LocalBus:
         """Start again any node that exited (same ports, same store); returns those restarted."""
         dead = [server for server in self.servers if server.proc is not None and not server.running]
         for server in dead:
+            server.last_exit = server.proc.poll() if server.proc is not None else None
+            server.restarts += 1
             server.launch()
         return dead
+
+    def restart(self, server: EmbeddedNats) -> None:
+        """Stop one node and start it again (same ports, same store): a node that runs but
+        cannot store (its disk was full) recovers only by a restart."""
+        server.stop()
+        server.restarts += 1
+        server.launch()
+
+    def probe_store(self, server: EmbeddedNats, *, timeout_s: float = 2.0) -> str | None:
+        """Write a probe through ``server`` (as the control plane); None when it was stored,
+        else why not."""
+        import asyncio
+
+        from bus.client import Bus
+        from bus.connect import connect
+        from controlplane.protocol.errors import RudderError
+        from controlplane.protocol.subjects import PROBE_CONTROLPLANE
+
+        opts = BusOptions(servers=(server.url,), creds=self.creds(Identity(IdentityKind.CONTROLPLANE)),
+                          ca=self.tls.ca if self.tls else None, name="rudder-up-probe",
+                          connect_timeout_s=timeout_s, initial_timeout_s=timeout_s)
+
+        async def probe() -> str | None:
+            try:
+                bus = Bus(await connect(opts), timeout_s=timeout_s)
+            except RudderError as exc:
+                return exc.message
+            try:
+                await bus.store(PROBE_CONTROLPLANE, b"", ack_wait_s=timeout_s)
+            except RudderError as exc:
+                return exc.message
+            finally:
+                await bus.close()
+            return None
+
+        return asyncio.run(probe())
 
     def stop(self) -> None:
         for server in self.servers:

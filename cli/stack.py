@@ -70,9 +70,12 @@ class Child:
     last_exit: int | None = None
     restart_at: float | None = None  # monotonic time of the next restart (backoff)
     started_at: float = 0.0
+    healthy_at: float | None = None  # monotonic time it last became healthy (this run)
+    streak: int = 0  # restarts in a row without a healthy run of ``healthy_reset_s`` between
 
     def start(self, cwd: Path | None = None) -> None:
         self.started_at = time.monotonic()
+        self.healthy_at = None
         self.state = "starting"
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         with open(self.log_path, "ab") as log:
@@ -157,6 +160,12 @@ class Stack:
     children: list[Child] = field(default_factory=list)
     ready: bool = False
     extra_status: list[Callable[[], dict[str, object]]] = field(default_factory=list)
+    # Supervision of the servers: NATS store probes (failures in a row per node), PostgreSQL.
+    _probe_at: float = 0.0
+    _store_failures: dict[str, int] = field(default_factory=dict)
+    _pg_check_at: float = 0.0
+    _pg_restart_at: float | None = None
+    _pg_streak: int = 0
 
     # -- servers -----------------------------------------------------------------------------
     def start_nats(self, port: int, *, tls: bool = False, nodes: int = 1) -> EmbeddedNats:
@@ -232,20 +241,27 @@ class Stack:
         self.children.append(child)
         took = child.wait_healthy(timeout)
         child.state = "running"
+        child.healthy_at = time.monotonic()
         self.write_status()
         self.progress(f"{child.name:<13} {child.url}   ready in {took:.1f}s (pid {child.pid})")
 
     def supervise(self, *, backoff_s: float = 0.5, max_backoff_s: float = 10.0,
-                  stable_s: float = 30.0) -> None:
-        """One supervision pass: a child that exited is restarted after a backoff that doubles
-        with each restart in a row (reset once it stayed up ``stable_s``); printed, never fatal.
-        Call it every fraction of a second while ``rudder up`` runs."""
+                  healthy_reset_s: float = 5.0, probe_every_s: float = 5.0,
+                  store_failures: int = 3, pg_check_s: float = 1.0) -> None:
+        """One supervision pass, printed, never fatal. Call it every fraction of a second while
+        ``rudder up`` runs.
+
+        - A child that exited is restarted after a backoff that doubles with each restart in a
+          row; the streak resets once a run was healthy for ``healthy_reset_s``.
+        - A NATS node that exited is restarted (same store); one that runs but cannot store (a
+          probe write every ``probe_every_s`` fails ``store_failures`` times in a row: a full
+          disk leaves nats-server failing writes until it restarts) is restarted too.
+        - PostgreSQL: a postmaster that is gone (``kill -9``) is started again (checked every
+          ``pg_check_s``, with the same backoff)."""
         now = time.monotonic()
-        changed = False
-        if self.bus is not None:
-            for server in self.bus.restart_dead():
-                self.progress(f"nats {server.server_name or ''}   {server.url} exited; restarted (same store)")
-                changed = True
+        changed = self._supervise_nats(now, probe_every_s=probe_every_s, store_failures=store_failures)
+        changed = self._supervise_postgres(now, pg_check_s=pg_check_s, backoff_s=backoff_s,
+                                           max_backoff_s=max_backoff_s) or changed
         for child in self.children:
             code = child.exited
             if child.state == "restarting" and child.restart_at is not None and now >= child.restart_at:
@@ -257,8 +273,10 @@ class Stack:
             elif code is not None and child.state in ("starting", "running"):
                 child.last_exit = code
                 up_for = now - child.started_at
-                streak = 0 if up_for >= stable_s else child.restarts
-                delay = min(max_backoff_s, backoff_s * (2 ** min(streak, 8)))
+                if child.healthy_at is not None and now - child.healthy_at >= healthy_reset_s:
+                    child.streak = 0
+                delay = min(max_backoff_s, backoff_s * (2 ** min(child.streak, 8)))
+                child.streak += 1
                 child.state = "restarting"
                 child.restart_at = now + delay
                 self.progress(f"{child.name:<13} exited with {code} after {up_for:.1f}s; "
@@ -266,9 +284,70 @@ class Stack:
                 changed = True
             elif child.state == "starting" and code is None and child.healthy_now():
                 child.state = "running"
+                child.healthy_at = now
                 changed = True
         if changed:
             self.write_status()
+
+    def _supervise_nats(self, now: float, *, probe_every_s: float, store_failures: int) -> bool:
+        if self.bus is None:
+            return False
+        changed = False
+        for server in self.bus.restart_dead():
+            self.progress(f"nats {server.server_name or ''}   {server.url} exited; restarted (same store)")
+            changed = True
+        if now < self._probe_at:
+            return changed
+        self._probe_at = now + probe_every_s
+        for server in self.bus.servers:
+            if not server.running:
+                continue
+            why = self.bus.probe_store(server)
+            key = server.url
+            if why is None:
+                self._store_failures.pop(key, None)
+                continue
+            failures = self._store_failures[key] = self._store_failures.get(key, 0) + 1
+            self.progress(f"nats {server.server_name or ''}   {server.url} cannot store ({why}); "
+                          f"{failures} of {store_failures}")
+            if failures >= store_failures:
+                self._store_failures.pop(key, None)
+                self.bus.restart(server)
+                self.progress(f"nats {server.server_name or ''}   {server.url} restarted: it could not "
+                              "store (free disk space if it still cannot)")
+                changed = True
+        return changed
+
+    def _supervise_postgres(self, now: float, *, pg_check_s: float, backoff_s: float,
+                            max_backoff_s: float) -> bool:
+        pg = self.postgres
+        if pg is None:
+            return False
+        if self._pg_restart_at is not None:
+            if now < self._pg_restart_at:
+                return False
+            self._pg_restart_at = None
+            try:
+                pg.start()
+            except (subprocess.CalledProcessError, subprocess.TimeoutExpired, OSError) as exc:
+                delay = min(max_backoff_s, backoff_s * (2 ** min(self._pg_streak, 8)))
+                self._pg_streak += 1
+                self._pg_restart_at = time.monotonic() + delay
+                self.progress(f"postgres      restart failed ({exc}); again in {delay:.1f}s. "
+                              f"log {pg.data_dir / 'server.log'}")
+                return False
+            pg.restarts += 1
+            self._pg_streak = 0
+            self.progress(f"postgres      restarted (pid {pg.pid}, restart {pg.restarts})")
+            return True
+        if now < self._pg_check_at:
+            return False
+        self._pg_check_at = now + pg_check_s
+        if pg.running:
+            return False
+        self._pg_restart_at = now
+        self.progress(f"postgres      127.0.0.1:{pg.port} is not running; restarting")
+        return True
 
     def write_status(self) -> None:
         """``<data-dir>/status.json``: what ``rudder status`` shows (atomically replaced)."""
@@ -277,8 +356,15 @@ class Stack:
             rows.append({"name": f"nats-{server.server_name}" if server.server_name else "nats",
                          "kind": "nats", "url": server.url,
                          "pid": server.proc.pid if server.proc else None,
-                         "state": "running" if server.running else "exited", "restarts": 0,
-                         "last_exit": None, "log": str(server.data_dir / "nats.log")})
+                         "state": "running" if server.running else "exited",
+                         "restarts": server.restarts, "last_exit": server.last_exit,
+                         "log": str(server.data_dir / "nats.log")})
+        if self.postgres is not None:
+            pg = self.postgres
+            rows.append({"name": "postgres", "kind": "postgres", "url": f"127.0.0.1:{pg.port}",
+                         "pid": pg.pid, "state": "restarting" if self._pg_restart_at is not None else "running",
+                         "restarts": pg.restarts, "last_exit": None,
+                         "log": str(pg.data_dir / "server.log")})
         for extra in self.extra_status:
             rows.append(extra())
         rows += [c.status() for c in self.children]

@@ -1,7 +1,14 @@
 """Stream ↔ audit reconciliation (DESIGN §4 step 8).
 
 ``resolve_pending`` settles every "received" record that has no decision (a crash or an
-ambiguous publish between steps 5 and 7) by looking its ``event_id`` up on the stream.
+ambiguous publish between steps 5 and 7, or a decision the audit store could not write) by
+looking its ``event_id`` up on the stream. It decides ``not_published`` only when the stream can
+rule the event out: every revision after the record's ``expected_revision`` is still retained
+and none is the event. When the document's oldest retained revision is above it (the per-document
+history limit may have dropped the event), the event id is looked up in the router ACK table: a
+router that ACKed or NACKed it saw it on the stream, so it was published (``reconciled_from_acks``).
+Otherwise the record stays without a decision and is reported as ``undeterminable`` (a finding:
+never recorded as rejected).
 ``check`` verifies the invariant in both directions: every event in ``RUDDER_POLICY`` has exactly
 one accepted decision, and every accepted decision has its event. Decisions whose event was
 dropped by the stream's per-document history limit are counted as ``retired``, not missing.
@@ -28,7 +35,7 @@ from dataclasses import asdict, dataclass, field
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
-from controlplane.audit.records import AuditEntry, AuditStage, Decision
+from controlplane.audit.records import AuditEntry, AuditRow, AuditStage, Decision
 from controlplane.audit.store import AuditStore
 from controlplane.eventlog import PolicyLog
 from controlplane.protocol.policy import PolicyKind
@@ -51,9 +58,11 @@ class ReconcileReport:
     document_mismatches: list[dict[str, Any]] = field(default_factory=list)
     reused_msg_ids: list[dict[str, Any]] = field(default_factory=list)
     replayed: list[dict[str, Any]] = field(default_factory=list)
+    undeterminable: list[dict[str, Any]] = field(default_factory=list)
 
     PROBLEM_KINDS = ("events_without_decision", "decisions_without_event", "duplicate_decisions",
-                     "bad_signatures", "document_mismatches", "reused_msg_ids", "replayed")
+                     "bad_signatures", "document_mismatches", "reused_msg_ids", "replayed",
+                     "undeterminable")
 
     def problems(self) -> dict[str, int]:
         """Number of findings of each kind (the ``rudder_reconcile_problems`` metric)."""
@@ -71,21 +80,29 @@ class Reconciler:
         self.last_report: ReconcileReport | None = None
         self.last_run_at: datetime | None = None
 
-    async def resolve_pending(self, *, now: datetime | None = None, grace: timedelta | None = None) -> int:
-        """Record the decision of every received-without-decision row older than the grace."""
+    async def resolve_pending(self, *, now: datetime | None = None, grace: timedelta | None = None,
+                              undeterminable: list[dict[str, Any]] | None = None) -> int:
+        """Record the decision of every received-without-decision row older than the grace.
+
+        Rows whose fate the stream and the ACKs cannot tell are left undecided and appended to
+        ``undeterminable`` (when given)."""
         now = now or datetime.now(UTC)
         pending = await self.audit.pending_received(older_than=now - (self.grace if grace is None else grace))
         resolved = 0
         for row in pending:
             if row.event_id is None or row.model is None or row.kind is None:
                 continue
-            found = await self.log.find(row.model, PolicyKind(row.kind), row.event_id)
-            if found is not None:
-                decision, code, reason, rev = (Decision.ACCEPTED, "reconciled",
-                                               "event found on the stream by the reconciler", found.revision)
-            else:
-                decision, code, reason, rev = (Decision.REJECTED, "not_published",
-                                               "event not on the stream; settled by the reconciler", None)
+            outcome = await self._settle(row, row.model, PolicyKind(row.kind))
+            if outcome is None:
+                log.error("event_id=%s (%s/%s, expected revision %s): cannot tell whether it was "
+                          "published; left undecided", row.event_id, row.model, row.kind,
+                          row.expected_revision)
+                if undeterminable is not None:
+                    undeterminable.append(
+                        {"event_id": str(row.event_id), "audit_id": row.id, "model": row.model,
+                         "kind": row.kind, "expected_revision": row.expected_revision})
+                continue
+            decision, code, reason, rev = outcome
             await self.audit.append(AuditEntry(
                 event_id=row.event_id, stage=AuditStage.DECISION, decision=decision,
                 reason_code=code, reason=reason, actor=row.actor, roles=list(row.roles),
@@ -99,10 +116,32 @@ class Reconciler:
             resolved += 1
         return resolved
 
+    async def _settle(self, row: AuditRow, model: str,
+                      kind: PolicyKind) -> tuple[Decision, str, str, int | None] | None:
+        """The decision for a pending row, or None when it cannot be determined."""
+        oldest: int | None = None
+        async for stored in self.log.history(model, kind):
+            oldest = stored.revision if oldest is None else oldest
+            if stored.msg_id == str(row.event_id):
+                return (Decision.ACCEPTED, "reconciled", "event found on the stream by the reconciler",
+                        stored.revision)
+        expected = row.expected_revision
+        if (oldest is None and expected == 0) or (oldest is not None and expected is not None
+                                                  and oldest <= expected):
+            # Every revision after the expected one is retained and none is the event.
+            return (Decision.REJECTED, "not_published", "event not on the stream; settled by the reconciler",
+                    None)
+        acks = await self.audit.acks(event_id=row.event_id, limit=1)
+        if acks:
+            return (Decision.ACCEPTED, "reconciled_from_acks",
+                    f"event no longer retained on the stream; router {acks[0]['router_id']} reported "
+                    f"revision {acks[0]['revision']} of it", int(acks[0]["revision"]))
+        return None
+
     async def check(self, *, resolve: bool = True) -> ReconcileReport:
         report = ReconcileReport()
         if resolve:
-            report.resolved = await self.resolve_pending()
+            report.resolved = await self.resolve_pending(undeterminable=report.undeterminable)
         events: dict[str, tuple[int, str]] = {}
         documents: dict[str, dict[str, Any]] = {}
         first_retained: dict[str, int] = {}

@@ -30,6 +30,7 @@ from controlplane.failpoints import Failpoints
 from controlplane.fleet import FleetView
 from controlplane.protocol.errors import ConfigurationError, KeyFileInvalid, RudderError
 from controlplane.protocol.signing import Keyring, Purpose
+from controlplane.protocol.subjects import PROBE_CONTROLPLANE
 from controlplane.queries import Queries
 from controlplane.reconcile import Reconciler
 from controlplane.restore import RestoreResponder
@@ -230,6 +231,16 @@ class ControlPlane:
         with contextlib.suppress(Exception):
             await self.audit.close()
 
+    async def probe_store(self) -> str:
+        """Whether JetStream can store: a probe write to ``RUDDER_PROBE`` (a full disk leaves
+        NATS connected and answering reads while every write fails or times out)."""
+        try:
+            await self.bus.store(PROBE_CONTROLPLANE, b"", ack_wait_s=1.0)
+        except RudderError as exc:
+            log.warning("readiness: NATS cannot store: %s", exc.message)
+            return "cannot_store"
+        return "ok"
+
     async def readiness(self) -> dict[str, str]:
         checks: dict[str, str] = {}
         checks["nats"] = "ok" if self.bus.connected else "disconnected"
@@ -242,6 +253,7 @@ class ControlPlane:
             checks["streams"] = exc.message
         except Exception as exc:  # the bus did not answer: say so without its internals
             checks["streams"] = f"unavailable ({type(exc).__name__})"
+        checks["nats_store"] = await self.probe_store()
         try:
             await self.audit.ping()
             checks["postgres"] = "ok"

@@ -22,6 +22,8 @@ any other. A write that does not name
 the revision (the compatible threshold API without ``expected_revision``) is refused with 409.
 Every rejection of steps 1-4, and a 409 at publish, is itself recorded. A publish whose outcome is
 unknown leaves its "received" row without a decision; the reconciler settles it from the stream.
+A decision that cannot be recorded after a successful publish answers 503 ``decision_unrecorded``
+with the new revision (the change is live), never ``audit_unavailable`` (nothing published).
 """
 
 from __future__ import annotations
@@ -44,6 +46,7 @@ from controlplane.fleet import FleetView
 from controlplane.protocol.errors import (
     AuditUnavailable,
     CapabilityMismatch,
+    DecisionUnrecorded,
     Forbidden,
     LogAmbiguous,
     LogUnavailable,
@@ -317,8 +320,9 @@ class WritePath:
             a.head_revision = exc.head_revision
             await self.record_rejection(ctx, a, exc)
             raise
-        except LogAmbiguous:
+        except LogAmbiguous as exc:
             log.warning("publish outcome unknown event_id=%s; left to the reconciler", a.event_id)
+            exc.facts.setdefault("event_id", str(a.event_id))  # the client may look it up later
             raise
         except LogUnavailable as exc:
             await self.record_rejection(ctx, a, exc)
@@ -332,11 +336,19 @@ class WritePath:
             code = code or ("replaced_unaudited_head" if replay else "replaced_malformed_head")
             reason = (f"replaced malformed head revision {a.head_revision}: "
                       f"{a.replaces_malformed}")[:2000]
-        with traces.step("decision", **{"rudder.decision": "accepted", "rudder.revision": result.revision}):
-            await self.audit.append(self._entry(
-                ctx, a, stage=AuditStage.DECISION, decision=Decision.ACCEPTED,
-                reason_code=code, reason=reason, new_revision=result.revision,
-            ))
+        try:
+            with traces.step("decision", **{"rudder.decision": "accepted", "rudder.revision": result.revision}):
+                await self.audit.append(self._entry(
+                    ctx, a, stage=AuditStage.DECISION, decision=Decision.ACCEPTED,
+                    reason_code=code, reason=reason, new_revision=result.revision,
+                ))
+        except AuditUnavailable as exc:
+            log.error("published event_id=%s as revision %d of %s/%s but its decision could not be "
+                      "recorded; left to the reconciler", a.event_id, result.revision, a.model, a.kind)
+            raise DecisionUnrecorded(
+                f"published as revision {result.revision}, but its decision could not be recorded "
+                "(the change is live; the reconciler will record it)", retry_after=exc.retry_after,
+                new_revision=result.revision, event_id=str(a.event_id)) from exc
         log.info("accepted request_id=%s event_id=%s model=%s kind=%s revision=%d actor=%s",
                  ctx.request_id, a.event_id, a.model, a.kind, result.revision, ctx.actor,
                  extra={"revision": result.revision, "model": a.model})

@@ -89,6 +89,7 @@ class RouterRuntime:
         self.tasks = Tasks(f"router {settings.router_id}")
         self.started_at: datetime = utcnow()
         self.draining = False  # a graceful stop began: /health is 503, in-flight work finishes
+        self._logged_stale: dict[str, int] = {}  # models last logged as having only stale workers
         self.bus: Bus | None = None
         self.http = UpstreamClient(connect_timeout_s=settings.connect_timeout_s,
                                    read_timeout_s=settings.request_timeout_s)
@@ -173,9 +174,18 @@ class RouterRuntime:
         if not view.ready:
             waiting.append("discovery")
         else:
-            missing = [m for m in self.settings.models if not view.workers.get(m)]
+            # A model needs a worker with a fresh heartbeat (a stale one is no candidate).
+            missing = [m for m in self.settings.models if not view.live_workers.get(m)]
             if missing:
                 waiting.append("workers: " + ", ".join(missing[:5]) + (" ..." if len(missing) > 5 else ""))
+                stale = {m: view.workers[m] for m in missing if view.workers.get(m)}
+                if stale and stale != self._logged_stale:
+                    log.warning("unhealthy: no worker with a fresh heartbeat for %s (known but stale: %s); "
+                                "heartbeat ages are measured on the NATS server's clock",
+                                ", ".join(stale), ", ".join(f"{m}={n}" for m, n in stale.items()))
+                self._logged_stale = stale
+            else:
+                self._logged_stale = {}
         return waiting
 
     async def policy_lag(self) -> None:

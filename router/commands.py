@@ -105,6 +105,8 @@ class RouterView:
     tokenizers: dict[str, frozenset[str]] = field(default_factory=dict)
     workers: dict[str, int] = field(default_factory=dict)
     applied: dict[str, AppliedDocument] = field(default_factory=dict)
+    # Workers per model whose heartbeat is fresh (live: candidates for selection).
+    live_workers: dict[str, int] = field(default_factory=dict)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -160,6 +162,7 @@ class ResyncPolicy(Command[dict[str, int]]):
 class ApplyMembership(Command[Change]):
     event: MembershipEvent
     received_at: datetime | None = None  # when the bus stored it (liveness uses it, not event.at)
+    live: bool = False  # delivered as stored (not the replay): its received_at is the bus's now
 
 
 @dataclass(slots=True)
@@ -198,6 +201,14 @@ class RequestDone(Command[None]):
 @dataclass(slots=True)
 class MarkUnavailable(Command[None]):
     instance_id: int
+
+
+@dataclass(slots=True)
+class BusHealth(Command[None]):
+    """Whether the bus can store (the router's own status write succeeded): while it cannot,
+    discovery holds worker ages (their heartbeats cannot arrive either)."""
+
+    can_store: bool
 
 
 @dataclass(slots=True)

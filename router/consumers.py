@@ -80,6 +80,7 @@ from router.commands import (
     ApplyKvEvents,
     ApplyMembership,
     ApplyPolicy,
+    BusHealth,
     DiscoveryComplete,
     LoadKvDump,
     RestorePolicy,
@@ -153,6 +154,9 @@ class StatusPublisher:
                 await self.kv.put(router_status_key(self.router_id), self.status().to_bytes())
             except RudderError as exc:
                 log.warning("router status not written: %s", exc.message)
+                self.scheduler.send(BusHealth(can_store=False))
+            else:
+                self.scheduler.send(BusHealth(can_store=True))
 
     def request(self) -> None:
         """Ask for a status write soon, without waiting for it: a burst of applied events costs
@@ -519,7 +523,8 @@ class MembershipConsumer:
         event = self._accept(msg)
         if event is not None:
             try:
-                change = await self.scheduler.call(ApplyMembership(event, msg.stored_at))
+                change = await self.scheduler.call(
+                    ApplyMembership(event, msg.stored_at, live=self._complete.is_set()))
             except RudderError:
                 return
             if change is Change.JOINED and self.dumper is not None:

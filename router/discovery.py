@@ -9,18 +9,27 @@ membership stream is silent for everyone: of any gap between two membership even
 ``stale_s / 2`` counts, for up to ``outage_grace_s``, so a broker restart or a leader election
 stales no worker; a worker that stops while others go on ages as before.
 
-Liveness uses the receiver's clock, never the worker's ``at`` stamp (a future ``at`` could
-otherwise keep a dead worker alive or, as "newer than anything", hide a real worker's later
-heartbeats). An event's age is ``wall_now - received_at``, where ``received_at`` is when the bus
-stored it (JetStream's own timestamp, so a replayed heartbeat of a dead worker is not mistaken for a
-live one) or, without one, now. Both clocks are passed in.
+Liveness never uses the worker's ``at`` stamp (a future ``at`` could otherwise keep a dead worker
+alive or, as "newer than anything", hide a real worker's later heartbeats). An event's age is
+measured on the bus's clock: ``bus_now - received_at``, where ``received_at`` is when the bus
+stored it (JetStream's own timestamp, so a replayed heartbeat of a dead worker is not mistaken for
+a live one; without one, the age is 0). ``bus_now`` is the newest ``received_at`` of an event
+delivered live (after the replay), projected forward on the monotonic clock; the router's wall
+clock is used only until the first live event, so a router clock ahead of or behind the NATS
+server does not matter once heartbeats flow. A live event stamped more than the TTL before the
+projection means the server's clock stepped back (live deliveries come in stored order): the
+projection follows it. All clocks are passed in.
+
+While the router knows the bus cannot store (its own status write fails), :meth:`bus_unhealthy`
+holds every age: heartbeats cannot arrive, so their absence says nothing about the workers (a
+worker that really died ages from when the bus is healthy again).
 """
 
 from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
-from datetime import datetime
+from datetime import datetime, timedelta
 
 from controlplane.protocol.events import (
     MembershipEvent,
@@ -66,6 +75,20 @@ class Discovery:
         self.models = models
         self.workers: dict[int, WorkerState] = {}
         self.clock = BusClock(counted_s=self.stale_s / 2, grace_s=outage_grace_s)
+        # The newest receive time of a live event and the monotonic time it was applied at.
+        self._bus_ref: tuple[datetime, float] | None = None
+
+    def bus_now(self, now: float, wall_now: datetime) -> datetime:
+        """The NATS server's time at ``now`` (monotonic): the newest live receive time seen,
+        projected forward; the router's wall clock before any live event."""
+        if self._bus_ref is None:
+            return wall_now
+        ref, at = self._bus_ref
+        return ref + timedelta(seconds=max(0.0, now - at))
+
+    def bus_unhealthy(self, now: float, unhealthy: bool) -> None:
+        """The bus cannot store (True) or can again (False): hold ages meanwhile."""
+        self.clock.hold(now, unhealthy)
 
     def bus_clock(self, now: float) -> float:
         """Monotonic seconds less the bus silences (what liveness ages are measured in)."""
@@ -73,10 +96,11 @@ class Discovery:
 
     def apply(
         self, event: MembershipEvent, *, now: float, wall_now: datetime,
-        received_at: datetime | None = None,
+        received_at: datetime | None = None, live: bool = False,
     ) -> Change:
         """Apply one event, in the order the bus delivered it (per worker, the order it stored
-        them). ``received_at``: when the bus stored it (None: just now)."""
+        them). ``received_at``: when the bus stored it (None: just now); ``live``: delivered as
+        it was stored (not a replay), so its ``received_at`` is the bus's time now."""
         rec = event.worker
         wid = rec.instance_id
         if self.models is not None and rec.model not in self.models:
@@ -87,7 +111,14 @@ class Discovery:
                 return Change.IGNORED
             del self.workers[wid]
             return Change.LEFT
-        age = 0.0 if received_at is None else max(0.0, (wall_now - received_at).total_seconds())
+        age = 0.0
+        if received_at is not None:
+            if live and (self._bus_ref is None or received_at > self.bus_now(now, wall_now)
+                         or received_at < self.bus_now(now, wall_now) - timedelta(seconds=self.ttl_s)):
+                # Newer than projected; or, delivered live yet older than the TTL: the server's
+                # clock stepped back (live deliveries come in stored order), so follow it.
+                self._bus_ref = (received_at, now)
+            age = max(0.0, (self.bus_now(now, wall_now) - received_at).total_seconds())
         if age >= self.ttl_s:
             return Change.IGNORED  # a replayed record of a worker that is already gone
         last_seen = self.clock.heard(now) - age

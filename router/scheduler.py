@@ -53,6 +53,7 @@ from router.commands import (
     ApplyKvEvents,
     ApplyMembership,
     ApplyPolicy,
+    BusHealth,
     Command,
     DiscoveryComplete,
     Inspect,
@@ -73,7 +74,7 @@ from router.commands import (
 from router.cost.common import SelectionParams
 from router.cost.time import Timing, predict_row, time_row
 from router.decisions import DecisionLog
-from router.discovery import Change, Discovery
+from router.discovery import Change, Discovery, Health
 from router.index import KvApplied, PrefixIndex, WorkerKey
 from router.policy_state import ApplyResult, Outcome, PolicyState
 from router.pools import Pools, Slot
@@ -289,7 +290,10 @@ class Scheduler:
                 self._publish_view()
                 return forgotten
             case ApplyMembership():
-                return self._apply_membership(cmd.event, cmd.received_at)
+                return self._apply_membership(cmd.event, cmd.received_at, live=cmd.live)
+            case BusHealth():
+                self.discovery.bus_unhealthy(self.clock(), not cmd.can_store)
+                return None
             case ApplyKvEvents():
                 return self._apply_kv(cmd.events)
             case LoadKvDump():
@@ -377,9 +381,10 @@ class Scheduler:
 
     # -- membership --------------------------------------------------------------------------
 
-    def _apply_membership(self, event: MembershipEvent, received_at: datetime | None = None) -> Change:
+    def _apply_membership(self, event: MembershipEvent, received_at: datetime | None = None, *,
+                          live: bool = False) -> Change:
         change = self.discovery.apply(
-            event, now=self.clock(), wall_now=self.wall(), received_at=received_at
+            event, now=self.clock(), wall_now=self.wall(), received_at=received_at, live=live
         )
         wid = event.worker.instance_id
         if change is Change.LEFT:
@@ -412,7 +417,17 @@ class Scheduler:
         if self.approximate:
             self.index.expire(now)
         self.tables.refresh_health(now)
+        if self._live_counts(now) != self.view.live_workers:
+            self._publish_view()
         return gone
+
+    def _live_counts(self, now: float) -> dict[str, int]:
+        live: dict[str, int] = dict.fromkeys(self.models, 0)
+        for state in self.discovery.workers.values():
+            rec = state.record
+            if rec.model in live and rec.role in self.pools and self.discovery.health(state, now) is Health.LIVE:
+                live[rec.model] += 1
+        return live
 
     # -- calibration (router.calibration) ------------------------------------------------------
 
@@ -557,5 +572,6 @@ class Scheduler:
             tokenizers={m: frozenset(v) for m, v in tokenizers.items()},
             workers=workers,
             applied=self.policy.applied(),
+            live_workers=self._live_counts(self.clock()),
         )
 

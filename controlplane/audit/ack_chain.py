@@ -13,6 +13,7 @@ bad argument.
 
 from __future__ import annotations
 
+import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
@@ -134,9 +135,10 @@ class AckChain:
         kind: str | None = None,
         at: datetime | None = None,
         status: AckStatus | str | None = None,
+        event_id: uuid.UUID | None = None,
         limit: int = 100,
     ) -> list[dict[str, Any]]:
-        """Router ACK/NACKs, newest first.
+        """Router ACK/NACKs, newest first (with ``event_id``: the reports of that event only).
 
         With ``at``: the newest report per (router, model, kind) at or before ``at`` — "which
         revision did router X run at T" (pass ``status="ACK"`` to skip NACKs, which leave the
@@ -151,6 +153,8 @@ class AckChain:
             stmt = stmt.where(c.model == model)
         if kind is not None:
             stmt = stmt.where(c.kind == kind)
+        if event_id is not None:
+            stmt = stmt.where(c.event_id == event_id)
         if status is not None:
             try:
                 stmt = stmt.where(c.status == AckStatus(status).value)

@@ -193,12 +193,14 @@ class AuditStore:
         kind: str | None = None,
         at: datetime | None = None,
         status: AckStatus | str | None = None,
+        event_id: uuid.UUID | None = None,
         limit: int = 100,
     ) -> list[dict[str, Any]]:
         """Router ACK/NACKs, newest first; with ``at``, the newest per (router, model, kind) at
-        or before ``at`` (``AckChain.acks``)."""
+        or before ``at``; with ``event_id``, the reports of that event (``AckChain.acks``)."""
         return await self.router_acks.acks(
-            router_id=router_id, model=model, kind=kind, at=at, status=status, limit=limit)
+            router_id=router_id, model=model, kind=kind, at=at, status=status, event_id=event_id,
+            limit=limit)
 
     # -- both chains ---------------------------------------------------------------------------
 

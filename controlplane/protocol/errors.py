@@ -20,6 +20,8 @@
     ├── RevisionConflict             (409) carries expected_revision and head_revision
     ├── ServiceUnavailable           (503) carries retry_after
     │   ├── AuditUnavailable         (503) the audit store could not record: nothing happens
+    │   ├── DecisionUnrecorded       (503) published (the change IS live, ``new_revision``) but its
+    │   │                            decision could not be recorded (the reconciler records it)
     │   └── LogUnavailable           (503) NATS/JetStream did not answer, or refused: nothing stored
     │       └── LogAmbiguous         (503) a publish whose outcome is unknown (the reconciler decides)
     ├── Overloaded                   (529 by default, configurable) every eligible worker is busy
@@ -173,6 +175,14 @@ class ServiceUnavailable(RudderError):
 
 class AuditUnavailable(ServiceUnavailable):
     code = "audit_unavailable"
+
+
+class DecisionUnrecorded(ServiceUnavailable):
+    """The event was published (``new_revision``: the change is live) but the audit store could
+    not record its decision; the reconciler records it from the stream (or the ACKs) later.
+    Unlike ``audit_unavailable`` (nothing published), a client must not retry blindly."""
+
+    code = "decision_unrecorded"
 
 
 class LogUnavailable(ServiceUnavailable):

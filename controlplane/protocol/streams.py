@@ -14,10 +14,12 @@ from controlplane.protocol.subjects import (
     BUCKET_ROUTERS,
     MEMBERSHIP_SUBJECTS,
     POLICY_SUBJECTS,
+    PROBE_SUBJECTS,
     STREAM_ACKS,
     STREAM_AUDIT_CHECKPOINTS,
     STREAM_MEMBERSHIP,
     STREAM_POLICY,
+    STREAM_PROBE,
 )
 
 DUPLICATE_WINDOW_S = 120.0
@@ -85,6 +87,21 @@ def routers_bucket(*, heartbeat_s: float = 1.0, replicas: int = 1) -> dict[str, 
     return {"bucket": BUCKET_ROUTERS, "ttl": 3.0 * heartbeat_s, "history": 1, "replicas": replicas}
 
 
+def probe_stream(*, replicas: int = 1) -> dict[str, Any]:
+    """Storage probes: a write that succeeds only if the bus can store (file storage, the same
+    replicas as the data); one message per subject, kept a minute."""
+    return {
+        "name": STREAM_PROBE,
+        "subjects": [PROBE_SUBJECTS],
+        "storage": "file",
+        "retention": "limits",
+        "max_msgs_per_subject": 1,
+        "max_age": 60.0,
+        "num_replicas": replicas,
+    }
+
+
 def extra_streams(*, replicas: int = 1) -> list[dict[str, Any]]:
-    """Streams beyond the policy and membership ones: router ACKs and audit checkpoints."""
-    return [acks_stream(replicas=replicas), audit_checkpoints_stream(replicas=replicas)]
+    """Streams beyond the policy and membership ones: router ACKs, audit checkpoints, probes."""
+    return [acks_stream(replicas=replicas), audit_checkpoints_stream(replicas=replicas),
+            probe_stream(replicas=replicas)]

@@ -18,6 +18,8 @@ STREAM_MEMBERSHIP = "RUDDER_MEMBERSHIP"
 BUCKET_ROUTERS = "RUDDER_ROUTERS"
 STREAM_ACKS = "RUDDER_ACKS"
 STREAM_AUDIT_CHECKPOINTS = "RUDDER_AUDIT_CHECKPOINTS"
+#: Storage probes (B2): a process that must know whether the bus can store writes here.
+STREAM_PROBE = "RUDDER_PROBE"
 
 POLICY_PREFIX = "rudder.policy"
 MEMBERSHIP_PREFIX = "rudder.workers"
@@ -37,6 +39,12 @@ MEMBERSHIP_SUBJECTS = f"{MEMBERSHIP_PREFIX}.>"
 ACKS_SUBJECTS = f"{ACKS_PREFIX}.>"
 #: One subject: every checkpoint of the audit and ACK chains, in order (CAS on its sequence).
 AUDIT_CHECKPOINTS_SUBJECT = "rudder.audit.checkpoints"
+#: The control plane's storage probe (readiness) and ``rudder up``'s (supervision). Under the audit
+#: prefix, which the control plane may already publish to (a subject of its own would lengthen its
+#: credentials past NATS's control-line limit).
+PROBE_PREFIX = f"{AUDIT_PREFIX}.probe"
+PROBE_SUBJECTS = f"{PROBE_PREFIX}.>"
+PROBE_CONTROLPLANE = f"{PROBE_PREFIX}.controlplane"
 #: Durable pull consumer on ``RUDDER_ACKS`` shared by every control-plane replica of a fleet.
 ACKS_CONSUMER_DEFAULT = "rudder-controlplane"
 
