@@ -41,6 +41,7 @@ from router.consumers import (
     StatusPublisher,
     tick,
 )
+from router.fitting import Fitter
 from router.ingress import IngressLimits, protocol_class
 from router.metrics import RouterMetrics
 from router.policy_state import ApplyResult, Outcome
@@ -74,7 +75,7 @@ class RouterRuntime:
             worker_stale_s=settings.worker_stale_s, bus_outage_grace_s=settings.bus_outage_grace_s,
             approx_ttl_s=settings.approx_ttl_s,
             keyring=self.verify_keys.keyring, rng=rng,
-            max_queued_selections=settings.max_queued_selections,
+            max_queued_selections=settings.max_queued_selections, background_fits=True,
         )
         self.metrics = RouterMetrics()
         self.drops = Drops(
@@ -124,6 +125,8 @@ class RouterRuntime:
         self.tasks.spawn(self.policy.acks.run(), name="ack-publisher")
         await self.status.put()
         self.tasks.spawn(every(s.tick_s, lambda: tick(self.scheduler), "tick"), name="tick")
+        # The workers' timing fits, off the scheduler actor (router.fitting).
+        self.tasks.spawn(Fitter(self.scheduler).run(), name="calibration-fits")
         self.tasks.spawn(every(s.heartbeat_s, self.status.put, "status"), name="status")
         self.tasks.spawn(self.status.run(), name="status-writer")
         self.tasks.spawn(every(s.heartbeat_s, self.policy.check_stream, "policy stream check"),
