@@ -5,7 +5,9 @@ A synthetic trace of multi-turn chat sessions is replayed through one router ove
 mode) under ``kv-time`` (predicted-time cost), ``kv-blocks`` (block cost; also with
 ``prefill_load_scale = 10`` for reference), ``round_robin``, ``random`` and ``least_loaded``, every
 router at its startup values. A third run replays the loaded trace over a heterogeneous pool (half
-the workers at half the speed-up ratio, i.e. twice as slow):
+the workers at half the speed-up ratio, i.e. twice as slow; ``--hetero-prior generic`` has every
+worker advertise the generic prior a vLLM worker advertises instead of its true timing, so the
+router must learn each worker's speed from what it observes, ``both`` runs it both ways):
 
 - sessions are split into groups sharing a system prompt; a session's first turn carries a
   private document of a few thousand tokens; every later turn carries all earlier turns plus the
@@ -441,11 +443,16 @@ async def main(args: argparse.Namespace) -> None:
         server = LocalBus(Path(tmp))
         server.start()
         fleet: Fleet | None = None
+        hetero: list[dict[str, Any]] = [{}] * (args.workers - len(slow)) + slow
+        generic = [{**w, "advertise_timing": "generic"} for w in hetero]
         scenarios = [
             ("loaded", loaded, split_modes(args.modes), []),
             ("idle", idle, split_modes(args.idle_modes), []),
-            ("heterogeneous", loaded, split_modes(args.hetero_modes), [{}] * (args.workers - len(slow)) + slow),
         ]
+        if args.hetero_prior in ("true", "both"):
+            scenarios.append(("heterogeneous", loaded, split_modes(args.hetero_modes), hetero))
+        if args.hetero_prior in ("generic", "both"):
+            scenarios.append(("heterogeneous-generic-prior", loaded, split_modes(args.hetero_modes), generic))
         try:
             assert server.server.proc is not None
             for label, cfg, modes, per_worker in scenarios:
@@ -463,8 +470,9 @@ async def main(args: argparse.Namespace) -> None:
                                       else args.speedup)
                 n_req = sum(len(s.turns) for s in sessions)
                 speeds = ", ".join(f"{x:g}" for x in hetero_speedups) if per_worker else f"{args.speedup:g}"
+                prior = "generic prior" if label.endswith("generic-prior") else "true timing advertised"
                 print(f"{label}: {cfg.sessions} sessions, {n_req} requests, "
-                      f"{cfg.session_rate} sessions/s, speedup_ratio {speeds}", flush=True)
+                      f"{cfg.session_rate} sessions/s, speedup_ratio {speeds}, {prior}", flush=True)
                 rows = []
                 for mode in modes:
                     row = await run_mode(server, fleet, mode, sessions, selection,
@@ -475,7 +483,7 @@ async def main(args: argparse.Namespace) -> None:
                           f"{row['errors']} errors, {row['wall_s']:.0f} s", flush=True)
                 print_table(f"{label} ({n_req} requests over {args.workers} workers, TTFT floor "
                             f"{trace_oracle['ttft_floor_mean_ms']:.0f} ms)", rows, trace_oracle["fraction"])
-                out["runs"].append({"load": label, "trace": asdict(cfg), "requests": n_req,
+                out["runs"].append({"load": label, "trace": asdict(cfg), "requests": n_req, "prior": prior,
                                     "speedup_ratios": hetero_speedups if per_worker else [args.speedup] * args.workers,
                                     "oracle": trace_oracle, "modes": rows})
         finally:
@@ -500,6 +508,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--idle-session-rate", type=float, default=0.4)
     p.add_argument("--hetero-modes", default=",".join(HETERO_MODES),
                    help="modes of the heterogeneous-pool run (half the workers twice as slow); '' skips it")
+    p.add_argument("--hetero-prior", default="true", choices=("true", "generic", "both"),
+                   help="what the heterogeneous pool's workers advertise: their true timing, the generic "
+                        "prior of a vLLM worker (the router learns their speed), or a run of each")
     p.add_argument("--modes", default=",".join(MODES),
                    help='comma-separated; a kv variant may carry its own overrides: '
                         'kv-blocks:{"prefill_load_scale":4}; '
