@@ -87,7 +87,7 @@ from router.settings import RoutingMode
 from worker.engines.mock.blocks import KvData
 from worker.engines.mock.engine import RankEngine
 from worker.engines.mock.scheduler import Batch, Seq
-from worker.engines.mock.timing import TimingModel
+from worker.engines.mock.timing import GENERIC_TIMING, TimingModel
 from worker.settings import MockEngineSettings
 
 MODEL = "sim-model"
@@ -138,7 +138,8 @@ class Simulation:
     """One mode over one trace. Events are (time, order, action) on a heap; ``now`` is seconds."""
 
     def __init__(self, mode: str, selection: dict[str, Any], speedups: list[float], *,
-                 kv_delay_s: float, hop_s: float, seed: int, background_fits: bool = False) -> None:
+                 kv_delay_s: float, hop_s: float, seed: int, background_fits: bool = False,
+                 generic_prior: bool = False) -> None:
         self.now = 0.0
         self._heap: list[tuple[float, int, Callable[[], None]]] = []
         self._order = itertools.count()
@@ -162,7 +163,7 @@ class Simulation:
             record = WorkerRecord(
                 instance_id=wid, model=MODEL, url=f"http://sim-{wid}", block_size=settings.block_size,
                 kv_total_blocks=settings.num_blocks, max_num_batched_tokens=settings.max_num_batched_tokens,
-                started_at=EPOCH, timing=timing.advertised(),
+                started_at=EPOCH, timing=GENERIC_TIMING if generic_prior else timing.advertised(),
             )
             counter = itertools.count()
             self.workers[wid] = w = SimWorker(wid, rank, record, lambda c=counter: next(c))  # type: ignore[misc]
@@ -324,6 +325,8 @@ def main() -> None:
     ap.add_argument("--hop-ms", type=float, default=2.0, help="one-way client/router/worker latency")
     ap.add_argument("--fits", choices=("inline", "background"), default="inline",
                     help="calibration fits as observations come, or in rounds as a router process does")
+    ap.add_argument("--generic-prior", action="store_true",
+                    help="workers advertise the generic prior a vLLM worker does, not their true timing")
     ap.add_argument("--output", default=None)
     args = ap.parse_args()
     speedups = [args.speedup] * args.workers
@@ -338,7 +341,8 @@ def main() -> None:
             turns = {(t.session, t.turn): t for s in sessions for t in s.turns}
             t0 = time.perf_counter()
             sim = Simulation(name, overrides, speedups, kv_delay_s=args.kv_delay_ms / 1e3,
-                             hop_s=args.hop_ms / 1e3, seed=seed, background_fits=args.fits == "background")
+                             hop_s=args.hop_ms / 1e3, seed=seed, background_fits=args.fits == "background",
+                             generic_prior=args.generic_prior)
             res = summarize(sim.run(sessions), turns, args.hop_ms / 1e3)
             res["seed"], res["wall_s"] = seed, time.perf_counter() - t0
             per_seed.append(res)
@@ -353,7 +357,8 @@ def main() -> None:
                      "of_oracle": statistics.fmean(r["of_oracle"] for r in per_seed),
                      "ttft_floor_ms": statistics.fmean(r["ttft_floor_ms"] for r in per_seed)})
     base = next((r for r in rows if r["mode"] == rows[0]["mode"]), rows[0])
-    print(f"\nsimulated: {args.workers} workers{' (heterogeneous)' if args.hetero else ''}, fits {args.fits}, "
+    print(f"\nsimulated: {args.workers} workers{' (heterogeneous)' if args.hetero else ''}, fits {args.fits}"
+          f"{', generic prior' if args.generic_prior else ''}, "
           f"{args.sessions} sessions at {args.session_rate}/s, seeds {seeds}; "
           f"TTFT floor {rows[0]['ttft_floor_ms']:.0f} ms; ratio = first row's mean / row's mean")
     head = (f"{'mode':<44}{'TTFT mean':>10}{'first':>8}{'later':>8}{'p90':>8}{'ITL':>7}{'of oracle':>10}"
@@ -368,7 +373,8 @@ def main() -> None:
     write_result("routing_sim" if args.output is None else args.output, {
         "benchmark": "routing_sim", **machine(), "workers": args.workers, "speedups": speedups,
         "sessions": args.sessions, "session_rate": args.session_rate, "seeds": seeds,
-        "kv_delay_ms": args.kv_delay_ms, "hop_ms": args.hop_ms, "fits": args.fits, "modes": rows,
+        "kv_delay_ms": args.kv_delay_ms, "hop_ms": args.hop_ms, "fits": args.fits,
+        "generic_prior": args.generic_prior, "modes": rows,
     })
 
 
