@@ -315,7 +315,8 @@ def rust_python(package: str) -> Path:
 def start_rust(package: str, python: Path, policy: str, worker_url: str, log: Path | None) -> Target:
     port = free_port()
     cmd = [str(python), "-m", RUST_ROUTERS[package], "--host", "127.0.0.1", "--port", str(port),
-           "--worker-urls", worker_url, "--policy", policy, "--log-level", "warning"]
+           "--worker-urls", worker_url, "--policy", policy, "--log-level", "warning",
+           "--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port())]  # one each
     proc = spawn(cmd, {}, log=log)
     return Target(f"{package} {policy}", f"http://127.0.0.1:{port}", proc)
 
