@@ -31,7 +31,7 @@ from controlplane.protocol.events import utcnow
 from controlplane.protocol.guard import Drops
 from controlplane.protocol.policy import Number, PolicyKind, startup_values
 from controlplane.protocol.subjects import BUCKET_ROUTERS
-from router.api import build_api, error_response
+from router.api import RouterApp, build_api, error_response
 from router.commands import UseVerifyKeys
 from router.consumers import (
     KvDumper,
@@ -212,7 +212,7 @@ def create_app(settings: RouterSettings, *, runtime: RouterRuntime | None = None
         finally:
             await rt.stop()
 
-    app = FastAPI(title="Rudder router", lifespan=lifespan, docs_url=None, redoc_url=None)
+    app = RouterApp(title="Rudder router", lifespan=lifespan, docs_url=None, redoc_url=None)
     app.state.runtime = rt
     build_api(rt, app)
     return app

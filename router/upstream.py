@@ -113,37 +113,36 @@ class UpstreamClient:
             return await self._exchange(key, fresh, request)
 
     async def _exchange(self, key: tuple[str, int], conn: _Conn, request: bytes) -> UpstreamResponse:
+        # The whole head in one read (one await and one deadline, not one per line): a head that
+        # never started is "unreachable" (retry elsewhere), one cut or malformed is "broken".
         try:
             conn.writer.write(request)
             async with asyncio.timeout(self.read_timeout_s):
-                status_line = await conn.reader.readline()
-            if not status_line:
-                raise ConnectionResetError("connection closed before the response")
-        except (OSError, TimeoutError, asyncio.IncompleteReadError) as exc:
+                head = await conn.reader.readuntil(b"\r\n\r\n")
+        except asyncio.IncompleteReadError as exc:
+            conn.close()
+            cls = UpstreamBroken if exc.partial else UpstreamUnreachable
+            what = "connection closed in the response head" if exc.partial else "no response"
+            raise cls(f"{what} from {key[0]}:{key[1]}: {type(exc).__name__}") from exc
+        except asyncio.LimitOverrunError as exc:
+            conn.close()
+            raise UpstreamBroken(f"response head from {key[0]}:{key[1]} too large") from exc
+        except (OSError, TimeoutError) as exc:
             conn.close()
             raise UpstreamUnreachable(f"no response from {key[0]}:{key[1]}: {type(exc).__name__}") from exc
         except BaseException:  # cancelled mid-exchange: the connection is in an unknown state
             conn.close()
             raise
         try:
-            parts = status_line.split(None, 2)
-            status = int(parts[1])
+            status_line, *lines = head[:-4].decode("latin-1").split("\r\n")
+            status = int(status_line.split(None, 2)[1])
             headers: dict[str, str] = {}
-            async with asyncio.timeout(self.read_timeout_s):
-                while True:
-                    line = await conn.reader.readline()
-                    if line in (b"\r\n", b"\n"):
-                        break
-                    if not line:
-                        raise ConnectionResetError("connection closed in the response head")
-                    name, _, value = line.decode("latin-1").partition(":")
-                    headers[name.strip().lower()] = value.strip()
-        except (OSError, TimeoutError, ValueError, IndexError, asyncio.LimitOverrunError) as exc:
+            for line in lines:
+                name, _, value = line.partition(":")
+                headers[name.strip().lower()] = value.strip()
+        except (ValueError, IndexError) as exc:
             conn.close()
             raise UpstreamBroken(f"bad response head from {key[0]}:{key[1]}: {type(exc).__name__}") from exc
-        except BaseException:
-            conn.close()
-            raise
         return UpstreamResponse(self, key, conn, status, headers)
 
     async def aclose(self) -> None:
@@ -167,6 +166,9 @@ class UpstreamResponse:
         self.status_code = status
         self.headers = headers
         self._done = False
+        # True from the moment the body's end has been read: the chunk being handed out is the
+        # last (the relay then ends the client's answer with it, in one write).
+        self.complete = False
 
     async def aiter_raw(self) -> AsyncIterator[bytes]:
         """The body, as it arrives (chunked framing removed)."""
@@ -202,6 +204,8 @@ class UpstreamResponse:
                             break
                         out += buf[eol + 2 : eol + 2 + size]
                         del buf[: eol + 2 + size + 2]
+                    if ended:
+                        self.complete = True
                     if out:
                         yield bytes(out)
                     if ended:
@@ -219,6 +223,7 @@ class UpstreamResponse:
                     if not data:
                         raise ConnectionResetError("stream closed inside the body")
                     remaining -= len(data)
+                    self.complete = remaining <= 0
                     yield data
             else:  # framed by connection close
                 while True:
