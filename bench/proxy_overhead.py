@@ -335,13 +335,14 @@ async def wait_ok(url: str, *, within: float = 60.0) -> None:
     raise RuntimeError(f"{url} not ready within {within:.0f}s")
 
 
-def start_profiler(pid: int, path: Path, seconds: float) -> subprocess.Popen[bytes] | None:
+def start_profiler(pid: int, path: Path, seconds: float, *, native: bool = False) -> subprocess.Popen[bytes] | None:
     spy = shutil.which("py-spy") or str(Path(sys.executable).parent / "py-spy")
     if not Path(spy).exists():
         print("py-spy not found; no profile", file=sys.stderr)
         return None
     return subprocess.Popen([spy, "record", "--pid", str(pid), "--duration", str(int(seconds)),
-                             "--rate", "200", "--format", "speedscope", "--output", str(path)],
+                             "--rate", "200", "--format", "speedscope", "--output", str(path),
+                             *(["--native"] if native else [])],
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
 
@@ -408,7 +409,8 @@ async def main(args: argparse.Namespace) -> None:
                         if (args.profile and profiled is not None and t is profiled and rnd == args.rounds - 1
                                 and c == max(concurrencies) and profiled.proc is not None):
                             prof_dir = Path(args.profile)
-                            prof = [start_profiler(profiled.proc.pid, prof_dir / "router.json", args.seconds),
+                            prof = [start_profiler(profiled.proc.pid, prof_dir / "router.json", args.seconds,
+                                                   native=args.profile_native),
                                     start_profiler(fleet.procs[0].pid, prof_dir / "worker.json", args.seconds)]
                         sampler = CpuSampler(pids)
                         sampler.start()
@@ -497,6 +499,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--launcher", default="cli", choices=("cli", "module"),
                    help="cli = rudder serve (uvloop, as deployed); module = python -m (asyncio loop)")
     p.add_argument("--profile", default="", help="py-spy speedscope profiles of Rudder --mode and the worker here")
+    p.add_argument("--profile-native", action="store_true", help="the router's profile with native frames")
     p.add_argument("--baseline", default="", help="also run a Rudder router from this checkout (e.g. /work/main)")
     p.add_argument("--output", default="proxy_overhead")
     return p.parse_args(argv)
