@@ -5,6 +5,7 @@ network."""
 from __future__ import annotations
 
 import asyncio
+import gc
 import random
 import time
 from datetime import UTC, datetime
@@ -138,17 +139,25 @@ def test_the_rounds_cost_at_most_their_share_of_a_core() -> None:
     assert pause_after(0.5, interval_s=0.2, share=0.1) == pytest.approx(4.5)
 
 
-REQUESTS = 12_000
+# A window three times the policy's bound (4096): one worker's fit takes ≈ 100 ms here, far above
+# what a loaded 2-core machine adds to a command's handling by preempting it (≈ 20 ms seen).
+WINDOW = 12_000
+WORKERS = (1, 2)
+REQUESTS = WINDOW * len(WORKERS)
 
 
 async def test_a_slow_fit_never_holds_up_the_actor() -> None:
-    """The issue's guard: thousands of observations arrive at once and the fits they make due take
-    tens of milliseconds (the largest window, 4096 observations, on four workers); meanwhile every
-    command's handling stays within a few milliseconds and a selection submitted during a fit is
-    answered within a few milliseconds. Fitted inline, each RequestFirstToken/RequestDone that
-    completes a batch of REFIT_EVERY would hold the actor for a whole fit."""
-    s = sched(calibration_window=4096, calibration_min_samples=16)
-    for wid in (1, 2, 3, 4):
+    """The issue's guard: tens of thousands of observations arrive at once and the fits they make
+    due take ≈ 100 ms per worker; meanwhile no command's handling takes more than a few
+    milliseconds of the actor's CPU and selections submitted during the fits are answered within a
+    few milliseconds.
+    Fitted inline, each RequestFirstToken/RequestDone that completes a batch of REFIT_EVERY would
+    hold the actor for a whole fit."""
+    s = sched(calibration_window=WINDOW, calibration_min_samples=16)
+    # The collector's pauses grow with the tens of thousands of objects this test holds and
+    # would land on whatever command runs; they are not what is measured here.
+    gc.disable()
+    for wid in WORKERS:
         s._dispatch(ApplyMembership(join_event(wid)))
         s._dispatch(LoadKvDump(wid, None))
     tasks = Tasks("test")
@@ -178,17 +187,19 @@ async def test_a_slow_fit_never_holds_up_the_actor() -> None:
             await asyncio.sleep(0.002)
         await s.inspect(lambda _: None)
     finally:
+        gc.enable()
         await tasks.close()
         await s.stop()
     # The fits were slow, and selections went on meanwhile.
-    assert fitter.longest_round_s >= 0.03, fitter.longest_round_s
-    assert len(latencies) >= 5
-    slowest_selection = max(latencies)
-    assert slowest_selection < fitter.longest_round_s / 2, (slowest_selection, fitter.longest_round_s)
-    assert sorted(latencies)[len(latencies) // 2] < 0.005, latencies
-    # No command held the actor for more than a few ms (fitted inline: a whole fit, tens of ms).
+    assert fitter.longest_round_s >= 0.1, fitter.longest_round_s
+    # Wall time, on a machine other processes load: the median, and nine in ten well inside a fit.
+    ordered = sorted(latencies)
+    assert len(ordered) >= 20
+    assert ordered[len(ordered) // 2] < 0.005, ordered
+    assert ordered[len(ordered) * 9 // 10] < fitter.longest_round_s / 4, (ordered, fitter.longest_round_s)
+    # No command took the actor more than a few ms of CPU (fitted inline: a whole fit, ≈ 100 ms).
     for name in ("RequestFirstToken", "RequestDone", "TakeFitWindows", "ApplyFits", "SelectWorker"):
-        assert s.slowest[name] < 0.015, (name, s.slowest)
+        assert s.slowest[name] < 0.01, (name, s.slowest)
     # And the fits landed: the slots score with the fitted models.
     for wid, cal in s.calibration.items():
         assert cal.prefill_fitted and cal.decode_fitted and cal.timing.source == "fitted"
