@@ -13,7 +13,7 @@ import pytest
 
 from router.api import RelayResponse, _target_body
 from router.commands import Selection
-from router.upstream import UpstreamClient
+from router.upstream import UpstreamBroken, UpstreamClient
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -94,6 +94,43 @@ async def test_the_upstream_response_is_complete_as_its_last_chunk_comes() -> No
         resp = await c.open(f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}", "/", b"", {})
         seen = [(chunk, resp.complete) async for chunk in resp.aiter_raw()]
         assert seen == [(b"first", False), (b"last", True)]
+    finally:
+        await c.aclose()
+        server.close()
+
+
+async def test_a_worker_silent_mid_body_times_out_and_a_slow_consumer_does_not() -> None:
+    """The body's read timeout (one timer per response): a worker that stops sending after its
+    first chunk breaks the stream after about the timeout; a consumer slower than the timeout
+    between chunks that the worker already sent does not."""
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        line = await reader.readline()
+        while (await reader.readline()) not in (b"\r\n", b""):
+            pass
+        writer.write(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n5\r\nfirst\r\n")
+        await writer.drain()
+        await asyncio.sleep(5 if b"/stall" in line else 0.05)  # /stall: the client must give up first
+        writer.write(b"6\r\nsecond\r\n0\r\n\r\n")
+        await writer.drain()
+
+    server = await asyncio.start_server(handler, "127.0.0.1", 0)
+    url = f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}"
+    c = UpstreamClient(connect_timeout_s=1, read_timeout_s=0.3)
+    try:
+        resp = await c.open(url, "/stall", b"", {})
+        got = []
+        t0 = asyncio.get_running_loop().time()
+        with pytest.raises(UpstreamBroken, match="TimeoutError"):
+            async for chunk in resp.aiter_raw():
+                got.append(chunk)
+        assert got == [b"first"]
+        assert 0.25 <= asyncio.get_running_loop().time() - t0 < 2.0
+        resp = await c.open(url, "/quick", b"", {})
+        slow = []
+        async for chunk in resp.aiter_raw():
+            slow.append(chunk)
+            await asyncio.sleep(0.5)  # longer than the timeout, between chunks already sent
+        assert b"".join(slow) == b"firstsecond"
     finally:
         await c.aclose()
         server.close()
