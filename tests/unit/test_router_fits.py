@@ -192,7 +192,7 @@ async def test_a_slow_fit_never_holds_up_the_actor() -> None:
         await tasks.close()
         await s.stop()
     # The fits were slow, and selections went on meanwhile.
-    assert fitter.longest_round_s >= 0.1, fitter.longest_round_s
+    assert fitter.longest_round_s >= 0.05, fitter.longest_round_s
     # Wall time, on a machine other processes load: the median, and nine in ten well inside a fit.
     ordered = sorted(latencies)
     assert len(ordered) >= 20
