@@ -1,26 +1,38 @@
-"""Proxy overhead: what the router adds to a streamed request, versus calling the worker directly.
+"""Proxy overhead: what a router adds to a streamed request, versus calling the worker directly,
+for Rudder and for a Rust router, in the same run with the same client (issue 16).
 
-One mock worker (``rudder serve worker``, high ``speedup_ratio`` so the engine itself is cheap) and
-one router (``rudder serve router``, mode ``kv``: the full path with prompt hashing, index lookup, cost
-and booking) on one embedded nats-server, all on 127.0.0.1. Both targets get the same streamed
-``/v1/completions`` requests (a ~100-token prompt, 8 output tokens, ``include_usage``):
+One mock worker (``rudder serve worker``, high ``speedup_ratio`` so the engine itself is cheap) on
+one embedded nats-server, and in front of it, each its own process on 127.0.0.1:
 
-1. latency: requests one at a time, alternating direct / router, so both see the same machine
-   state; TTFT = send -> first body chunk (the first token), total = send -> end of stream;
-2. throughput: a closed loop at several concurrencies, alternating direct / router phases of a
-   fixed length; the best requests/s of each target.
+- Rudder routers (``rudder serve router``), one per ``--modes`` (default ``kv``: the full path with
+  prompt hashing, index lookup, cost and booking; and ``round_robin``);
+- a Rust router from PyPI (``--rust vllm-router``, one process per ``--rust-policies``), installed
+  into a bench-only virtual environment under ``~/.cache/rudder/`` (created on first use, then
+  reused; never a dependency of the product); ``--rust none`` leaves it out.
+
+Every target gets the same streamed ``/v1/completions`` requests (a ~120-token prompt, 8 output
+tokens, ``include_usage``):
+
+1. latency: requests one at a time, alternating over the targets (direct first), so all see the
+   same machine state; TTFT = send -> first body chunk (the first token), total = send -> end of
+   stream; "added" = the target's percentile - direct's;
+2. throughput: a closed loop at several concurrencies, alternating targets in phases of a fixed
+   length; the best requests/s of each target at each concurrency, as a share of direct's;
+3. the router's own CPU per request (its process and children: user + system seconds over the
+   phase / requests; median of its phases at that concurrency): steadier than req/s on a machine
+   that others load.
 
 The load generator is a small HTTP/1.1 client on raw asyncio streams (keep-alive, chunked
 decoding), much cheaper than httpx, so that on a 2-core box the client takes as little CPU from
 the servers as possible. CPU per process is reported for every throughput phase.
 
     python bench/proxy_overhead.py           # table on stdout, bench/results/proxy_overhead.json
-    python bench/proxy_overhead.py --profile /tmp/prof   # + py-spy flame graphs of router and worker
-    python bench/proxy_overhead.py --baseline /work/main # + a router of another checkout, same run
+    python bench/proxy_overhead.py --profile /tmp/prof   # + py-spy profiles of Rudder kv and the worker
+    python bench/proxy_overhead.py --baseline /work/main # + a Rudder router of another checkout
 
-With ``--baseline``, a second router runs the code of that checkout on the same bus and worker;
-its throughput phases alternate with the others', and the ratio router / baseline is reported
-with the run-to-run spread of each target across rounds (the noise it must be read against).
+With ``--baseline``, a further Rudder router (mode ``--mode``) runs the code of that checkout on the
+same bus and worker; the ratio router / baseline is reported with the run-to-run spread of each
+across rounds (the noise it must be read against).
 """
 
 from __future__ import annotations
@@ -35,14 +47,18 @@ import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+import httpx
+import psutil
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
-from bench.common import CpuSampler, Fleet, Router, machine, pct, write_result
-from cli.embedded import LocalBus
+from bench.common import CpuSampler, Fleet, Router, machine, pct, spawn, stop_all, write_result
+from cli.embedded import LocalBus, free_port
 
 MODEL = "bench-proxy"
 PROMPT = "Tell me about prefix caching in large language model serving. " * 2  # ~120 tokens
@@ -132,12 +148,12 @@ def split(url: str) -> tuple[str, int]:
     return host, int(port)
 
 
-async def latency(direct: str, router: str, n: int) -> dict[str, Any]:
+async def latency(targets: list[Target], n: int) -> dict[str, Any]:
     body = request_body()
-    clients = {"direct": RawClient(*split(direct)), "router": RawClient(*split(router))}
+    clients = {t.name: RawClient(*split(t.url)) for t in targets}
     samples: dict[str, dict[str, list[float]]] = {k: {"ttft": [], "total": []} for k in clients}
     try:
-        for _ in range(20):  # warm up both paths (connections, JIT-free but caches, allocators)
+        for _ in range(20):  # warm up every path (connections, caches, allocators)
             for c in clients.values():
                 await c.post_stream("/v1/completions", body)
         for _ in range(n):
@@ -156,9 +172,6 @@ async def latency(direct: str, router: str, n: int) -> dict[str, Any]:
             out[f"{name}_{metric}_p50_ms"] = pct(values, 0.5) * 1e3
             out[f"{name}_{metric}_p99_ms"] = pct(values, 0.99) * 1e3
             out[f"{name}_{metric}_mean_ms"] = statistics.fmean(values) * 1e3
-    for metric in ("ttft", "total"):
-        for q in ("p50", "p99"):
-            out[f"added_{metric}_{q}_ms"] = out[f"router_{metric}_{q}_ms"] - out[f"direct_{metric}_{q}_ms"]
     return out
 
 
@@ -197,141 +210,276 @@ async def throughput(url: str, concurrency: int, seconds: float, max_requests: i
             "rps": done / wall, "ttft_p50_ms": pct(ttfts, 0.5) * 1e3, "ttft_p99_ms": pct(ttfts, 0.99) * 1e3}
 
 
-def compare(phases: list[dict[str, Any]], concurrencies: list[int]) -> dict[str, Any]:
-    """Router against baseline at each concurrency (best phase of each), with each target's
-    spread across rounds ((max - min) / mean of its phases): the run-to-run noise."""
+@dataclass
+class Target:
+    """One thing the client calls: the worker (``direct``) or a router in front of it."""
+
+    name: str
+    url: str
+    proc: subprocess.Popen[bytes] | None = None  # the router's process (CPU is its and its children's)
+
+
+def compare(phases: list[dict[str, Any]], concurrencies: list[int], router: str) -> dict[str, Any]:
+    """``router`` against the baseline at each concurrency (best phase of each), with each
+    target's spread across rounds ((max - min) / mean of its phases): the run-to-run noise."""
     def rps(name: str, c: int) -> list[float]:
         return [p["rps"] for p in phases if p["target"] == name and p["concurrency"] == c]
 
     def spread(values: list[float]) -> float:
         return (max(values) - min(values)) / statistics.fmean(values) if len(values) > 1 else 0.0
 
-    def cpu_ms(name: str, c: int) -> list[float]:
-        """The target's own CPU per request: steadier than req/s on a machine others load."""
-        return [p["cpu"]["process_cores"][name] * p["wall_s"] / p["requests"] * 1e3
-                for p in phases if p["target"] == name and p["concurrency"] == c and p["requests"]]
-
-    rows = [{"concurrency": c, "router_rps": max(rps("router", c)), "baseline_rps": max(rps("baseline", c)),
-             "ratio": max(rps("router", c)) / max(rps("baseline", c)),
-             "router_spread": spread(rps("router", c)), "baseline_spread": spread(rps("baseline", c)),
-             "router_cpu_ms_per_request": statistics.median(cpu_ms("router", c)),
-             "baseline_cpu_ms_per_request": statistics.median(cpu_ms("baseline", c))}
+    rows = [{"concurrency": c, "router_rps": max(rps(router, c)), "baseline_rps": max(rps("baseline", c)),
+             "ratio": max(rps(router, c)) / max(rps("baseline", c)),
+             "router_spread": spread(rps(router, c)), "baseline_spread": spread(rps("baseline", c)),
+             "router_cpu_ms_per_request": cpu_ms_per_request(phases, router, c),
+             "baseline_cpu_ms_per_request": cpu_ms_per_request(phases, "baseline", c)}
             for c in concurrencies]
-    best_router = max(p["rps"] for p in phases if p["target"] == "router")
+    best_router = max(p["rps"] for p in phases if p["target"] == router)
     best_baseline = max(p["rps"] for p in phases if p["target"] == "baseline")
-    return {"by_concurrency": rows, "max_ratio": best_router / best_baseline}
+    return {"router": router, "by_concurrency": rows, "max_ratio": best_router / best_baseline}
 
 
-def start_profiler(pid: int, path: Path, seconds: float) -> subprocess.Popen[bytes] | None:
+def cpu_ms_per_request(phases: list[dict[str, Any]], name: str, c: int) -> float | None:
+    """The target's own CPU per request (median of its phases at concurrency ``c``), in ms."""
+    values = [p["cpu"]["process_cores"][name] * p["wall_s"] / p["requests"] * 1e3
+              for p in phases if p["target"] == name and p["concurrency"] == c and p["requests"]
+              and name in p["cpu"]["process_cores"]]
+    return statistics.median(values) if values else None
+
+
+def summarize(phases: list[dict[str, Any]], lat: dict[str, Any], names: list[str],
+              concurrencies: list[int]) -> list[dict[str, Any]]:
+    """Per target: best req/s at each concurrency and its share of direct's, TTFT p50/p99 of that
+    phase, CPU per request, and the TTFT the target adds one request at a time."""
+    def best(name: str, c: int) -> dict[str, Any]:
+        return max((p for p in phases if p["target"] == name and p["concurrency"] == c), key=lambda p: p["rps"])
+
+    out = []
+    for name in names:
+        row: dict[str, Any] = {"target": name, "by_concurrency": []}
+        for c in concurrencies:
+            b, d = best(name, c), best("direct", c)
+            row["by_concurrency"].append({
+                "concurrency": c, "rps": b["rps"], "share_of_direct": b["rps"] / d["rps"],
+                "ttft_p50_ms": b["ttft_p50_ms"], "ttft_p99_ms": b["ttft_p99_ms"],
+                "added_ttft_p50_ms": b["ttft_p50_ms"] - d["ttft_p50_ms"],
+                "cpu_ms_per_request": cpu_ms_per_request(phases, name, c) if name != "direct" else None,
+            })
+        if name != "direct":
+            row["added_ttft_p50_ms"] = lat[f"{name}_ttft_p50_ms"] - lat["direct_ttft_p50_ms"]
+            row["added_ttft_p99_ms"] = lat[f"{name}_ttft_p99_ms"] - lat["direct_ttft_p99_ms"]
+        out.append(row)
+    return out
+
+
+def print_summary(rows: list[dict[str, Any]], concurrencies: list[int]) -> None:
+    cs = "/".join(str(c) for c in concurrencies)
+    print("\nsame run, same client; best phase at each concurrency; % = of calling the worker directly")
+    head = (f"{'target':<30}{'req/s at c=' + cs:>22}{'% of direct':>18}{'CPU ms/req':>20}"
+            f"{'added TTFT p50/p99 (c=1, seq)':>31}{'TTFT p50 at c=' + str(concurrencies[-1]):>17}")
+    print(head)
+    print("-" * len(head))
+    for r in rows:
+        by = r["by_concurrency"]
+        rps = "/".join(f"{x['rps']:.0f}" for x in by)
+        share = "/".join(f"{x['share_of_direct'] * 100:.0f}" for x in by)
+        cpu = "/".join("-" if x["cpu_ms_per_request"] is None else f"{x['cpu_ms_per_request']:.2f}" for x in by)
+        added = (f"{r['added_ttft_p50_ms']:.2f}/{r['added_ttft_p99_ms']:.2f} ms" if "added_ttft_p50_ms" in r
+                 else "-")
+        print(f"{r['target']:<30}{rps:>22}{share:>18}{cpu:>20}{added:>31}{by[-1]['ttft_p50_ms']:>14.2f} ms")
+
+
+# -- the Rust router (bench-only virtual environment) ------------------------------------------------
+
+VENVS = Path.home() / ".cache" / "rudder"
+# package on PyPI → the module its launcher runs (``python -m``)
+RUST_ROUTERS: dict[str, str] = {"vllm-router": "vllm_router.launch_router"}
+
+
+def rust_python(package: str) -> Path:
+    """The Python of a virtual environment holding ``package`` (a Rust router from PyPI), made
+    under ~/.cache/rudder/ on first use and reused: never a dependency of the product."""
+    venv = VENVS / f"bench-{package}"
+    python = venv / "bin" / "python"
+    module = RUST_ROUTERS[package]
+    if python.exists() and subprocess.run([str(python), "-c", f"import {module.rsplit('.', 1)[0]}"],
+                                          capture_output=True).returncode == 0:
+        return python
+    print(f"installing {package} into {venv} (bench only; reused next time)", flush=True)
+    venv.parent.mkdir(parents=True, exist_ok=True)
+    subprocess.run([sys.executable, "-m", "venv", "--clear", str(venv)], check=True)
+    subprocess.run([str(python), "-m", "pip", "install", "-q", package], check=True)
+    return python
+
+
+def start_rust(package: str, python: Path, policy: str, worker_url: str, log: Path | None) -> Target:
+    port = free_port()
+    cmd = [str(python), "-m", RUST_ROUTERS[package], "--host", "127.0.0.1", "--port", str(port),
+           "--worker-urls", worker_url, "--policy", policy, "--log-level", "warning",
+           "--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port())]  # one each
+    proc = spawn(cmd, {}, log=log)
+    return Target(f"{package} {policy}", f"http://127.0.0.1:{port}", proc)
+
+
+async def wait_ok(url: str, *, within: float = 60.0) -> None:
+    """Poll GET ``url`` until it answers 200 (any body)."""
+    deadline = time.monotonic() + within
+    async with httpx.AsyncClient() as client:
+        while time.monotonic() < deadline:
+            try:
+                if (await client.get(url, timeout=1)).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            await asyncio.sleep(0.2)
+    raise RuntimeError(f"{url} not ready within {within:.0f}s")
+
+
+def start_profiler(pid: int, path: Path, seconds: float, *, native: bool = False) -> subprocess.Popen[bytes] | None:
     spy = shutil.which("py-spy") or str(Path(sys.executable).parent / "py-spy")
     if not Path(spy).exists():
         print("py-spy not found; no profile", file=sys.stderr)
         return None
     return subprocess.Popen([spy, "record", "--pid", str(pid), "--duration", str(int(seconds)),
-                             "--rate", "200", "--format", "speedscope", "--output", str(path)],
+                             "--rate", "200", "--format", "speedscope", "--output", str(path),
+                             *(["--native"] if native else [])],
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+
+def process_tree(proc: subprocess.Popen[bytes]) -> list[int]:
+    try:
+        return [proc.pid] + [c.pid for c in psutil.Process(proc.pid).children(recursive=True)]
+    except psutil.Error:
+        return [proc.pid]
 
 
 async def main(args: argparse.Namespace) -> None:
     concurrencies = [int(c) for c in args.concurrency.split(",")]
+    modes = [m for m in args.modes.split(",") if m]
+    policies = [p for p in args.rust_policies.split(",") if p] if args.rust != "none" else []
+    rust = rust_python(args.rust) if policies else None
     with tempfile.TemporaryDirectory(prefix="po-") as tmp:
+        log_dir = Path(args.log_dir) if args.log_dir else Path(tmp)
+        log_dir.mkdir(parents=True, exist_ok=True)
         server = LocalBus(Path(tmp))
         server.start()
         fleet = Fleet(server, MODEL, 1, mock={"speedup_ratio": args.speedup}, launcher=args.launcher)
-        router: Router | None = None
-        baseline: Router | None = None
+        routers: list[Router] = []
+        targets: list[Target] = []
         try:
             await fleet.start()
-            router = Router(server, MODEL, mode=args.mode, launcher=args.launcher)
-            await router.ready(1)
-            direct_url, router_url = fleet.urls[0], router.url
-            targets = [("direct", direct_url), ("router", router_url)]
+            targets.append(Target("direct", fleet.urls[0]))
+            for mode in modes:
+                r = Router(server, MODEL, mode=mode, launcher=args.launcher, log=log_dir / f"rudder-{mode}.log")
+                routers.append(r)
+                await r.ready(1)
+                targets.append(Target(f"rudder {mode}", r.url, r.proc))
             if args.baseline:
-                baseline = Router(server, MODEL, mode=args.mode, launcher=args.launcher,
-                                  src=Path(args.baseline))
-                await baseline.ready(1)
-                targets.append(("baseline", baseline.url))
+                r = Router(server, MODEL, mode=args.mode, launcher=args.launcher, src=Path(args.baseline))
+                routers.append(r)
+                await r.ready(1)
+                targets.append(Target("baseline", r.url, r.proc))
+            for policy in policies:
+                assert rust is not None
+                t = start_rust(args.rust, rust, policy, fleet.urls[0], log_dir / f"rust-{policy}.log")
+                targets.append(t)
+                await wait_ok(t.url + "/health")
+            names = [t.name for t in targets]
 
-            lat = await latency(direct_url, router_url, args.requests)
-            print(f"latency, {args.requests} sequential requests each way (alternating):")
-            print(f"{'':<10}{'TTFT p50':>10}{'TTFT p99':>10}{'total p50':>11}{'total p99':>11}")
-            for name in ("direct", "router", "added"):
-                print(f"{name:<10}{lat[f'{name}_ttft_p50_ms']:>8.2f}ms{lat[f'{name}_ttft_p99_ms']:>8.2f}ms"
-                      f"{lat[f'{name}_total_p50_ms']:>9.2f}ms{lat[f'{name}_total_p99_ms']:>9.2f}ms")
+            lat = await latency(targets, args.requests)
+            print(f"latency, {args.requests} sequential requests to each target (alternating):")
+            print(f"{'':<30}{'TTFT p50':>10}{'TTFT p99':>10}{'total p50':>11}{'total p99':>11}"
+                  f"{'added TTFT p50':>16}{'p99':>8}")
+            for name in names:
+                added = ("" if name == "direct" else
+                         f"{lat[f'{name}_ttft_p50_ms'] - lat['direct_ttft_p50_ms']:>14.2f}ms"
+                         f"{lat[f'{name}_ttft_p99_ms'] - lat['direct_ttft_p99_ms']:>6.2f}ms")
+                print(f"{name:<30}{lat[f'{name}_ttft_p50_ms']:>8.2f}ms{lat[f'{name}_ttft_p99_ms']:>8.2f}ms"
+                      f"{lat[f'{name}_total_p50_ms']:>9.2f}ms{lat[f'{name}_total_p99_ms']:>9.2f}ms{added}")
 
-            pids = {"router": [router.proc.pid], "worker": [fleet.procs[0].pid], "client": [os.getpid()],
-                    "nats": [server.server.proc.pid] if server.server.proc else []}
-            if baseline is not None:
-                pids["baseline"] = [baseline.proc.pid]
+            pids = {t.name: process_tree(t.proc) for t in targets if t.proc is not None}
+            pids.update({"worker": [fleet.procs[0].pid], "client": [os.getpid()],
+                         "nats": [server.server.proc.pid] if server.server.proc else []})
+            profiled = next((t for t in targets if t.name == f"rudder {args.mode}"), None)
             phases: list[dict[str, Any]] = []
             for rnd in range(args.rounds):
                 for c in concurrencies:
-                    for name, url in targets:
+                    for t in targets:
                         prof = None
-                        if args.profile and name == "router" and rnd == args.rounds - 1 and c == max(concurrencies):
+                        if (args.profile and profiled is not None and t is profiled and rnd == args.rounds - 1
+                                and c == max(concurrencies) and profiled.proc is not None):
                             prof_dir = Path(args.profile)
-                            prof = [start_profiler(router.proc.pid, prof_dir / "router.json", args.seconds),
+                            prof = [start_profiler(profiled.proc.pid, prof_dir / "router.json", args.seconds,
+                                                   native=args.profile_native),
                                     start_profiler(fleet.procs[0].pid, prof_dir / "worker.json", args.seconds)]
                         sampler = CpuSampler(pids)
                         sampler.start()
-                        res = await throughput(url, c, args.seconds, args.max_requests)
+                        res = await throughput(t.url, c, args.seconds, args.max_requests)
                         res["cpu"] = sampler.stop()
-                        res["target"] = name
+                        res["target"] = t.name
                         res["round"] = rnd
                         phases.append(res)
+                        print(f"  round {rnd} c={c} {t.name}: {res['rps']:.0f} req/s, "
+                              f"TTFT p50 {res['ttft_p50_ms']:.2f} ms", flush=True)
                         for p in prof or []:
                             if p is not None:
                                 p.wait(args.seconds + 30)
-            names = [name for name, _ in targets]
-            best = {name: max((p for p in phases if p["target"] == name), key=lambda p: p["rps"])
-                    for name in names}
             print(f"\nthroughput, closed loop, {args.seconds:.0f} s phases, best of {args.rounds} rounds:")
-            print(f"{'target':<8}{'conc':>6}{'req/s':>9}{'TTFT p50':>10}{'TTFT p99':>10}"
-                  f"{'CPU router':>11}{'worker':>8}{'client':>8}{'machine':>9}")
+            print(f"{'target':<30}{'conc':>6}{'req/s':>9}{'TTFT p50':>10}{'TTFT p99':>10}"
+                  f"{'CPU own':>9}{'worker':>8}{'client':>8}{'machine':>9}")
             for c in concurrencies:
                 for name in names:
                     rows = [p for p in phases if p["target"] == name and p["concurrency"] == c]
                     p = max(rows, key=lambda p: p["rps"])
                     pc = p["cpu"]["process_cores"]
-                    own = pc.get(name, pc["router"]) if name != "direct" else pc["router"]
-                    print(f"{name:<8}{c:>6}{p['rps']:>9.0f}{p['ttft_p50_ms']:>8.2f}ms{p['ttft_p99_ms']:>8.2f}ms"
-                          f"{own:>11.2f}{pc['worker']:>8.2f}{pc['client']:>8.2f}"
-                          f"{p['cpu']['machine_busy_pct']:>8.0f}%")
-            comparison = compare(phases, concurrencies) if baseline is not None else None
+                    own = f"{pc[name]:>9.2f}" if name in pc else f"{'-':>9}"
+                    print(f"{name:<30}{c:>6}{p['rps']:>9.0f}{p['ttft_p50_ms']:>8.2f}ms{p['ttft_p99_ms']:>8.2f}ms"
+                          f"{own}{pc['worker']:>8.2f}{pc['client']:>8.2f}{p['cpu']['machine_busy_pct']:>8.0f}%")
+            summary = summarize(phases, lat, names, concurrencies)
+            print_summary(summary, concurrencies)
+            main_router = f"rudder {args.mode}"
+            comparison = compare(phases, concurrencies, main_router) if args.baseline else None
             if comparison is not None:
-                print("\nrouter / baseline (best phase each), and each target's spread across rounds:")
+                print(f"\n{main_router} / baseline (best phase each), and each target's spread across rounds:")
                 for row in comparison["by_concurrency"]:
                     print(f"  concurrency {row['concurrency']:>3}: {row['ratio'] * 100:6.1f}%  "
                           f"(router spread {row['router_spread'] * 100:.1f}%, "
                           f"baseline spread {row['baseline_spread'] * 100:.1f}%); CPU per request "
                           f"{row['router_cpu_ms_per_request']:.3f} vs {row['baseline_cpu_ms_per_request']:.3f} ms")
-                print(f"  max req/s: router {best['router']['rps']:.0f}, baseline {best['baseline']['rps']:.0f} "
-                      f"({comparison['max_ratio'] * 100:.1f}%)")
-            ratio = best["router"]["rps"] / best["direct"]["rps"]
-            print(f"\nmax req/s: direct {best['direct']['rps']:.0f}, router {best['router']['rps']:.0f} "
-                  f"({ratio * 100:.0f}% of direct); added TTFT p50 {lat['added_ttft_p50_ms']:.2f} ms, "
-                  f"p99 {lat['added_ttft_p99_ms']:.2f} ms")
+            best = {name: max(p["rps"] for p in phases if p["target"] == name) for name in names}
+            print("\nmax req/s: " + ", ".join(f"{n} {best[n]:.0f} ({best[n] / best['direct'] * 100:.0f}%)"
+                                             for n in names))
         finally:
-            if baseline is not None:
-                baseline.stop()
-            if router is not None:
-                router.stop()
+            for t in targets:
+                if t.proc is not None and t.name.startswith(args.rust):
+                    stop_all([t.proc])
+            for r in routers:
+                r.stop()
             fleet.stop()
             server.stop()
     out = {
-        "benchmark": "proxy_overhead", **machine(), "mode": args.mode, "launcher": args.launcher,
-        "speedup_ratio": args.speedup,
-        "prompt_chars": len(PROMPT), "max_tokens": MAX_TOKENS,
+        "benchmark": "proxy_overhead", **machine(), "mode": args.mode, "modes": modes, "launcher": args.launcher,
+        "rust_router": {"package": args.rust, "policies": policies,
+                        "version": rust_version(rust, args.rust) if rust is not None else None},
+        "speedup_ratio": args.speedup, "prompt_chars": len(PROMPT), "max_tokens": MAX_TOKENS,
+        "seconds": args.seconds, "rounds": args.rounds,
         "note": ("streamed /v1/completions; TTFT = send -> first body chunk; latency phase alternates "
-                 "direct and router requests one at a time; throughput = closed loop, best phase"),
-        "latency": lat, "throughput_phases": phases,
-        "max_rps": {"direct": best["direct"]["rps"], "router": best["router"]["rps"],
-                    "router_share_of_direct": ratio},
+                 "the targets one request at a time; throughput = closed loop, best phase; CPU per "
+                 "request = the router process tree's CPU over the phase / its requests (median)"),
+        "latency": lat, "throughput_phases": phases, "summary": summary,
+        "max_rps": {**best, "router": best.get(main_router, 0.0),
+                    "router_share_of_direct": best.get(main_router, 0.0) / best["direct"]},
     }
     if comparison is not None:
         out["baseline"] = {"src": args.baseline, **comparison}
     path = write_result(args.output, out)
     print(f"wrote {path}")
+
+
+def rust_version(python: Path, package: str) -> str:
+    r = subprocess.run([str(python), "-m", "pip", "show", package], capture_output=True, text=True)
+    return next((line.split(":", 1)[1].strip() for line in r.stdout.splitlines() if line.startswith("Version:")),
+                "unknown")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -342,11 +490,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-requests", type=int, default=20000, help="cap per throughput phase")
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--speedup", type=float, default=1000.0, help="mock speedup_ratio")
-    p.add_argument("--mode", default="kv")
+    p.add_argument("--mode", default="kv", help="the Rudder mode profiled and compared with --baseline")
+    p.add_argument("--modes", default="kv,round_robin", help="Rudder routers, one per mode")
+    p.add_argument("--rust", default="vllm-router", choices=(*RUST_ROUTERS, "none"),
+                   help="a Rust router from PyPI, in a bench-only venv under ~/.cache/rudder/")
+    p.add_argument("--rust-policies", default="round_robin,cache_aware", help="one Rust router per policy")
+    p.add_argument("--log-dir", default="", help="keep the routers' logs here")
     p.add_argument("--launcher", default="cli", choices=("cli", "module"),
                    help="cli = rudder serve (uvloop, as deployed); module = python -m (asyncio loop)")
-    p.add_argument("--profile", default="", help="py-spy speedscope profiles of router and worker here")
-    p.add_argument("--baseline", default="", help="also run a router from this checkout (e.g. /work/main)")
+    p.add_argument("--profile", default="", help="py-spy speedscope profiles of Rudder --mode and the worker here")
+    p.add_argument("--profile-native", action="store_true", help="the router's profile with native frames")
+    p.add_argument("--baseline", default="", help="also run a Rudder router from this checkout (e.g. /work/main)")
     p.add_argument("--output", default="proxy_overhead")
     return p.parse_args(argv)
 

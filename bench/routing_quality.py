@@ -5,7 +5,9 @@ A synthetic trace of multi-turn chat sessions is replayed through one router ove
 mode) under ``kv-time`` (predicted-time cost), ``kv-blocks`` (block cost; also with
 ``prefill_load_scale = 10`` for reference), ``round_robin``, ``random`` and ``least_loaded``, every
 router at its startup values. A third run replays the loaded trace over a heterogeneous pool (half
-the workers at half the speed-up ratio, i.e. twice as slow):
+the workers at half the speed-up ratio, i.e. twice as slow; ``--hetero-prior generic`` has every
+worker advertise the generic prior a vLLM worker advertises instead of its true timing, so the
+router must learn each worker's speed from what it observes, ``both`` runs it both ways):
 
 - sessions are split into groups sharing a system prompt; a session's first turn carries a
   private document of a few thousand tokens; every later turn carries all earlier turns plus the
@@ -24,6 +26,10 @@ the workers at half the speed-up ratio, i.e. twice as slow):
   bottleneck on the 2-core dev box.
 
 The loaded run is followed by a short low-load ("idle") run for reference.
+
+``--routers 1,2,4`` runs each mode with each number of router replicas (issue 16): every replica
+its own process on the same bus and workers, the client sending each request to the next replica
+(round robin per request, no session affinity, as an L4 balancer would); a row is ``mode xN``.
 
     python bench/routing_quality.py            # table on stdout, bench/results/routing_quality.json
     python bench/routing_quality.py --help
@@ -244,10 +250,13 @@ async def one_request(client: httpx.AsyncClient, url: str, turn: Turn, t_zero: f
     return res
 
 
-async def replay(url: str, sessions: list[Session], *, deadline_s: float) -> tuple[list[Result], float]:
-    """Run every session against ``url``; returns the results and the wall time."""
+async def replay(urls: list[str], sessions: list[Session], *, deadline_s: float) -> tuple[list[Result], float]:
+    """Run every session against the routers at ``urls``, the next one for each request (round
+    robin per request, no session affinity: an L4 balancer in front of router replicas); returns
+    the results and the wall time."""
     limits = httpx.Limits(max_connections=2000, max_keepalive_connections=500)
     results: list[Result] = []
+    pick = itertools.cycle(urls)
     async with httpx.AsyncClient(limits=limits, timeout=httpx.Timeout(120.0)) as client:
         t_zero = time.perf_counter()
 
@@ -258,7 +267,7 @@ async def replay(url: str, sessions: list[Session], *, deadline_s: float) -> tup
                     await asyncio.sleep(turn.think_s)
                 if time.perf_counter() - t_zero > deadline_s:
                     return
-                res = await one_request(client, url, turn, t_zero)
+                res = await one_request(client, next(pick), turn, t_zero)
                 results.append(res)
                 if res.error:
                     return  # the history would no longer match what the engine cached
@@ -348,7 +357,7 @@ async def router_timing(url: str) -> dict[str, Any]:
 
 async def run_mode(bus: LocalBus, fleet: Fleet, mode: str, sessions: list[Session],
                    selection: dict[str, float] | None, deadline_s: float, log_dir: Path,
-                   nats_pid: int, details: bool = False) -> dict[str, Any]:
+                   nats_pid: int, details: bool = False, replicas: int = 1) -> dict[str, Any]:
     await fleet.reset_caches()
     label = mode
     if ":" in mode:  # "kv-blocks:{json}": a kv variant with its own selection overrides
@@ -356,24 +365,27 @@ async def run_mode(bus: LocalBus, fleet: Fleet, mode: str, sessions: list[Sessio
         selection = json.loads(raw)
     kv_events = mode != "kv-approx"  # approximate mode: the router indexes its own decisions
     mode = "kv" if mode == "kv-approx" else mode
-    router = Router(bus, MODEL, mode=mode, selection=selection if mode in KV_MODES else None,
-                    kv_events=kv_events, log=log_dir / f"router-{next(_ROUTER_LOGS)}-{mode}.log",
-                    launcher=fleet.launcher)
+    routers = [Router(bus, MODEL, mode=mode, selection=selection if mode in KV_MODES else None,
+                      kv_events=kv_events, log=log_dir / f"router-{next(_ROUTER_LOGS)}-{mode}.log",
+                      launcher=fleet.launcher) for _ in range(replicas)]
     try:
-        await router.ready(fleet.n)
+        for router in routers:
+            await router.ready(fleet.n)
         before = await worker_totals(fleet)
-        sampler = CpuSampler({"router": [router.proc.pid], "workers": [p.pid for p in fleet.procs],
+        sampler = CpuSampler({"router": [r.proc.pid for r in routers], "workers": [p.pid for p in fleet.procs],
                               "nats": [nats_pid], "client": [os.getpid()]})
         sampler.start()
-        results, wall = await replay(router.url, sessions, deadline_s=deadline_s)
+        results, wall = await replay([r.url for r in routers], sessions, deadline_s=deadline_s)
         cpu = sampler.stop()
         after = await worker_totals(fleet)
-        timing = await router_timing(router.url)
+        timing = await router_timing(routers[0].url)
     finally:
-        router.stop()
+        for router in routers:
+            router.stop()
     turns_by_key = {(t.session, t.turn): t for s in sessions for t in s.turns}
     out = summarize(results, wall, turns_by_key)
-    out["mode"] = label
+    out["mode"] = label if replicas == 1 else f"{label} x{replicas}"
+    out["routers"] = replicas
     out["selection_overrides"] = (selection or {}) if mode in KV_MODES else {}
     if details:
         out["details"] = [asdict(r) for r in sorted(results, key=lambda r: r.sent)]
@@ -422,6 +434,7 @@ async def main(args: argparse.Namespace) -> None:
     idle = TraceConfig(sessions=args.idle_sessions, session_rate=args.idle_session_rate,
                        think_s=1.0, seed=args.seed + 1)
     selection = json.loads(args.selection) if args.selection else None
+    router_counts = [int(n) for n in str(args.routers).split(",")]
     mock = {"speedup_ratio": args.speedup}
     slow = [{"speedup_ratio": args.speedup / 2}] * (args.workers // 2)
     hetero_speedups = [args.speedup] * (args.workers - len(slow)) + [args.speedup / 2] * len(slow)
@@ -429,7 +442,7 @@ async def main(args: argparse.Namespace) -> None:
         "benchmark": "routing_quality", **machine(),
         "workers": args.workers, "launcher": args.launcher, "speedup_ratio": args.speedup,
         "heterogeneous_speedup_ratios": hetero_speedups,
-        "kv_selection_overrides": selection or {},
+        "kv_selection_overrides": selection or {}, "routers": router_counts,
         "note": ("TTFT = client send -> first chunk with content; cached = usage.prompt_tokens_details."
                  "cached_tokens; oracle = unlimited cache of every earlier request, whole blocks, "
                  "last prompt token never a hit"),
@@ -441,11 +454,16 @@ async def main(args: argparse.Namespace) -> None:
         server = LocalBus(Path(tmp))
         server.start()
         fleet: Fleet | None = None
+        hetero: list[dict[str, Any]] = [{}] * (args.workers - len(slow)) + slow
+        generic = [{**w, "advertise_timing": "generic"} for w in hetero]
         scenarios = [
             ("loaded", loaded, split_modes(args.modes), []),
             ("idle", idle, split_modes(args.idle_modes), []),
-            ("heterogeneous", loaded, split_modes(args.hetero_modes), [{}] * (args.workers - len(slow)) + slow),
         ]
+        if args.hetero_prior in ("true", "both"):
+            scenarios.append(("heterogeneous", loaded, split_modes(args.hetero_modes), hetero))
+        if args.hetero_prior in ("generic", "both"):
+            scenarios.append(("heterogeneous-generic-prior", loaded, split_modes(args.hetero_modes), generic))
         try:
             assert server.server.proc is not None
             for label, cfg, modes, per_worker in scenarios:
@@ -463,19 +481,21 @@ async def main(args: argparse.Namespace) -> None:
                                       else args.speedup)
                 n_req = sum(len(s.turns) for s in sessions)
                 speeds = ", ".join(f"{x:g}" for x in hetero_speedups) if per_worker else f"{args.speedup:g}"
+                prior = "generic prior" if label.endswith("generic-prior") else "true timing advertised"
                 print(f"{label}: {cfg.sessions} sessions, {n_req} requests, "
-                      f"{cfg.session_rate} sessions/s, speedup_ratio {speeds}", flush=True)
+                      f"{cfg.session_rate} sessions/s, speedup_ratio {speeds}, {prior}", flush=True)
                 rows = []
-                for mode in modes:
+                for mode, replicas in ((m, n) for m in modes for n in router_counts):
                     row = await run_mode(server, fleet, mode, sessions, selection,
-                                         args.deadline, log_dir, server.server.proc.pid, args.details)
+                                         args.deadline, log_dir, server.server.proc.pid, args.details,
+                                         replicas=replicas)
                     rows.append(row)
-                    print(f"  {mode}: TTFT mean {row['ttft_mean_ms']:.0f} ms, cached "
+                    print(f"  {row['mode']}: TTFT mean {row['ttft_mean_ms']:.0f} ms, cached "
                           f"{row['cached_fraction']:.3f}, CPU {row['cpu']['machine_busy_pct']:.0f}%, "
                           f"{row['errors']} errors, {row['wall_s']:.0f} s", flush=True)
                 print_table(f"{label} ({n_req} requests over {args.workers} workers, TTFT floor "
                             f"{trace_oracle['ttft_floor_mean_ms']:.0f} ms)", rows, trace_oracle["fraction"])
-                out["runs"].append({"load": label, "trace": asdict(cfg), "requests": n_req,
+                out["runs"].append({"load": label, "trace": asdict(cfg), "requests": n_req, "prior": prior,
                                     "speedup_ratios": hetero_speedups if per_worker else [args.speedup] * args.workers,
                                     "oracle": trace_oracle, "modes": rows})
         finally:
@@ -500,6 +520,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--idle-session-rate", type=float, default=0.4)
     p.add_argument("--hetero-modes", default=",".join(HETERO_MODES),
                    help="modes of the heterogeneous-pool run (half the workers twice as slow); '' skips it")
+    p.add_argument("--routers", default="1",
+                   help="router replicas, comma-separated (e.g. 1,2,4): each mode runs with each count, "
+                        "requests spread over the replicas round-robin per request (no session affinity)")
+    p.add_argument("--hetero-prior", default="true", choices=("true", "generic", "both"),
+                   help="what the heterogeneous pool's workers advertise: their true timing, the generic "
+                        "prior of a vLLM worker (the router learns their speed), or a run of each")
     p.add_argument("--modes", default=",".join(MODES),
                    help='comma-separated; a kv variant may carry its own overrides: '
                         'kv-blocks:{"prefill_load_scale":4}; '

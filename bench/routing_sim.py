@@ -18,7 +18,10 @@ The simulated system:
 - the router: the chosen mode at its startup values (plus a mode's own overrides, as in
   routing_quality.py), its 0.2 s tick, the first token and the end of each request reported as
   the HTTP side reports them (TTFT measured from the send to the worker, mean inter-token time);
-- the client: a session's next turn is sent its think time after the previous answer ended.
+- the client: a session's next turn is sent its think time after the previous answer ended;
+- the calibration fits (``--fits``): ``inline`` (the default) refits as observations come, every
+  ``REFIT_EVERY`` of them; ``background`` as a router process does (router.fitting): the actor only
+  records, and a round every ``FIT_INTERVAL_S`` of virtual time fits what is due (same code).
 
     python bench/routing_sim.py                          # the loaded trace, every mode
     python bench/routing_sim.py --modes kv-time,'kv-blocks:{"prefill_load_scale":10}' --hetero
@@ -67,6 +70,7 @@ from controlplane.protocol.policy import ALL_CACHE_INPUTS, CacheInput, PolicyKin
 from controlplane.protocol.signing import Keyring
 from controlplane.protocol.tokenizer import encode_chat
 from router.commands import (
+    ApplyFits,
     ApplyKvEvents,
     ApplyMembership,
     LoadKvDump,
@@ -74,14 +78,16 @@ from router.commands import (
     RequestFirstToken,
     RoutingRequest,
     SelectWorker,
+    TakeFitWindows,
     Tick,
 )
+from router.fitting import FIT_INTERVAL_S, fit_all
 from router.scheduler import Scheduler
 from router.settings import RoutingMode
 from worker.engines.mock.blocks import KvData
 from worker.engines.mock.engine import RankEngine
 from worker.engines.mock.scheduler import Batch, Seq
-from worker.engines.mock.timing import TimingModel
+from worker.engines.mock.timing import GENERIC_TIMING, TimingModel
 from worker.settings import MockEngineSettings
 
 MODEL = "sim-model"
@@ -132,7 +138,8 @@ class Simulation:
     """One mode over one trace. Events are (time, order, action) on a heap; ``now`` is seconds."""
 
     def __init__(self, mode: str, selection: dict[str, Any], speedups: list[float], *,
-                 kv_delay_s: float, hop_s: float, seed: int) -> None:
+                 kv_delay_s: float, hop_s: float, seed: int, background_fits: bool = False,
+                 generic_prior: bool = False) -> None:
         self.now = 0.0
         self._heap: list[tuple[float, int, Callable[[], None]]] = []
         self._order = itertools.count()
@@ -144,7 +151,7 @@ class Simulation:
             router_id="sim", models=[MODEL], role=RouterRole.AGGREGATED, mode=RoutingMode(mode),
             kv_events=True, cache_inputs=ALL_CACHE_INPUTS, startup=startup, worker_ttl_s=1e9,
             worker_stale_s=1e9, clock=lambda: self.now, wall=lambda: EPOCH + timedelta(seconds=self.now),
-            rng=random.Random(seed), keyring=Keyring({}),
+            rng=random.Random(seed), keyring=Keyring({}), background_fits=background_fits,
         )
         self.workers: dict[int, SimWorker] = {}
         for i, speedup in enumerate(speedups):
@@ -156,7 +163,7 @@ class Simulation:
             record = WorkerRecord(
                 instance_id=wid, model=MODEL, url=f"http://sim-{wid}", block_size=settings.block_size,
                 kv_total_blocks=settings.num_blocks, max_num_batched_tokens=settings.max_num_batched_tokens,
-                started_at=EPOCH, timing=timing.advertised(),
+                started_at=EPOCH, timing=GENERIC_TIMING if generic_prior else timing.advertised(),
             )
             counter = itertools.count()
             self.workers[wid] = w = SimWorker(wid, rank, record, lambda c=counter: next(c))  # type: ignore[misc]
@@ -166,6 +173,8 @@ class Simulation:
                 instance_id=wid, last_event_id=-1, ranks=[rank.dump()])))
             self.at(HEARTBEAT_S * (i + 1) / len(speedups), lambda w=w: self._heartbeat(w))  # type: ignore[misc]
         self.at(TICK_S, self._tick)
+        if background_fits:
+            self.at(FIT_INTERVAL_S, self._fit)
         self.outcomes: list[Outcome] = []
         self._ids = itertools.count(1)
         self.pending_sessions = 0
@@ -200,6 +209,14 @@ class Simulation:
         self.router._dispatch(Tick())
         if self.pending_sessions:
             self.at(self.now + TICK_S, self._tick)
+
+    def _fit(self) -> None:
+        """A round of router.fitting.Fitter, its thread's work done at once."""
+        windows = self.router._dispatch(TakeFitWindows())
+        if windows:
+            self.router._dispatch(ApplyFits(fit_all(windows)))
+        if self.pending_sessions:
+            self.at(self.now + FIT_INTERVAL_S, self._fit)
 
     def _send(self, session: Session, index: int) -> None:
         turn: Turn = session.turns[index]
@@ -306,6 +323,10 @@ def main() -> None:
     ap.add_argument("--seeds", default="7", help="comma-separated trace seeds; each mode runs every one")
     ap.add_argument("--kv-delay-ms", type=float, default=5.0)
     ap.add_argument("--hop-ms", type=float, default=2.0, help="one-way client/router/worker latency")
+    ap.add_argument("--fits", choices=("inline", "background"), default="inline",
+                    help="calibration fits as observations come, or in rounds as a router process does")
+    ap.add_argument("--generic-prior", action="store_true",
+                    help="workers advertise the generic prior a vLLM worker does, not their true timing")
     ap.add_argument("--output", default=None)
     args = ap.parse_args()
     speedups = [args.speedup] * args.workers
@@ -320,7 +341,8 @@ def main() -> None:
             turns = {(t.session, t.turn): t for s in sessions for t in s.turns}
             t0 = time.perf_counter()
             sim = Simulation(name, overrides, speedups, kv_delay_s=args.kv_delay_ms / 1e3,
-                             hop_s=args.hop_ms / 1e3, seed=seed)
+                             hop_s=args.hop_ms / 1e3, seed=seed, background_fits=args.fits == "background",
+                             generic_prior=args.generic_prior)
             res = summarize(sim.run(sessions), turns, args.hop_ms / 1e3)
             res["seed"], res["wall_s"] = seed, time.perf_counter() - t0
             per_seed.append(res)
@@ -335,7 +357,8 @@ def main() -> None:
                      "of_oracle": statistics.fmean(r["of_oracle"] for r in per_seed),
                      "ttft_floor_ms": statistics.fmean(r["ttft_floor_ms"] for r in per_seed)})
     base = next((r for r in rows if r["mode"] == rows[0]["mode"]), rows[0])
-    print(f"\nsimulated: {args.workers} workers{' (heterogeneous)' if args.hetero else ''}, "
+    print(f"\nsimulated: {args.workers} workers{' (heterogeneous)' if args.hetero else ''}, fits {args.fits}"
+          f"{', generic prior' if args.generic_prior else ''}, "
           f"{args.sessions} sessions at {args.session_rate}/s, seeds {seeds}; "
           f"TTFT floor {rows[0]['ttft_floor_ms']:.0f} ms; ratio = first row's mean / row's mean")
     head = (f"{'mode':<44}{'TTFT mean':>10}{'first':>8}{'later':>8}{'p90':>8}{'ITL':>7}{'of oracle':>10}"
@@ -350,7 +373,8 @@ def main() -> None:
     write_result("routing_sim" if args.output is None else args.output, {
         "benchmark": "routing_sim", **machine(), "workers": args.workers, "speedups": speedups,
         "sessions": args.sessions, "session_rate": args.session_rate, "seeds": seeds,
-        "kv_delay_ms": args.kv_delay_ms, "hop_ms": args.hop_ms, "modes": rows,
+        "kv_delay_ms": args.kv_delay_ms, "hop_ms": args.hop_ms, "fits": args.fits,
+        "generic_prior": args.generic_prior, "modes": rows,
     })
 
 

@@ -31,7 +31,7 @@ from typing import Any, Protocol
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
-from starlette.types import ASGIApp, Receive, Scope, Send
+from starlette.types import Receive, Scope, Send
 
 from controlplane.protocol.errors import (
     ClientGone,
@@ -169,8 +169,20 @@ def _observe_answer(rt: Runtime, sel: Selection, status: str, tail: bytes, ttft_
 
 
 def _target_body(
-    body: dict[str, Any], sel: Selection, *, kv_transfer_params: Any = None
+    body: dict[str, Any], sel: Selection, *, kv_transfer_params: Any = None,
+    raw: bytes | bytearray | None = None
 ) -> bytes:
+    """The body the worker gets: the client's, with ``nvext`` naming the target. Without an
+    ``nvext`` of the client's, its bytes (``raw``, the parsed ``body``'s source) are kept and the
+    member appended: no re-encoding of the whole body on every request."""
+    if raw is not None and kv_transfer_params is None and "nvext" not in body:
+        # Only an object in an ASCII-compatible encoding ends with a "}" byte after its first
+        # "{" (json.loads also takes UTF-16/32, whose bytes must not be spliced).
+        inner = raw.strip()
+        if inner[:1] == b"{" and inner[-1:] == b"}":
+            sep = b"," if body else b""
+            return b"%s%s\"nvext\":{\"backend_instance_id\":%d,\"dp_rank\":%d}}" % (
+                bytes(inner[:-1]), sep, sel.instance_id, sel.dp_rank)
     out = dict(body)
     nvext = dict(out.get("nvext") or {})
     nvext["backend_instance_id"] = sel.instance_id
@@ -328,14 +340,14 @@ async def _completion(request: Request, rt: Runtime, path: str, chat: bool) -> R
                                                 router_id=settings.router_id, path=path, started=t0,
                                                 prompt_tokens=n_prompt)
         tr.inject(headers)  # the worker's spans are children of this request's
-    labels = (model,)
+    series = rt.metrics.model(model)
     routing = RoutingRequest(
         request_id=request_id, model=model, prompt_tokens=n_prompt, hashes=hashes, targets=targets,
         ttft_slo_ms=slo,
     )
 
     def first_body(s: Selection) -> bytes:
-        return _prefill_body(body, s, chat=chat) if s.disaggregated else _target_body(body, s)
+        return _prefill_body(body, s, chat=chat) if s.disaggregated else _target_body(body, s, raw=raw)
 
     try:
         opened = await _open(request, rt, routing, path, first_body, headers)
@@ -346,8 +358,8 @@ async def _completion(request: Request, rt: Runtime, path: str, chat: bool) -> R
     sel = opened.sel
     if tr is not None:
         tr.selected(sel, tr.tokenized, opened.selected_at, opened.sent_at, _sampled(rt, sel))
-    rt.metrics.overhead.labels(*labels).observe(opened.selected_at - t0)
-    rt.metrics.hit_rate.labels(*labels).observe(sel.predicted_hit_rate)
+    series.overhead.observe(opened.selected_at - t0)
+    series.hit_rate.observe(sel.predicted_hit_rate)
     # What the router predicted for the worker that computes the prompt (the prefill worker when
     # disaggregated), and which policy revisions scored it: an operator (or a test) compares the
     # first with usage.prompt_tokens_details.cached_tokens.
@@ -372,7 +384,7 @@ async def _completion(request: Request, rt: Runtime, path: str, chat: bool) -> R
         out_headers[HDR_PREFILL_DP_RANK] = str(sel.dp_rank)
         if status >= 400:
             log.warning("request %s: prefill worker %s answered %d", request_id, sel.instance_id, status)
-            rt.metrics.requests.labels(model, path, str(status)).inc()
+            rt.metrics.answered(model, path, str(status))
             _observe_answer(rt, sel, str(status), b"", None)
             if tr is not None:
                 tr.done(str(status))
@@ -399,7 +411,7 @@ async def _completion(request: Request, rt: Runtime, path: str, chat: bool) -> R
         out_headers[HDR_PREDICTED_TTFT] = f"{sel.predicted_ttft_ms:.1f}"
 
     def observe_first_token(now: float) -> None:
-        rt.metrics.ttft.labels(*labels).observe(now - t0)
+        series.ttft.observe(now - t0)
         if slo is not None:
             rt.metrics.observe_slo(model, "met" if (now - t0) * 1e3 <= slo else "missed")
         if phase_started is not None:
@@ -418,7 +430,7 @@ async def _completion(request: Request, rt: Runtime, path: str, chat: bool) -> R
         content = await _read_all(rt, opened)
         answered = time.perf_counter()
         observe_first_token(answered)
-        rt.metrics.requests.labels(model, path, str(resp.status_code)).inc()
+        rt.metrics.answered(model, path, str(resp.status_code))
         _observe_answer(rt, sel, str(resp.status_code), content, (answered - opened.sent_at) * 1e3)
         if tr is not None:
             tr.done(str(resp.status_code))
@@ -442,7 +454,7 @@ async def _completion(request: Request, rt: Runtime, path: str, chat: bool) -> R
         await resp.aclose()
         itl_ms = (last - first_at) * 1e3 / (chunks - 1) if chunks > 1 and status == "200" else None
         rt.scheduler.send(RequestDone(booking, itl_ms=itl_ms, decode_tokens=chunks or None))
-        rt.metrics.requests.labels(model, path, status).inc()
+        rt.metrics.answered(model, path, status)
         _observe_answer(rt, sel, status, previous + tail,
                         (first_at - opened.sent_at) * 1e3 if chunks else None)
         if tr is not None:
@@ -452,6 +464,7 @@ async def _completion(request: Request, rt: Runtime, path: str, chat: bool) -> R
         nonlocal chunks, first_at, last, previous, tail
         status = "200"
         first = FirstTokenDetector()  # a role-only opening chunk is not the first token
+        itl = series.itl
         try:
             async for chunk in resp.aiter_raw():
                 now = time.perf_counter()
@@ -462,7 +475,7 @@ async def _completion(request: Request, rt: Runtime, path: str, chat: bool) -> R
                         first_at = last = now
                         chunks = 1
                 else:
-                    rt.metrics.itl.labels(*labels).observe(now - last)
+                    itl.observe(now - last)
                     last = now
                     chunks += 1
                 previous, tail = tail, chunk
@@ -489,24 +502,27 @@ async def _completion(request: Request, rt: Runtime, path: str, chat: bool) -> R
         resp.abort()  # the relay's pending read fails at once: booking freed, worker stops
 
     return RelayResponse(relay(), status_code=resp.status_code, media_type=content_type,
-                         headers=out_headers, on_disconnect=on_client_gone, on_close=finish)
+                         headers=out_headers, on_disconnect=on_client_gone, on_close=finish,
+                         last=lambda: resp.complete)
 
 
 class RelayResponse(Response):
     """A streamed answer written straight to ASGI. Starlette's ``StreamingResponse`` runs an anyio
     task group with cancel scopes per response to notice a client that goes away; here one plain
     task waits for ``http.disconnect`` (the request body is already read) and then calls
-    ``on_disconnect``, which closes the worker connection under the relay."""
+    ``on_disconnect``, which closes the worker connection under the relay. The chunk after which
+    ``last()`` is true ends the answer in the same message (one write to the client, not two)."""
 
     def __init__(self, body: AsyncGenerator[bytes, None], *, status_code: int, media_type: str,
                  headers: Mapping[str, str], on_disconnect: Callable[[], None],
-                 on_close: Callable[[str], Awaitable[None]]) -> None:
+                 on_close: Callable[[str], Awaitable[None]], last: Callable[[], bool] = lambda: False) -> None:
         super().__init__(status_code=status_code, media_type=media_type, headers=dict(headers))
         # The base class sized an empty body; this one is streamed (chunked) instead.
         self.raw_headers = [(k, v) for k, v in self.raw_headers if k != b"content-length"]
         self.body_iterator = body
         self.on_disconnect = on_disconnect
         self.on_close = on_close
+        self.last = last
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         async def watch() -> None:
@@ -517,9 +533,14 @@ class RelayResponse(Response):
         watcher = asyncio.create_task(watch())
         try:
             await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
+            ended = False
             async for chunk in self.body_iterator:
-                await send({"type": "http.response.body", "body": chunk, "more_body": True})
-            await send({"type": "http.response.body", "body": b"", "more_body": False})
+                if ended:  # nothing follows the end (the relay only finishes its bookkeeping)
+                    continue
+                ended = self.last()
+                await send({"type": "http.response.body", "body": chunk, "more_body": not ended})
+            if not ended:
+                await send({"type": "http.response.body", "body": b"", "more_body": False})
         finally:
             watcher.cancel()
             await self.body_iterator.aclose()  # runs the relay's own cleanup if it had started
@@ -555,20 +576,24 @@ _FAST_ROUTES = {"/v1/chat/completions": True, "/v1/completions": False}
 
 
 class InferenceFastPath:
-    """Plain ASGI: the two inference routes are served here, ahead of FastAPI's routing, exception
-    middleware and request/response wrappers, which cost a large share of the router's CPU per
-    proxied request (bench/proxy_overhead.py). The same handler and the same error mapping serve
-    them as the FastAPI routes declared in ``build_api`` (which remain for the OpenAPI schema)."""
+    """Plain ASGI: the two inference routes are served here, ahead of FastAPI's and Starlette's
+    whole stack (their telemetry check, which reads the environment on every request, error and
+    exception middleware with their ``send`` wrappers, routing, request/response wrappers), which
+    cost a large share of the router's CPU per proxied request (bench/proxy_overhead.py). The same
+    handler and the same error mapping serve them as the FastAPI routes declared in ``build_api``
+    (which remain for the OpenAPI schema and any other server of the app)."""
 
-    def __init__(self, app: ASGIApp, *, rt: Runtime) -> None:
-        self.app = app
+    def __init__(self, rt: Runtime) -> None:
         self.rt = rt
 
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        chat = _FAST_ROUTES.get(scope.get("path", "")) if scope["type"] == "http" else None
-        if chat is None or scope.get("method") != "POST":
-            await self.app(scope, receive, send)
-            return
+    @staticmethod
+    def route(scope: Scope) -> bool | None:
+        """``chat`` for a request this path serves, else None."""
+        if scope["type"] != "http" or scope.get("method") != "POST":
+            return None
+        return _FAST_ROUTES.get(scope.get("path", ""))
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send, chat: bool) -> None:
         request = Request(scope, receive)
         response: Response
         try:
@@ -580,7 +605,22 @@ class InferenceFastPath:
         await response(scope, receive, send)
 
 
-def build_api(rt: Runtime, app: FastAPI) -> None:
+class RouterApp(FastAPI):
+    """The router's ASGI app: FastAPI, with the inference routes served by
+    :class:`InferenceFastPath` before anything of FastAPI runs (``build_api`` sets it)."""
+
+    fast_path: InferenceFastPath | None = None
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        fast = self.fast_path
+        chat = fast.route(scope) if fast is not None else None
+        if fast is not None and chat is not None:
+            await fast(scope, receive, send, chat)
+        else:
+            await super().__call__(scope, receive, send)
+
+
+def build_api(rt: Runtime, app: RouterApp) -> None:
     """Mount the routes and the error handlers on ``app``."""
 
     @app.exception_handler(RudderError)
@@ -591,7 +631,7 @@ def build_api(rt: Runtime, app: FastAPI) -> None:
     async def _bug(request: Request, exc: Exception) -> Response:
         return _bug_response(rt, request)
 
-    app.add_middleware(InferenceFastPath, rt=rt)
+    app.fast_path = InferenceFastPath(rt)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:

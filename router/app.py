@@ -33,7 +33,7 @@ from controlplane.protocol.policy import Number, PolicyKind, startup_values
 from controlplane.protocol.subjects import BUCKET_ROUTERS, STREAM_POLICY, decisions_subject, policy_subject
 from controlplane.telemetry import logs, traces
 from controlplane.telemetry.logs import configure_logging
-from router.api import build_api, error_response
+from router.api import RouterApp, build_api, error_response
 from router.commands import UseVerifyKeys
 from router.consumers import (
     KvDumper,
@@ -44,6 +44,7 @@ from router.consumers import (
     tick,
 )
 from router.decisions import DecisionLog
+from router.fitting import Fitter
 from router.ingress import IngressLimits, protocol_class
 from router.metrics import RouterMetrics
 from router.policy_state import ApplyResult, Outcome
@@ -79,6 +80,7 @@ class RouterRuntime:
             approx_ttl_s=settings.approx_ttl_s,
             keyring=self.verify_keys.keyring, rng=rng,
             max_queued_selections=settings.max_queued_selections, decisions=self.decisions,
+            background_fits=True,
         )
         self.metrics = RouterMetrics()
         self.drops = Drops(
@@ -132,6 +134,8 @@ class RouterRuntime:
         self.tasks.spawn(self.policy.acks.run(), name="ack-publisher")
         await self.status.put()
         self.tasks.spawn(every(s.tick_s, lambda: tick(self.scheduler), "tick"), name="tick")
+        # The workers' timing fits, off the scheduler actor (router.fitting).
+        self.tasks.spawn(Fitter(self.scheduler).run(), name="calibration-fits")
         self.tasks.spawn(every(s.heartbeat_s, self.status.put, "status"), name="status")
         self.tasks.spawn(self.status.run(), name="status-writer")
         self.tasks.spawn(every(s.heartbeat_s, self.policy.check_stream, "policy stream check"),
@@ -272,7 +276,7 @@ def create_app(settings: RouterSettings, *, runtime: RouterRuntime | None = None
         finally:
             await rt.stop()
 
-    app = FastAPI(title="Rudder router", lifespan=lifespan, docs_url=None, redoc_url=None)
+    app = RouterApp(title="Rudder router", lifespan=lifespan, docs_url=None, redoc_url=None)
     app.state.runtime = rt
     build_api(rt, app)
     return app

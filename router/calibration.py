@@ -22,6 +22,12 @@ deviations), a light ridge toward the prior (columns scaled, so a narrow range o
 unidentified coefficients at the prior instead of anywhere), and no negative prefill coefficient.
 Until ``min_samples`` observations are in, the prior is used. The error of each TTFT prediction the
 router made (with the model in use at the time) is kept over the same window: mean absolute and p90.
+
+A fit costs milliseconds (numpy medians and solves over the window), so a router never runs one on
+its scheduler actor (issue 16): recording an observation is O(1); :class:`router.fitting.Fitter`
+copies the due windows (:meth:`Calibrations.windows`), fits them in a thread at a bounded rate and
+hands the results back (:meth:`Calibrations.apply`). The pure core's tests and the simulator fit
+inline instead, with the same code at the same observation counts (``inline=True``).
 """
 
 from __future__ import annotations
@@ -43,7 +49,7 @@ Floats = npt.NDArray[np.float64]
 _HUBER = 1.345
 _PRIOR_OBSERVATIONS = 0.01  # the ridge toward the prior weighs as much as this many observations
 _IRLS_ITERATIONS = 10
-REFIT_EVERY = 4  # observations between two refits (a fit costs tens of microseconds)
+REFIT_EVERY = 4  # observations between two refits (inline; off the actor, at most one per round)
 # KV usage must span at least this much for the decode curve's shape to be fitted; below it only
 # its level is (the prior's curve, scaled).
 DECODE_SHAPE_SPAN = 0.25
@@ -117,18 +123,100 @@ def robust_fit(x: Floats, y: Floats, prior: Floats, *, nonnegative: bool) -> Flo
     return theta
 
 
-class Calibration:
-    """One worker's timing model: prior, observations, fitted coefficients, prediction error."""
+@dataclass(frozen=True, slots=True)
+class FitWindow:
+    """What one refit of a worker's timing model needs, copied out of its :class:`Calibration`
+    (immutable, so a fit can run anywhere: inline, or in a thread off the scheduler actor).
+    ``decode`` / ``prefill`` are None for a part not refitted this time."""
 
-    def __init__(self, prior: Timing, *, window: int = 256, min_samples: int = 16) -> None:
+    instance_id: int
+    generation: int  # the calibration's generation when copied: a result of an older one is dropped
+    prior: Timing
+    timing: Timing  # the model in use (a prefill-only refit subtracts its decode term)
+    min_samples: int
+    decode_fitted: bool
+    prefill_fitted: bool
+    decode: tuple[tuple[float, float], ...] | None
+    prefill: tuple[PrefillObservation, ...] | None
+
+
+@dataclass(frozen=True, slots=True)
+class FitResult:
+    instance_id: int
+    generation: int
+    timing: Timing
+    decode_fitted: bool
+    prefill_fitted: bool
+
+
+def fit(window: FitWindow) -> FitResult:
+    """Refit what ``window`` holds: the decode curve first (the prefill fit subtracts its
+    decode term), then the prefill coefficients. Pure; the numpy work is here and only here."""
+    t, decode_fitted, prefill_fitted = window.timing, window.decode_fitted, window.prefill_fitted
+    if window.decode is not None:
+        t, decode_fitted = _fit_decode(window.prior, t, window.decode, window.min_samples)
+    if window.prefill is not None:
+        t, prefill_fitted = _fit_prefill(window.prior, t, window.prefill, window.min_samples, decode_fitted)
+    return FitResult(window.instance_id, window.generation, t, decode_fitted, prefill_fitted)
+
+
+def _fit_decode(prior: Timing, t: Timing, obs: tuple[tuple[float, float], ...], min_samples: int,
+                ) -> tuple[Timing, bool]:
+    if len(obs) < min_samples:
+        return replace(t, d0=prior.d0, d1=prior.d1, d2=prior.d2), False
+    data = np.array(obs, dtype=np.float64)
+    u, y = data[:, 0], data[:, 1]
+    coefs = np.array([prior.d0, prior.d1, prior.d2])
+    if float(u.max() - u.min()) >= DECODE_SHAPE_SPAN:
+        x = np.column_stack([np.ones_like(u), u, u * u])
+        d0, d1, d2 = (float(v) for v in robust_fit(x, y, coefs, nonnegative=False))
+    else:
+        # A narrow range of KV usage identifies the level of the curve, not its shape: the
+        # prior's curve is scaled to the observations (one robust coefficient) instead of a
+        # quadratic that would extrapolate anywhere outside the range.
+        shape = np.maximum(coefs[0] + coefs[1] * u + coefs[2] * u * u, prior.decode_min_ms)
+        k = float(robust_fit(shape[:, None], y, np.ones(1), nonnegative=True)[0])
+        d0, d1, d2 = (float(v) for v in k * coefs)
+    return replace(t, d0=d0, d1=d1, d2=d2, source="fitted"), True
+
+
+def _fit_prefill(prior: Timing, t: Timing, obs: tuple[PrefillObservation, ...], min_samples: int,
+                 decode_fitted: bool) -> tuple[Timing, bool]:
+    if len(obs) < min_samples:
+        return replace(t, p0=prior.p0, p1=prior.p1, p2=prior.p2,
+                       source=t.source if decode_fitted else prior.source), False
+    f = np.array([o.features() for o in obs], dtype=np.float64)
+    decode = np.array([t.decode_step_ms(o.kv_usage) for o in obs])
+    y = np.array([o.measured_ms for o in obs]) - f[:, 3] * decode
+    coefs = np.array([prior.p0, prior.p1, prior.p2])
+    p0, p1, p2 = (float(v) for v in robust_fit(f[:, :3], y, coefs, nonnegative=True))
+    return replace(t, p0=p0, p1=p1, p2=p2, source="fitted"), True
+
+
+class Calibration:
+    """One worker's timing model: prior, observations, fitted coefficients, prediction error.
+
+    Two ways to keep it fitted, same fitting code (:func:`fit`) at the same observations:
+
+    - ``inline`` (the default; the pure core's tests and ``bench/routing_sim.py``): ``observe_*``
+      record and refit when due, every ``REFIT_EVERY`` observations;
+    - not inline (a router process): ``observe_*`` only record (O(1)); :meth:`window` copies
+      what is due, :func:`fit` runs elsewhere, :meth:`apply` takes the result back. Work with no
+      numpy in it (back to the prior below ``min_samples``) is still done at once.
+    """
+
+    def __init__(self, prior: Timing, *, window: int = 256, min_samples: int = 16, inline: bool = True) -> None:
         self.prior = prior
-        self.window = window
+        self.window_size = window
         self.min_samples = min_samples
+        self.inline = inline
         self._prefill: deque[PrefillObservation] = deque(maxlen=window)
         self._decode: deque[tuple[float, float]] = deque(maxlen=window)
         self._errors: deque[float] = deque(maxlen=window)
         self._since_fit = 0
         self._decode_since_fit = 0
+        self._stale = False  # settings or prior changed: both parts are due (not inline)
+        self.generation = 0
         self.timing = prior
         self.prefill_fitted = False
         self.decode_fitted = False
@@ -138,23 +226,21 @@ class Calibration:
 
     def configure(self, *, window: int, min_samples: int) -> None:
         """Apply new policy values; keeps the newest observations that fit the new window."""
-        if window != self.window:
-            self.window = window
+        if window != self.window_size:
+            self.window_size = window
             self._prefill = deque(self._prefill, maxlen=window)
             self._decode = deque(self._decode, maxlen=window)
             self._errors = deque(self._errors, maxlen=window)
         if min_samples != self.min_samples:
             self.min_samples = min_samples
-            self._refit_prefill()
-            self._refit_decode()
+            self._refit_all()
 
     def set_prior(self, prior: Timing) -> None:
         """The worker advertised another timing model (it restarted with other settings)."""
         if prior == self.prior:
             return
         self.prior = prior
-        self._refit_decode()
-        self._refit_prefill()
+        self._refit_all()
 
     def reset(self) -> None:
         """Forget every observation: back to the prior."""
@@ -164,6 +250,8 @@ class Calibration:
         self.timing = self.prior
         self.prefill_fitted = self.decode_fitted = False
         self._since_fit = self._decode_since_fit = 0
+        self._stale = False
+        self.generation += 1
         self.observations = 0
 
     # -- observations ----------------------------------------------------------------------------
@@ -175,59 +263,66 @@ class Calibration:
         self._errors.append(abs(obs.predicted_ms - obs.measured_ms))
         self.observations += 1
         self._since_fit += 1
-        if self._since_fit >= REFIT_EVERY or len(self._prefill) == self.min_samples:
-            self._refit_prefill()
+        if self.inline and (self._since_fit >= REFIT_EVERY or len(self._prefill) == self.min_samples):
+            self._refit(decode=False, prefill=True)
 
     def observe_decode(self, kv_usage: float, itl_ms: float) -> None:
         if not (math.isfinite(itl_ms) and itl_ms >= 0 and math.isfinite(kv_usage)):
             return
         self._decode.append((min(max(kv_usage, 0.0), 1.0), itl_ms))
         self._decode_since_fit += 1
-        if self._decode_since_fit >= REFIT_EVERY or len(self._decode) == self.min_samples:
-            self._refit_decode()
-            self._refit_prefill()  # its decode term changed
+        if self.inline and (self._decode_since_fit >= REFIT_EVERY or len(self._decode) == self.min_samples):
+            self._refit(decode=True, prefill=True)  # the prefill's decode term changed
 
     # -- fits ------------------------------------------------------------------------------------
 
-    def _refit_decode(self) -> None:
-        self._decode_since_fit = 0
-        t = self.timing
-        if len(self._decode) < self.min_samples:
-            self.decode_fitted = False
-            self.timing = replace(t, d0=self.prior.d0, d1=self.prior.d1, d2=self.prior.d2)
-            return
-        data = np.array(self._decode, dtype=np.float64)
-        u, y = data[:, 0], data[:, 1]
-        prior = np.array([self.prior.d0, self.prior.d1, self.prior.d2])
-        if float(u.max() - u.min()) >= DECODE_SHAPE_SPAN:
-            x = np.column_stack([np.ones_like(u), u, u * u])
-            d0, d1, d2 = (float(v) for v in robust_fit(x, y, prior, nonnegative=False))
-        else:
-            # A narrow range of KV usage identifies the level of the curve, not its shape: the
-            # prior's curve is scaled to the observations (one robust coefficient) instead of a
-            # quadratic that would extrapolate anywhere outside the range.
-            shape = np.maximum(prior[0] + prior[1] * u + prior[2] * u * u, self.prior.decode_min_ms)
-            k = float(robust_fit(shape[:, None], y, np.ones(1), nonnegative=True)[0])
-            d0, d1, d2 = (float(v) for v in k * prior)
-        self.timing = replace(t, d0=d0, d1=d1, d2=d2, source="fitted")
-        self.decode_fitted = True
+    def _refit(self, *, decode: bool, prefill: bool) -> None:
+        self.apply(fit(self.window(decode=decode, prefill=prefill)))
 
-    def _refit_prefill(self) -> None:
-        self._since_fit = 0
-        t = self.timing
-        if len(self._prefill) < self.min_samples:
-            self.prefill_fitted = False
-            self.timing = replace(t, p0=self.prior.p0, p1=self.prior.p1, p2=self.prior.p2,
-                                  source=t.source if self.decode_fitted else self.prior.source)
-            return
-        rows = [o.features() for o in self._prefill]
-        f = np.array(rows, dtype=np.float64)
-        decode = np.array([t.decode_step_ms(o.kv_usage) for o in self._prefill])
-        y = np.array([o.measured_ms for o in self._prefill]) - f[:, 3] * decode
-        prior = np.array([self.prior.p0, self.prior.p1, self.prior.p2])
-        p0, p1, p2 = (float(v) for v in robust_fit(f[:, :3], y, prior, nonnegative=True))
-        self.timing = replace(t, p0=p0, p1=p1, p2=p2, source="fitted")
-        self.prefill_fitted = True
+    def _refit_all(self) -> None:
+        """Settings or prior changed: refit both parts, now if inline or if it needs no numpy
+        (neither part has ``min_samples`` observations: both go back to the prior), else at the
+        next :meth:`window`. A fit in flight is of the old settings: its result is dropped."""
+        self.generation += 1
+        if self.inline or (len(self._decode) < self.min_samples and len(self._prefill) < self.min_samples):
+            self._refit(decode=True, prefill=True)
+        else:
+            self._stale = True
+
+    def due(self) -> tuple[bool, bool]:
+        """(decode, prefill): the parts a background fit should refit now. A decode refit takes
+        the prefill with it (its decode term changed), as inline."""
+        ready = self.min_samples
+        decode = self._stale or (self._decode_since_fit > 0 and (
+            self._decode_since_fit >= REFIT_EVERY or (not self.decode_fitted and len(self._decode) >= ready)))
+        prefill = decode or (self._since_fit > 0 and (
+            self._since_fit >= REFIT_EVERY or (not self.prefill_fitted and len(self._prefill) >= ready)))
+        return decode, prefill
+
+    def window(self, instance_id: int = 0, *, decode: bool, prefill: bool) -> FitWindow:
+        """Copy what a refit of these parts needs (O(window)); their observations since the last
+        fit count from zero again."""
+        if decode:
+            self._decode_since_fit = 0
+        if prefill:
+            self._since_fit = 0
+        if decode and prefill:
+            self._stale = False
+        return FitWindow(
+            instance_id=instance_id, generation=self.generation, prior=self.prior, timing=self.timing,
+            min_samples=self.min_samples, decode_fitted=self.decode_fitted, prefill_fitted=self.prefill_fitted,
+            decode=tuple(self._decode) if decode else None, prefill=tuple(self._prefill) if prefill else None,
+        )
+
+    def apply(self, result: FitResult) -> bool:
+        """Take a fit's result; False (ignored) if it is of an older generation (a reset, a new
+        prior or new settings came after its window was copied)."""
+        if result.generation != self.generation:
+            return False
+        self.timing = result.timing
+        self.decode_fitted = result.decode_fitted
+        self.prefill_fitted = result.prefill_fitted
+        return True
 
     # -- reporting -------------------------------------------------------------------------------
 
@@ -282,7 +377,8 @@ class Calibrations:
     model's decode tokens per request. Methods that change a worker's timing model return its id,
     so the caller can re-read the slots that score with it."""
 
-    def __init__(self, models: Iterable[str]) -> None:
+    def __init__(self, models: Iterable[str], *, inline: bool = True) -> None:
+        self.inline = inline  # see Calibration: refit as observations come, or by windows()/apply()
         self.workers: dict[int, Calibration] = {}
         self._model: dict[int, str] = {}
         self._pending: dict[str, Pending] = {}
@@ -296,7 +392,7 @@ class Calibrations:
         """A worker joined or re-announced itself: create its calibration or update its prior."""
         cal = self.workers.get(wid)
         if cal is None:
-            self.workers[wid] = Calibration(prior, window=window, min_samples=min_samples)
+            self.workers[wid] = Calibration(prior, window=window, min_samples=min_samples, inline=self.inline)
             self._model[wid] = model
         else:
             cal.set_prior(prior)
@@ -356,6 +452,28 @@ class Calibrations:
         before = cal.timing
         cal.observe_decode(pending.prediction.kv_usage, itl_ms)
         return pending.instance_id if cal.timing != before else None
+
+    # -- fits off the caller (not inline) -----------------------------------------------------------
+
+    def windows(self) -> list[FitWindow]:
+        """The windows of every worker with a refit due (see Calibration.due)."""
+        out = []
+        for wid, cal in self.workers.items():
+            decode, prefill = cal.due()
+            if decode or prefill:
+                out.append(cal.window(wid, decode=decode, prefill=prefill))
+        return out
+
+    def apply(self, results: Iterable[FitResult]) -> list[int]:
+        """Take fits' results; returns the workers whose timing model changed."""
+        changed = []
+        for r in results:
+            cal = self.workers.get(r.instance_id)
+            if cal is not None:
+                before = cal.timing
+                if cal.apply(r) and cal.timing != before:
+                    changed.append(r.instance_id)
+        return changed
 
     def status(self) -> list[WorkerCalibration]:
         out: list[WorkerCalibration] = []

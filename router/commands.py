@@ -20,6 +20,7 @@ from controlplane.protocol.events import (
 )
 from controlplane.protocol.policy import PolicyKind
 from controlplane.protocol.signing import Keyring
+from router.calibration import FitResult, FitWindow
 from router.discovery import Change
 from router.policy_state import ApplyResult
 from router.targets import Pin, Targets
@@ -196,6 +197,18 @@ class RequestDone(Command[None]):
     # A streamed request that completed: its mean inter-token time and its decode tokens.
     itl_ms: float | None = None
     decode_tokens: int | None = None
+
+
+@dataclass(slots=True)
+class TakeFitWindows(Command[list[FitWindow]]):
+    """Copy the calibration windows with a refit due (router.fitting fits them off the actor)."""
+
+
+@dataclass(slots=True)
+class ApplyFits(Command[None]):
+    """Finished calibration fits: the workers' slots score with the new timing models."""
+
+    results: list[FitResult]
 
 
 @dataclass(slots=True)

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Summary, generate_latest
 
@@ -14,8 +16,22 @@ _LATENCY = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 
 _OVERHEAD = (0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.1)
 
 
+@dataclass(frozen=True, slots=True)
+class ModelSeries:
+    """One model's labelled series of the request path, looked up once (``labels()`` builds a
+    key, takes a lock and searches a dict: on every request and every streamed chunk, it showed
+    in the router's profile)."""
+
+    ttft: Any
+    itl: Any
+    overhead: Any
+    hit_rate: Any
+
+
 class RouterMetrics:
     def __init__(self) -> None:
+        self._series: dict[str, ModelSeries] = {}
+        self._answered: dict[tuple[str, str, str], Any] = {}
         self.registry = CollectorRegistry()
         r = self.registry
         self.requests = Counter(
@@ -185,6 +201,24 @@ class RouterMetrics:
         if chosen.ttft_ms is not None and r.measured_ttft_ms is not None:
             self.ttft_error.labels(r.model, str(r.instance_id)).observe(
                 abs(chosen.ttft_ms - r.measured_ttft_ms) / 1e3)
+
+    def model(self, model: str) -> ModelSeries:
+        """The request path's series of ``model`` (a model this router serves)."""
+        series = self._series.get(model)
+        if series is None:
+            series = self._series[model] = ModelSeries(
+                self.ttft.labels(model), self.itl.labels(model), self.overhead.labels(model),
+                self.hit_rate.labels(model))
+        return series
+
+    def answered(self, model: str, endpoint: str, status: str) -> None:
+        """Count a request answered (``model`` served by this router; refusals of unknown
+        models go through ``requests.labels``)."""
+        key = (model, endpoint, status)
+        child = self._answered.get(key)
+        if child is None:
+            child = self._answered[key] = self.requests.labels(model, endpoint, status)
+        child.inc()
 
     def set_returns(self, status: Mapping[str, float]) -> None:
         self.returns.labels("open").set(status["open"])

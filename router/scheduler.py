@@ -50,6 +50,7 @@ from router.calibration import Calibration, Calibrations, Pending
 from router.choose import Choice, Chooser
 from router.commands import (
     PREFILL_BOOKING,
+    ApplyFits,
     ApplyKvEvents,
     ApplyMembership,
     ApplyPolicy,
@@ -68,6 +69,7 @@ from router.commands import (
     RoutingRequest,
     Selection,
     SelectWorker,
+    TakeFitWindows,
     Tick,
     UseVerifyKeys,
 )
@@ -94,7 +96,7 @@ class Scheduler:
         worker_ttl_s: float, worker_stale_s: float, bus_outage_grace_s: float = 30.0, approx_ttl_s: float = 120.0,
         clock: Callable[[], float] = time.monotonic, wall: Callable[[], datetime] = utcnow,
         keyring: Keyring, rng: random.Random | None = None, max_queued_selections: int | None = None,
-        decisions: DecisionLog | None = None,
+        decisions: DecisionLog | None = None, background_fits: bool = False,
     ) -> None:
         self.router_id = router_id
         # Selections waiting in the queue at most (None: unbounded); past it submit refuses.
@@ -124,7 +126,10 @@ class Scheduler:
         self.index = PrefixIndex()
         self.bookings = Bookings()
         # Per-worker timing models (router.calibration) and the predictions awaiting their outcome.
-        self.timings = Calibrations(models)
+        # With background_fits (a router process) the actor only records observations and a
+        # router.fitting.Fitter task fits them (TakeFitWindows, ApplyFits); without, they are
+        # fitted as they come (the pure core's tests, the simulator).
+        self.timings = Calibrations(models, inline=not background_fits)
         self._epochs: dict[str, Number | None] = {}
         self.tables = Pools(
             models=models, roles=self.pools, discovery=self.discovery, bookings=self.bookings,
@@ -145,6 +150,12 @@ class Scheduler:
         self._task: asyncio.Task[None] | None = None
         self._stopping = False
         self.stats: dict[str, int] = {"selections": 0, "skipped": 0, "applied": 0, "nacked": 0}
+        # With a clock (tests, diagnostics: ``time.thread_time`` counts the actor's own CPU, not
+        # preemption or waits for the GIL), the longest handling of each command type, in
+        # seconds: its bound is what keeps selections from waiting behind the work of others.
+        # Off by default: a thread-CPU clock read is a system call, twice per command.
+        self.handling_clock: Callable[[], float] | None = None
+        self.slowest: dict[str, float] = {}
 
     @property
     def calibration(self) -> dict[int, Calibration]:
@@ -195,7 +206,16 @@ class Scheduler:
                 cmd = await self._queue.get()
                 if cmd is _STOP:
                     break
-                self._handle(cmd)
+                clock = self.handling_clock
+                if clock is None:
+                    self._handle(cmd)
+                else:
+                    t0 = clock()
+                    self._handle(cmd)
+                    spent = clock() - t0
+                    name = type(cmd).__name__
+                    if spent > self.slowest.get(name, 0.0):
+                        self.slowest[name] = spent
                 # Let the loop breathe between commands: the queue never empties under load, and
                 # NATS, HTTP and the commands' senders must keep running meanwhile.
                 await asyncio.sleep(0)
@@ -312,6 +332,12 @@ class Scheduler:
                     self.tables.returns.finished(booking.key, booking.hashes, self.clock())
                     self.tables.refresh_slot(booking.model, booking.key)
                 self._retime(self.timings.done(cmd.request_id, cmd.itl_ms, cmd.decode_tokens))
+                return None
+            case TakeFitWindows():
+                return self.timings.windows()
+            case ApplyFits():
+                for wid in self.timings.apply(cmd.results):
+                    self._retime(wid)
                 return None
             case MarkUnavailable():
                 if self.discovery.mark_unreachable(cmd.instance_id):

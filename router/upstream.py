@@ -113,37 +113,36 @@ class UpstreamClient:
             return await self._exchange(key, fresh, request)
 
     async def _exchange(self, key: tuple[str, int], conn: _Conn, request: bytes) -> UpstreamResponse:
+        # The whole head in one read (one await and one deadline, not one per line): a head that
+        # never started is "unreachable" (retry elsewhere), one cut or malformed is "broken".
         try:
             conn.writer.write(request)
             async with asyncio.timeout(self.read_timeout_s):
-                status_line = await conn.reader.readline()
-            if not status_line:
-                raise ConnectionResetError("connection closed before the response")
-        except (OSError, TimeoutError, asyncio.IncompleteReadError) as exc:
+                head = await conn.reader.readuntil(b"\r\n\r\n")
+        except asyncio.IncompleteReadError as exc:
+            conn.close()
+            cls = UpstreamBroken if exc.partial else UpstreamUnreachable
+            what = "connection closed in the response head" if exc.partial else "no response"
+            raise cls(f"{what} from {key[0]}:{key[1]}: {type(exc).__name__}") from exc
+        except asyncio.LimitOverrunError as exc:
+            conn.close()
+            raise UpstreamBroken(f"response head from {key[0]}:{key[1]} too large") from exc
+        except (OSError, TimeoutError) as exc:
             conn.close()
             raise UpstreamUnreachable(f"no response from {key[0]}:{key[1]}: {type(exc).__name__}") from exc
         except BaseException:  # cancelled mid-exchange: the connection is in an unknown state
             conn.close()
             raise
         try:
-            parts = status_line.split(None, 2)
-            status = int(parts[1])
+            status_line, *lines = head[:-4].decode("latin-1").split("\r\n")
+            status = int(status_line.split(None, 2)[1])
             headers: dict[str, str] = {}
-            async with asyncio.timeout(self.read_timeout_s):
-                while True:
-                    line = await conn.reader.readline()
-                    if line in (b"\r\n", b"\n"):
-                        break
-                    if not line:
-                        raise ConnectionResetError("connection closed in the response head")
-                    name, _, value = line.decode("latin-1").partition(":")
-                    headers[name.strip().lower()] = value.strip()
-        except (OSError, TimeoutError, ValueError, IndexError, asyncio.LimitOverrunError) as exc:
+            for line in lines:
+                name, _, value = line.partition(":")
+                headers[name.strip().lower()] = value.strip()
+        except (ValueError, IndexError) as exc:
             conn.close()
             raise UpstreamBroken(f"bad response head from {key[0]}:{key[1]}: {type(exc).__name__}") from exc
-        except BaseException:
-            conn.close()
-            raise
         return UpstreamResponse(self, key, conn, status, headers)
 
     async def aclose(self) -> None:
@@ -152,6 +151,48 @@ class UpstreamClient:
             for conn in pool.idle:
                 conn.close()
             pool.idle.clear()
+
+
+class _ReadDeadline:
+    """The body's read timeout with one timer per response instead of one per read (an
+    ``asyncio.timeout`` scope per read showed in the router's profile): reads mark when they
+    start waiting and when they are served; the timer, when it fires, aborts the connection if a
+    read has waited ``timeout`` seconds, else re-arms for the one waiting now. Only time spent
+    waiting for the worker counts, never the consumer's time between chunks."""
+
+    __slots__ = ("_handle", "_loop", "_since", "_timeout", "_transport", "expired")
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, transport: asyncio.WriteTransport, timeout: float) -> None:
+        self._loop = loop
+        self._transport = transport
+        self._timeout = timeout
+        self._since: float | None = None
+        self._handle: asyncio.TimerHandle | None = None
+        self.expired = False
+
+    def waiting(self) -> None:
+        self._since = self._loop.time()
+        if self._handle is None:
+            self._handle = self._loop.call_at(self._since + self._timeout, self._check)
+
+    def served(self) -> None:
+        self._since = None
+
+    def _check(self) -> None:
+        self._handle = None
+        since = self._since
+        if since is None:
+            return  # no read waits: the next one arms the timer again
+        if self._loop.time() - since >= self._timeout:
+            self.expired = True
+            self._transport.abort()  # the waiting read ends at once (end of stream)
+        else:
+            self._handle = self._loop.call_at(since + self._timeout, self._check)
+
+    def cancel(self) -> None:
+        if self._handle is not None:
+            self._handle.cancel()
+            self._handle = None
 
 
 class UpstreamResponse:
@@ -167,17 +208,21 @@ class UpstreamResponse:
         self.status_code = status
         self.headers = headers
         self._done = False
+        # True from the moment the body's end has been read: the chunk being handed out is the
+        # last (the relay then ends the client's answer with it, in one write).
+        self.complete = False
 
     async def aiter_raw(self) -> AsyncIterator[bytes]:
         """The body, as it arrives (chunked framing removed)."""
         conn = self._conn
         if conn is None or self._done:
             return
-        reader, timeout = conn.reader, self._client.read_timeout_s
+        reader = conn.reader
+        deadline = _ReadDeadline(asyncio.get_running_loop(), conn.writer.transport, self._client.read_timeout_s)
         te = self.headers.get("transfer-encoding", "").lower()
         try:
-            # Each read has its own deadline (never a yield inside a timeout scope: the consumer's
-            # time between chunks is not the worker's).
+            # Each read has its own deadline (never a yield while one runs: the consumer's time
+            # between chunks is not the worker's).
             if "chunked" in te:
                 # Parse every complete chunk already received and forward them together: fewer
                 # awaits here and fewer sends to the client when the worker is quick.
@@ -202,35 +247,46 @@ class UpstreamResponse:
                             break
                         out += buf[eol + 2 : eol + 2 + size]
                         del buf[: eol + 2 + size + 2]
+                    if ended:
+                        self.complete = True
                     if out:
                         yield bytes(out)
                     if ended:
                         break
-                    async with asyncio.timeout(timeout):
-                        data = await reader.read(_READ_CHUNK)
+                    deadline.waiting()
+                    data = await reader.read(_READ_CHUNK)
+                    deadline.served()
                     if not data:
                         raise ConnectionResetError("stream closed inside a chunked body")
                     buf += data
             elif "content-length" in self.headers:
                 remaining = int(self.headers["content-length"])
                 while remaining > 0:
-                    async with asyncio.timeout(timeout):
-                        data = await reader.read(min(remaining, _READ_CHUNK))
+                    deadline.waiting()
+                    data = await reader.read(min(remaining, _READ_CHUNK))
+                    deadline.served()
                     if not data:
                         raise ConnectionResetError("stream closed inside the body")
                     remaining -= len(data)
+                    self.complete = remaining <= 0
                     yield data
             else:  # framed by connection close
                 while True:
-                    async with asyncio.timeout(timeout):
-                        data = await reader.read(_READ_CHUNK)
+                    deadline.waiting()
+                    data = await reader.read(_READ_CHUNK)
+                    deadline.served()
                     if not data:
+                        if deadline.expired:
+                            raise TimeoutError
                         break
                     yield data
                 self.headers["connection"] = "close"
         except (OSError, TimeoutError, ValueError, asyncio.IncompleteReadError) as exc:
             self._abandon()
-            raise UpstreamBroken(f"worker stream broke: {type(exc).__name__}") from exc
+            why = "TimeoutError" if deadline.expired else type(exc).__name__
+            raise UpstreamBroken(f"worker stream broke: {why}") from exc
+        finally:
+            deadline.cancel()
         self._finish()
 
     async def aread(self) -> bytes:

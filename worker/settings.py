@@ -24,6 +24,15 @@ class EngineKind(enum.StrEnum):
     VLLM = "vllm"
 
 
+class AdvertisedTiming(enum.StrEnum):
+    """What timing model a mock worker advertises as the router's prior: its own (``true``: its
+    formula, speed-up applied), or the generic prior a vLLM worker advertises (``generic``), so
+    the router must learn the worker's speed from what it observes (a heterogeneous pool)."""
+
+    TRUE = "true"
+    GENERIC = "generic"
+
+
 def random_instance_id() -> int:
     """A random nonzero u64 (DESIGN §6)."""
     return secrets.randbelow(U64_MAX) + 1
@@ -50,6 +59,7 @@ class MockEngineSettings(BaseModel):
     decode_c: float = 5.74
     decode_min_ms: float = Field(default=1.0, ge=0)
     speedup_ratio: float = Field(default=1.0, gt=0)
+    advertise_timing: AdvertisedTiming = AdvertisedTiming.TRUE  # RUDDER_MOCK__ADVERTISE_TIMING
     # Disaggregated decode: KV transfer of the prompt's uncached blocks from the prefill worker.
     kv_transfer_base_ms: float = Field(default=2.0, ge=0)
     kv_transfer_ms_per_block: float = Field(default=0.05, ge=0)

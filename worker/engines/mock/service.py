@@ -8,7 +8,7 @@ from controlplane.protocol.events import KvDumpRank, RankLoad
 from worker.engines.base import EngineInfo, KvSink
 from worker.engines.mock.api import MockApi
 from worker.engines.mock.engine import MockCore
-from worker.engines.mock.timing import TimingModel
+from worker.engines.mock.timing import advertised_timing
 from worker.engines.mock.tokenizer import load_tokenizer
 from worker.httpserver import HttpServer, advertised_url
 from worker.settings import WorkerSettings
@@ -40,7 +40,7 @@ class MockEngine:
             block_size=s.mock.block_size, kv_total_blocks=s.mock.num_blocks,
             max_num_batched_tokens=s.mock.max_num_batched_tokens, dp_size=s.dp_size,
             tokenizer=tok.name, engine="mock",
-            timing=TimingModel.from_settings(s.mock).advertised(),
+            timing=advertised_timing(s.mock),
         )
 
     async def stop(self) -> None:

@@ -8,8 +8,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from controlplane.protocol.events import EngineTiming
-from worker.settings import MockEngineSettings
+from controlplane.protocol.events import (
+    DEFAULT_DECODE_MIN_MS,
+    DEFAULT_DECODE_MS,
+    DEFAULT_PREFILL_MS,
+    EngineTiming,
+)
+from worker.settings import AdvertisedTiming, MockEngineSettings
 
 
 @dataclass(frozen=True, slots=True)
@@ -70,3 +75,15 @@ class TimingModel:
         """Simulated transfer of ``blocks`` KV blocks from a prefill worker (disaggregated)."""
         ms = self.kv_transfer_base_ms + self.kv_transfer_ms_per_block * max(blocks, 0)
         return ms / self.speedup_ratio
+
+
+# What a vLLM worker advertises (worker/engines/vllm.py): DESIGN §6's formula, whatever the GPU.
+GENERIC_TIMING = EngineTiming(source="vllm-default", prefill_ms=DEFAULT_PREFILL_MS, decode_ms=DEFAULT_DECODE_MS,
+                              decode_min_ms=DEFAULT_DECODE_MIN_MS)
+
+
+def advertised_timing(settings: MockEngineSettings) -> EngineTiming:
+    """The timing model a mock worker's membership record advertises (``advertise_timing``)."""
+    if settings.advertise_timing is AdvertisedTiming.GENERIC:
+        return GENERIC_TIMING
+    return TimingModel.from_settings(settings).advertised()
