@@ -48,6 +48,7 @@ from router.bookings import Booking, Bookings
 from router.busy import Thresholds
 from router.calibration import Calibration, Calibrations, Pending
 from router.choose import Choice, Chooser
+from router.claims import ClaimCaps
 from router.commands import (
     PREFILL_BOOKING,
     ApplyKvEvents,
@@ -92,9 +93,12 @@ class Scheduler:
         worker_ttl_s: float, worker_stale_s: float, bus_outage_grace_s: float = 30.0, approx_ttl_s: float = 120.0,
         clock: Callable[[], float] = time.monotonic, wall: Callable[[], datetime] = utcnow,
         keyring: Keyring, rng: random.Random | None = None, max_queued_selections: int | None = None,
-        decisions: DecisionLog | None = None,
+        decisions: DecisionLog | None = None, caps: ClaimCaps | None = None,
     ) -> None:
         self.router_id = router_id
+        # What a worker's own word is believed up to (router.claims): its timing prior, the blocks
+        # of it the prefix index holds.
+        self.caps = caps or ClaimCaps()
         # Selections waiting in the queue at most (None: unbounded); past it submit refuses.
         self.max_queued_selections = max_queued_selections
         self._queued_selections = 0
@@ -379,12 +383,14 @@ class Scheduler:
         elif change is Change.JOINED:
             log.info("worker %s joined (%s, %s)", wid, event.worker.model, event.worker.url)
             self._calibrate(wid)
+            self._bound_index(wid)
             self.tables.rebuild_worker(wid)
             if self.use_index and self.kv_events:
                 self.index.begin_dump(wid)
             self._publish_view()
         elif change is Change.UPDATED:
             self._calibrate(wid)
+            self._bound_index(wid)
             self.tables.rebuild_worker(wid)
         return change
 
@@ -413,8 +419,16 @@ class Scheduler:
         state = self.discovery.get(wid)
         if state is not None:
             params = self._params[state.record.model]
-            self.timings.join(wid, state.record.model, Timing.from_engine(state.record.timing),
+            prior = self.caps.prior(Timing.from_engine(state.record.timing))
+            self.timings.join(wid, state.record.model, prior,
                               window=params.calibration_window, min_samples=params.calibration_min_samples)
+
+    def _bound_index(self, wid: int) -> None:
+        """The prefix index holds at most the worker's (capped) KV capacity per rank."""
+        state = self.discovery.get(wid)
+        if state is not None:
+            rec = state.record
+            self.index.set_capacity(wid, self.caps.blocks_per_rank(rec.kv_total_blocks, rec.dp_size))
 
     def _retime(self, wid: int | None) -> None:
         """A worker's timing model changed: its slots score with the new one."""
@@ -443,11 +457,10 @@ class Scheduler:
             if self.discovery.get(event.instance_id) is None:
                 continue  # not (or no longer) a worker of ours; its dump comes when it joins
             applied = self.index.apply(event)
-            if applied in (KvApplied.GAP, KvApplied.NEW_WORKER):
-                if applied is KvApplied.GAP:
+            if applied in (KvApplied.GAP, KvApplied.NEW_WORKER) and self.index.begin_dump(event.instance_id):
+                if applied is KvApplied.GAP:  # logged once per dump: a worker making gaps is not a log flood
                     log.warning("KV event gap from worker %s at event %d", event.instance_id, event.event_id)
-                if self.index.begin_dump(event.instance_id):
-                    need.append(event.instance_id)
+                need.append(event.instance_id)
         return need
 
     def _load_dump(self, wid: int, reply: KvDumpReply | None) -> None:
