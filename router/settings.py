@@ -175,6 +175,18 @@ class RouterSettings(BusSettings):
     kv_event_burst_bytes: int = Field(default=4 * 1024 * 1024, ge=1024 * 1024)
     kvdump_min_interval_s: float = Field(default=1.0, ge=0)
 
+    # Client credential headers (Authorization, Cookie, X-Api-Key, Api-Key) are never relayed to a
+    # worker unless named here (comma-separated, e.g. "authorization"); Proxy-Authorization never is.
+    forward_credential_headers: str = ""
+    # Response headers naming the worker, its rank, the policy revisions and the predicted cached
+    # tokens / TTFT (x-worker-instance-id, x-rudder-predicted-cached-tokens, ...): a debugging aid
+    # and a cache oracle for any client, so off by default.
+    debug_headers: bool = False
+
+    @property
+    def credential_headers_allowed(self) -> frozenset[str]:
+        return frozenset(h.strip().lower() for h in self.forward_credential_headers.split(",") if h.strip())
+
     @property
     def claim_caps(self) -> ClaimCaps:
         return ClaimCaps(max_dp_size=self.claim_max_dp_size, max_kv_blocks=self.claim_max_kv_blocks,
