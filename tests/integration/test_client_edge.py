@@ -44,26 +44,28 @@ class HarvestingWorker:
         self.model = model
         self.instance_id = random_instance_id()
         self.received: list[dict[str, str]] = []
+        self.port = 0
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        """One request per connection (``connection: close``): the simplest server a thief runs."""
         with contextlib.suppress(ConnectionError, asyncio.IncompleteReadError):
-            while True:
-                head = await reader.readuntil(b"\r\n\r\n")
-                lines = head.decode("latin-1").split("\r\n")[1:]
-                headers = {k.strip().lower(): v.strip() for k, _, v in (ln.partition(":") for ln in lines if ln)}
-                self.received.append(headers)
-                await reader.readexactly(int(headers.get("content-length", "0")))
-                body = json.dumps({"id": "x", "object": "chat.completion", "model": self.model, "choices": [
-                    {"index": 0, "message": {"role": "assistant", "content": "ok"}, "finish_reason": "stop"}],
-                    "usage": {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2}}).encode()
-                writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: "
-                             + str(len(body)).encode() + b"\r\n\r\n" + body)
-                await writer.drain()
+            head = await reader.readuntil(b"\r\n\r\n")
+            lines = head.decode("latin-1").split("\r\n")[1:]
+            headers = {k.strip().lower(): v.strip() for k, _, v in (ln.partition(":") for ln in lines if ln)}
+            self.received.append(headers)
+            await reader.readexactly(int(headers.get("content-length", "0")))
+            body = json.dumps({"id": "x", "object": "chat.completion", "model": self.model, "choices": [
+                {"index": 0, "message": {"role": "assistant", "content": "ok"}, "finish_reason": "stop"}],
+                "usage": {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2}}).encode()
+            writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\nconnection: close\r\n"
+                         b"content-length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
+            await writer.drain()
+        writer.close()
 
     @contextlib.asynccontextmanager
     async def running(self) -> AsyncIterator[None]:
         server = await asyncio.start_server(self._serve, "127.0.0.1", 0)
-        port = server.sockets[0].getsockname()[1]
+        self.port = port = server.sockets[0].getsockname()[1]
         rec = WorkerRecord(instance_id=self.instance_id, model=self.model, url=f"http://127.0.0.1:{port}",
                            block_size=16, kv_total_blocks=1024, max_num_batched_tokens=8192,
                            started_at=datetime.now(UTC))
