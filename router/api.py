@@ -46,6 +46,7 @@ from controlplane.telemetry import logs, traces
 from router.commands import (
     MarkUnavailable,
     Phase,
+    ReportCached,
     RequestDone,
     RequestFirstToken,
     RoutingRequest,
@@ -161,6 +162,7 @@ def _observe_answer(rt: Runtime, sel: Selection, status: str, tail: bytes, ttft_
     if cached is not None:
         rt.metrics.predicted_cached.labels(sel.model).inc(sel.cached_tokens)
         rt.metrics.reported_cached.labels(sel.model).inc(cached)
+        rt.scheduler.send(ReportCached(sel.instance_id, sel.cached_tokens, cached))
     if rt.decisions.sample > 0.0:
         record = rt.decisions.finish(sel.request_id, sel.instance_id, ttft_ms=ttft_ms,
                                      cached_tokens=cached, status=status)
@@ -643,8 +645,9 @@ def build_api(rt: Runtime, app: FastAPI) -> None:
             rt.metrics.workers.labels(model).set(n)
         rt.metrics.queue_depth.set(rt.scheduler.queue_depth)
         with contextlib.suppress(RudderError):  # a stopping router still answers its metrics
-            calibration, returns = await rt.scheduler.inspect(
-                lambda s: (s.calibration_status(), s.tables.returns.status()))
+            calibration, returns, quarantined = await rt.scheduler.inspect(
+                lambda s: (s.calibration_status(), s.tables.returns.status(), s.quarantined()))
             rt.metrics.set_calibration(calibration)
+            rt.metrics.set_quarantined(quarantined)
             rt.metrics.set_returns(returns)
         return Response(rt.metrics.render(), media_type="text/plain; version=0.0.4")

@@ -18,6 +18,13 @@ membership messages past a worker's rate and KV events past its byte rate (the b
 bound what it can claim, and are known before decoding) are dropped at the edge, before decoding,
 and counted; selection never waits for them. Dumps are asked of a worker at most once per
 ``RUDDER_KVDUMP_MIN_INTERVAL_S``.
+
+:class:`CacheOutcomes` checks a worker's KV claims against what it delivers: the prefix cache hits
+the router predicted from its ``stored`` events against the ``cached_tokens`` its answers report.
+A worker whose predicted hits persistently exceed what it delivers (decayed sums: over
+``min_predicted`` tokens predicted, less than ``min_ratio`` of them delivered) is quarantined: its
+blocks leave the prefix index and its further claims are not indexed (it keeps serving, with no
+cache credit), until it leaves or expires.
 """
 
 from __future__ import annotations
@@ -91,3 +98,36 @@ class RateLimits:
             del self._buckets[next(iter(self._buckets))]
         self._buckets[source] = (tokens, now)  # most recently used last
         return ok
+
+
+class CacheOutcomes:
+    """Predicted against delivered cached tokens, per worker (decayed sums)."""
+
+    def __init__(self, *, min_predicted: float = 1024.0, min_ratio: float = 0.5, decay: float = 0.95) -> None:
+        self.min_predicted = min_predicted
+        self.min_ratio = min_ratio
+        self.decay = decay
+        self._sums: dict[int, tuple[float, float]] = {}  # instance id → (predicted, delivered)
+        self.quarantined: set[int] = set()
+
+    def report(self, instance_id: int, predicted: int, delivered: int) -> bool:
+        """One answer's figures; True when this report quarantines the worker."""
+        if instance_id in self.quarantined:
+            return False
+        p, d = self._sums.get(instance_id, (0.0, 0.0))
+        p = p * self.decay + max(predicted, 0)
+        d = d * self.decay + min(max(delivered, 0), max(predicted, 0))  # over-delivery earns nothing
+        self._sums[instance_id] = (p, d)
+        if p >= self.min_predicted and d < self.min_ratio * p:
+            self.quarantined.add(instance_id)
+            return True
+        return False
+
+    def ratio(self, instance_id: int) -> float | None:
+        """Delivered over predicted so far (None before any prediction)."""
+        p, d = self._sums.get(instance_id, (0.0, 0.0))
+        return d / p if p > 0 else None
+
+    def forget(self, instance_id: int) -> None:
+        self._sums.pop(instance_id, None)
+        self.quarantined.discard(instance_id)

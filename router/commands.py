@@ -185,6 +185,15 @@ class RequestDone(Command[None]):
 
 
 @dataclass(slots=True)
+class ReportCached(Command[None]):
+    """A worker's answer reported ``cached_tokens``; the router had predicted ``predicted``."""
+
+    instance_id: int
+    predicted: int
+    reported: int
+
+
+@dataclass(slots=True)
 class MarkUnavailable(Command[None]):
     instance_id: int
 

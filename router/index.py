@@ -221,9 +221,13 @@ class PrefixIndex:
                     del self._holders[h]
         del self._by_key[key]
 
-    def remove_worker(self, instance_id: int) -> None:
+    def clear_worker(self, instance_id: int) -> None:
+        """Forget every block of every rank of a worker (its event ids and capacity stay)."""
         for key in [k for k in self._by_key if k[0] == instance_id]:
             self.clear(key)
+
+    def remove_worker(self, instance_id: int) -> None:
+        self.clear_worker(instance_id)
         self._last_event.pop(instance_id, None)
         self._pending_dump.pop(instance_id, None)
         self._capacity.pop(instance_id, None)

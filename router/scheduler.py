@@ -48,7 +48,7 @@ from router.bookings import Booking, Bookings
 from router.busy import Thresholds
 from router.calibration import Calibration, Calibrations, Pending
 from router.choose import Choice, Chooser
-from router.claims import ClaimCaps
+from router.claims import CacheOutcomes, ClaimCaps
 from router.commands import (
     PREFILL_BOOKING,
     ApplyKvEvents,
@@ -60,6 +60,7 @@ from router.commands import (
     LoadKvDump,
     MarkUnavailable,
     PolicyApplied,
+    ReportCached,
     RequestDone,
     RequestFirstToken,
     ResyncPolicy,
@@ -99,6 +100,8 @@ class Scheduler:
         # What a worker's own word is believed up to (router.claims): its timing prior, the blocks
         # of it the prefix index holds.
         self.caps = caps or ClaimCaps()
+        # KV claims checked against what each worker delivers (router.claims.CacheOutcomes).
+        self.outcomes = CacheOutcomes()
         # Selections waiting in the queue at most (None: unbounded); past it submit refuses.
         self.max_queued_selections = max_queued_selections
         self._queued_selections = 0
@@ -309,6 +312,9 @@ class Scheduler:
                     self.tables.refresh_slot(booking.model, booking.key)
                 self._retime(self.timings.done(cmd.request_id, cmd.itl_ms, cmd.decode_tokens))
                 return None
+            case ReportCached():
+                self._cache_outcome(cmd)
+                return None
             case MarkUnavailable():
                 if self.discovery.mark_unreachable(cmd.instance_id):
                     log.warning("worker %s unreachable until its next heartbeat", cmd.instance_id)
@@ -396,6 +402,7 @@ class Scheduler:
 
     def _forget(self, wid: int, why: str) -> None:
         self.index.remove_worker(wid)
+        self.outcomes.forget(wid)
         dropped = self.bookings.drop_worker(wid)
         self.tables.forget(wid)
         self.timings.forget(wid, (b.request_id for b in dropped))
@@ -428,7 +435,26 @@ class Scheduler:
         state = self.discovery.get(wid)
         if state is not None:
             rec = state.record
-            self.index.set_capacity(wid, self.caps.blocks_per_rank(rec.kv_total_blocks, rec.dp_size))
+            quarantined = wid in self.outcomes.quarantined
+            cap = 0 if quarantined else self.caps.blocks_per_rank(rec.kv_total_blocks, rec.dp_size)
+            self.index.set_capacity(wid, cap)
+
+    def quarantined(self) -> list[tuple[str, int]]:
+        """(model, instance id) of each worker whose cache claims are not believed."""
+        return [(st.record.model, wid) for wid in sorted(self.outcomes.quarantined)
+                if (st := self.discovery.get(wid)) is not None]
+
+    def _cache_outcome(self, cmd: ReportCached) -> None:
+        """Only claims from KV events are checked (approximate mode predicts from its own
+        decisions, which no worker asserted)."""
+        if not (self.use_index and self.kv_events) or self.discovery.get(cmd.instance_id) is None:
+            return
+        if self.outcomes.report(cmd.instance_id, cmd.predicted, cmd.reported):
+            log.warning("worker %s quarantined: its cache claims are not delivered (%.0f%% of predicted "
+                        "cached tokens reported); its blocks leave the prefix index", cmd.instance_id,
+                        100 * (self.outcomes.ratio(cmd.instance_id) or 0.0))
+            self.index.clear_worker(cmd.instance_id)
+            self._bound_index(cmd.instance_id)
 
     def _retime(self, wid: int | None) -> None:
         """A worker's timing model changed: its slots score with the new one."""

@@ -10,6 +10,9 @@ subjects, which NATS permissions let through. The router must not believe them p
 - a zero-cost timing prior is not believed (the router's own prior is used): same bound;
 - a heartbeat flood is dropped at the edge past the worker's rate: the other workers stay
   listed and every chat answers;
+- KV claims of blocks it never computed (the documents users will paste) are checked against
+  the ``cached_tokens`` it reports: it is quarantined (no cache credit) and its share stays within
+  its fair share + 10 points;
 - a KV-event flood (blocks it never computed) is bounded in the prefix index by the worker's
   capped capacity and dropped past its rate: chats to the others keep their p99 within 2x quiet.
 """
@@ -39,7 +42,9 @@ from controlplane.protocol.events import (
     StoredBlock,
     WorkerRecord,
 )
+from controlplane.protocol.hashing import chain_hashes
 from controlplane.protocol.subjects import kv_subject, membership_subject
+from controlplane.protocol.tokenizer import encode_chat
 from tests import buskit
 from tests.support_router.workers import InProcessRouter, router_settings, wait_for
 from worker import agent
@@ -219,3 +224,32 @@ async def test_a_kv_flood_is_bounded_and_chats_to_the_others_stay_fast(nats_url:
         p99 = sorted(others)[int(len(others) * 0.99) - 1]
         quiet_p99 = sorted(quiet)[int(len(quiet) * 0.99) - 1]
         assert p99 <= max(2 * quiet_p99, 0.05), (p99, quiet_p99)
+
+
+async def test_a_worker_claiming_blocks_it_never_computed_is_quarantined(nats_url: str) -> None:
+    async with fleet(nats_url) as f:
+        sched = f.router.runtime.scheduler
+        docs = [[{"role": "user", "content": f"document {i}: " + uuid.uuid4().hex * 16}] for i in range(60)]
+        hashes = [h for d in docs for h in chain_hashes(encode_chat(d), f.record.block_size)]
+        blocks = [StoredBlock(block_hash=h, tokens_hash=1) for h in hashes]
+        next_id = iter(range(10**6, 10**9))
+
+        async def publish(nc: Any) -> None:
+            event = KvEvent(instance_id=f.hostile, event_id=next(next_id), data=KvStored(blocks=blocks))
+            await nc.publish(kv_subject(f.model, f.hostile), event.to_bytes())
+            await asyncio.sleep(0.2)
+
+        seen: Counter[int] = Counter()
+        async with hostile_publisher(nats_url, f, publish):
+            # (nearly) every claimed block is indexed: a dump of its real state may be replacing them
+            await wait_for(lambda: sched.inspect(lambda s: s.index.blocks_of((f.hostile, 0)) >= 0.9 * len(hashes)))
+            async with httpx.AsyncClient(base_url=f.router.url, timeout=20) as http:
+                for d in docs:
+                    r = await http.post("/v1/chat/completions", json={"model": f.model, "messages": d,
+                                                                       "max_tokens": 2})
+                    assert r.status_code == 200, r.text
+                    seen[int(r.headers["x-worker-instance-id"])] += 1
+                metrics = (await http.get("/metrics")).text
+        assert seen[f.hostile] / len(docs) <= FAIR + 0.10, seen
+        assert await sched.inspect(lambda s: f.hostile in s.outcomes.quarantined)
+        assert f'rudder_router_worker_cache_quarantined{{instance_id="{f.hostile}",model="{f.model}"}} 1.0' in metrics

@@ -19,7 +19,7 @@ from controlplane.protocol.events import (
     StoredBlock,
     WorkerRecord,
 )
-from router.claims import ClaimCaps, RateLimits
+from router.claims import CacheOutcomes, ClaimCaps, RateLimits
 from router.cost.time import DEFAULT_TIMING, Timing
 from router.index import KvApplied, PrefixIndex
 
@@ -93,3 +93,17 @@ def test_rate_limits_are_a_bucket_per_source_and_bounded() -> None:
     assert limits.allow("a", 0.1) and not limits.allow("a", 0.1)  # 10/s: one more after 0.1 s
     limits.allow("c", 0.1)  # a third source evicts the least recently used
     assert len(limits._buckets) == 2
+
+
+def test_a_worker_delivering_less_than_half_its_predicted_hits_is_quarantined_once() -> None:
+    outcomes = CacheOutcomes(min_predicted=1000, min_ratio=0.5, decay=1.0)
+    assert not outcomes.report(1, 600, 600)  # honest
+    assert not outcomes.report(1, 600, 500)
+    assert outcomes.ratio(1) == pytest.approx(1100 / 1200)
+    assert not outcomes.report(2, 500, 0)  # below min_predicted: not judged yet
+    assert outcomes.report(2, 600, 0)  # 1100 predicted, none delivered
+    assert not outcomes.report(2, 600, 0)  # already quarantined
+    assert outcomes.quarantined == {2}
+    assert not outcomes.report(3, 2000, 5000) and outcomes.ratio(3) == 1.0  # over-delivery earns nothing
+    outcomes.forget(2)
+    assert outcomes.quarantined == set()
