@@ -49,3 +49,14 @@ def test_no_compose_service_runs_as_root_but_the_secrets_job() -> None:
     as_root = {name for name, s in services.items() if str(s.get("user", "")).split(":")[0] in ("0", "root")}
     assert as_root == {"bus-setup"}
     assert services["bus-setup"]["restart"] == "no"
+
+
+def test_each_compose_service_mounts_at_most_its_own_credential() -> None:
+    compose = yaml.safe_load((ROOT / "compose.yaml").read_text())
+    creds = {name for name, spec in compose["secrets"].items() if str(spec.get("file", "")).endswith(".creds")}
+    for name, service in compose["services"].items():
+        mounted = [s if isinstance(s, str) else s["source"] for s in service.get("secrets", [])]
+        held = [s for s in mounted if s in creds]
+        assert len(held) <= 1, f"{name} mounts {held}"
+        if held:
+            assert service["environment"]["RUDDER_NATS_CREDS"] == f"/run/secrets/{held[0]}", name
