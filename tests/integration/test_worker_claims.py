@@ -146,7 +146,8 @@ async def test_a_worker_claiming_1024_ranks_draws_no_more_than_its_fair_share(na
         forged = _forged(f, dp_size=1024)
 
         async def publish(nc: Any) -> None:
-            await nc.jetstream().publish(membership_subject(f.model, f.hostile), forged)
+            await nc.publish(membership_subject(f.model, f.hostile), forged)  # the stream stores it
+            await nc.flush()
 
         async with hostile_publisher(nats_url, f, publish):
             await wait_for(lambda: f.drops("membership", "claim_capped") >= 3)
@@ -166,7 +167,8 @@ async def test_a_zero_cost_timing_prior_is_not_believed(nats_url: str) -> None:
         forged = _forged(f, timing=zero)
 
         async def publish(nc: Any) -> None:
-            await nc.jetstream().publish(membership_subject(f.model, f.hostile), forged)
+            await nc.publish(membership_subject(f.model, f.hostile), forged)  # the stream stores it
+            await nc.flush()
 
         async with hostile_publisher(nats_url, f, publish):
             sched = f.router.runtime.scheduler
