@@ -177,6 +177,8 @@ def router_env(bus: LocalBus, model: str, port: int, *, mode: str = "kv",
         "RUDDER_MODELS": json.dumps([model]),
         "RUDDER_PORT": str(port), "RUDDER_MODE": mode, "RUDDER_LOG_LEVEL": "WARNING",
         "RUDDER_KV_EVENTS": "true" if kv_events else "false",
+        # routing_quality reads which worker answered (x-worker-instance-id).
+        "RUDDER_DEBUG_HEADERS": "true",
         "RUDDER_POLICY_VERIFY_KEYS": str(policy_key_files()[1]),
     }
     if selection:

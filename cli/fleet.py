@@ -7,7 +7,7 @@ from typing import Annotated, Any
 import typer
 
 from cli import app as shared
-from cli.output import fmt_time, fmt_value, print_json, say, show, table
+from cli.output import escape, fmt_time, fmt_value, print_json, say, show, table
 
 routers_app = shared.new_app("Router replicas: applied vs head revision, NACKs.")
 workers_app = shared.new_app("Workers announced on the membership stream.")
@@ -80,8 +80,8 @@ def routers_list() -> None:
             show(table(["router", "model", "worker", "timing", "prefill ms per step", "samples",
                         "TTFT err mean ms", "p90 ms"], fits))
     for s in summary:
-        say(f"{s['model']} {s['kind']}: {s['on_head']}/{s['routers']} routers on the head "
-            f"revision {s['head_revision']}")
+        say(f"{escape(str(s['model']))} {escape(str(s['kind']))}: {s['on_head']}/{s['routers']} "
+            f"routers on the head revision {s['head_revision']}")
 
 
 @routers_app.command("reset-calibration")

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import unicodedata
 from collections.abc import Iterable, Mapping, Sequence
 from datetime import UTC, datetime
 from typing import Any
@@ -52,10 +53,20 @@ def report_error(error: CliError, *, json_mode: bool) -> None:
     err_console.print(f"[bold red]error:[/] {escape(error.message)}", soft_wrap=True)
 
 
+def strip_controls(text: str) -> str:
+    """``text`` without control and format characters (C0/C1 controls such as ESC, which start
+    terminal escape sequences - OSC 52 writes the clipboard - and bidi overrides). Every string
+    the CLI prints comes through here: much of it is what some worker or router said on the bus."""
+    if text.isprintable():
+        return text
+    return "".join(ch for ch in text if ch in "\n\t" or unicodedata.category(ch) not in ("Cc", "Cf"))
+
+
 def escape(text: str) -> str:
+    """Safe to print: controls stripped, rich markup escaped."""
     from rich.markup import escape as rich_escape
 
-    return rich_escape(text)
+    return rich_escape(strip_controls(text))
 
 
 def fmt_time(value: Any) -> str:
@@ -94,7 +105,7 @@ def table(
     for col in columns:
         t.add_column(col, overflow="fold")
     for row in rows:
-        t.add_row(*(escape(c) if isinstance(c, str) else fmt_value(c) for c in row))
+        t.add_row(*(escape(c if isinstance(c, str) else fmt_value(c)) for c in row))
     return t
 
 
@@ -103,9 +114,9 @@ def show(renderable: Any) -> None:
 
 
 def say(text: str) -> None:
-    console.print(text, soft_wrap=True)
+    console.print(strip_controls(text), soft_wrap=True)
 
 
 def note(text: str) -> None:
     """A remark for humans on stderr (progress, hints): never mixes into JSON on stdout."""
-    err_console.print(text, soft_wrap=True)
+    err_console.print(strip_controls(text), soft_wrap=True)

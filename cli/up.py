@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import enum
+import os
 import secrets
 import signal
 import time
@@ -139,6 +140,13 @@ def up(
         raise typer.Exit(int(code))
 
 
+def worker_allow_list(ports: list[int]) -> str:
+    """The routers' RUDDER_WORKER_URL_ALLOW under ``rudder up``: exactly the addresses it starts
+    workers on (never the control plane's, nor any other port of this host). Without workers
+    nothing is allowed (a port no one listens on) until RUDDER_WORKER_URL_ALLOW says otherwise."""
+    return ",".join(f"127.0.0.1:{p}" for p in ports) or "127.0.0.1:1"
+
+
 def _start(
     stack: Stack,
     *,
@@ -215,7 +223,11 @@ def _start(
         note(f"routers: {ROUTER_ENTRY} is not in this installation; starting no routers")
         routers = 0
     # Routers first: they are listening when the workers' join events arrive, which spares them
-    # a full KV dump per worker.
+    # a full KV dump per worker. The workers' ports are picked now: the routers' worker-URL
+    # allow-list is exactly those addresses, so a worker (or a stolen worker credential) cannot
+    # point routers at the control plane or anything else on this host.
+    worker_ports = [free_port() for _ in range(workers)]
+    allow = os.environ.get("RUDDER_WORKER_URL_ALLOW") or worker_allow_list(worker_ports)
     next_port = 8000 if router_port is None else router_port
     for i in range(routers):
         # The first router gets --router-port exactly; the next ones count up, or any free port.
@@ -226,12 +238,11 @@ def _start(
             name=f"router-{i + 1}", kind="router", url=url, health_url=f"{url}/live",
             args=["serve", "router", "--model", model, "--port", str(port)],
             env={**env, **stack.bus_env(Identity(IdentityKind.ROUTER, router_id=f"router-{i + 1}")),
-                 "RUDDER_ROUTER_ID": f"router-{i + 1}"},
+                 "RUDDER_ROUTER_ID": f"router-{i + 1}", "RUDDER_WORKER_URL_ALLOW": allow},
             log_path=logs / f"router-{i + 1}.log",
         ), timeout)
     worker_timeout = max(timeout, 600.0) if engine is Engine.VLLM else timeout
-    for i in range(workers):
-        port = free_port()
+    for i, port in enumerate(worker_ports):
         instance_id = secrets.randbelow(2**63) + 1  # bound to its credentials below
         url = f"http://127.0.0.1:{port}"
         stack.start_child(Child(

@@ -46,6 +46,7 @@ from controlplane.telemetry import logs, traces
 from router.commands import (
     MarkUnavailable,
     Phase,
+    ReportCached,
     RequestDone,
     RequestFirstToken,
     RoutingRequest,
@@ -161,6 +162,7 @@ def _observe_answer(rt: Runtime, sel: Selection, status: str, tail: bytes, ttft_
     if cached is not None:
         rt.metrics.predicted_cached.labels(sel.model).inc(sel.cached_tokens)
         rt.metrics.reported_cached.labels(sel.model).inc(cached)
+        rt.scheduler.send(ReportCached(sel.instance_id, sel.cached_tokens, cached))
     if rt.decisions.sample > 0.0:
         record = rt.decisions.finish(sel.request_id, sel.instance_id, ttft_ms=ttft_ms,
                                      cached_tokens=cached, status=status)
@@ -332,7 +334,7 @@ async def _completion(request: Request, rt: Runtime, path: str, chat: bool) -> R
         _, n_prompt, hashes = _tokenize(tok, body, chat, block_sizes)
     request_id = request.headers.get("x-request-id") or uuid.uuid4().hex
     logs.bind(request_id=request_id, router_id=settings.router_id, model=model)  # this request's task only
-    headers = forward_headers(request.headers)
+    headers = forward_headers(request.headers, allow=settings.credential_headers_allowed)
     headers["x-request-id"] = request_id
     tr: RequestTrace | None = None
     if traces.enabled():
@@ -365,11 +367,14 @@ async def _completion(request: Request, rt: Runtime, path: str, chat: bool) -> R
     # first with usage.prompt_tokens_details.cached_tokens.
     revisions = ",".join(f"{k}={v}" for k, v in sorted(sel.revisions.items()))
     logs.bind(worker_id=sel.instance_id, revision=revisions)
-    out_headers = {
-        "x-request-id": request_id,
-        HDR_PREDICTED_CACHED: str(sel.cached_tokens),
-        HDR_POLICY_REVISIONS: revisions,
-    }
+    # Headers naming the worker, the revisions and the predicted cache state are a debugging aid
+    # and an oracle (a client could confirm, block by block, what prefixes other users sent):
+    # off unless RUDDER_DEBUG_HEADERS turns them on.
+    debug = rt.settings.debug_headers
+    out_headers = {"x-request-id": request_id}
+    if debug:
+        out_headers[HDR_PREDICTED_CACHED] = str(sel.cached_tokens)
+        out_headers[HDR_POLICY_REVISIONS] = revisions
     phase_started: float | None = None  # disaggregated: when the decode worker was selected
 
     if sel.disaggregated:
@@ -380,8 +385,9 @@ async def _completion(request: Request, rt: Runtime, path: str, chat: bool) -> R
         status = opened.resp.status_code
         rt.metrics.phase_overhead.labels(model, "prefill").observe(opened.selected_at - t0)
         rt.metrics.phase_ttft.labels(model, "prefill").observe(done - opened.selected_at)
-        out_headers[HDR_PREFILL] = str(sel.instance_id)
-        out_headers[HDR_PREFILL_DP_RANK] = str(sel.dp_rank)
+        if debug:
+            out_headers[HDR_PREFILL] = str(sel.instance_id)
+            out_headers[HDR_PREFILL_DP_RANK] = str(sel.dp_rank)
         if status >= 400:
             log.warning("request %s: prefill worker %s answered %d", request_id, sel.instance_id, status)
             rt.metrics.answered(model, path, str(status))
@@ -407,7 +413,7 @@ async def _completion(request: Request, rt: Runtime, path: str, chat: bool) -> R
     resp = opened.resp
     booking = sel.booking_id
 
-    if sel.predicted_ttft_ms is not None:
+    if debug and sel.predicted_ttft_ms is not None:
         out_headers[HDR_PREDICTED_TTFT] = f"{sel.predicted_ttft_ms:.1f}"
 
     def observe_first_token(now: float) -> None:
@@ -423,8 +429,9 @@ async def _completion(request: Request, rt: Runtime, path: str, chat: bool) -> R
         "request %s → %s worker %s rank %d (revision %s, predicted hit %.2f)", request_id,
         sel.pool.value, sel.instance_id, sel.dp_rank, sel.revisions, sel.predicted_hit_rate,
     )
-    out_headers[HDR_WORKER] = str(sel.instance_id)
-    out_headers[HDR_DP_RANK] = str(sel.dp_rank)
+    if debug:
+        out_headers[HDR_WORKER] = str(sel.instance_id)
+        out_headers[HDR_DP_RANK] = str(sel.dp_rank)
     content_type = resp.headers.get("content-type", "application/json")
     if not stream or resp.status_code >= 400:
         content = await _read_all(rt, opened)
@@ -678,8 +685,9 @@ def build_api(rt: Runtime, app: RouterApp) -> None:
             rt.metrics.workers.labels(model).set(n)
         rt.metrics.queue_depth.set(rt.scheduler.queue_depth)
         with contextlib.suppress(RudderError):  # a stopping router still answers its metrics
-            calibration, returns = await rt.scheduler.inspect(
-                lambda s: (s.calibration_status(), s.tables.returns.status()))
+            calibration, returns, quarantined = await rt.scheduler.inspect(
+                lambda s: (s.calibration_status(), s.tables.returns.status(), s.quarantined()))
             rt.metrics.set_calibration(calibration)
+            rt.metrics.set_quarantined(quarantined)
             rt.metrics.set_returns(returns)
         return Response(rt.metrics.render(), media_type="text/plain; version=0.0.4")

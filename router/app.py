@@ -34,6 +34,7 @@ from controlplane.protocol.subjects import BUCKET_ROUTERS, STREAM_POLICY, decisi
 from controlplane.telemetry import logs, traces
 from controlplane.telemetry.logs import configure_logging
 from router.api import RouterApp, build_api, error_response
+from router.claims import RateLimits
 from router.commands import UseVerifyKeys
 from router.consumers import (
     KvDumper,
@@ -81,6 +82,7 @@ class RouterRuntime:
             keyring=self.verify_keys.keyring, rng=rng,
             max_queued_selections=settings.max_queued_selections, decisions=self.decisions,
             background_fits=True,
+            caps=settings.claim_caps,
         )
         self.metrics = RouterMetrics()
         self.drops = Drops(
@@ -118,12 +120,15 @@ class RouterRuntime:
         dumper = None
         if s.mode.kv_aware and s.kv_events:
             dumper = KvDumper(bus, self.scheduler, self.tasks, timeout_s=s.kvdump_timeout_s,
-                              drops=self.drops)
+                              drops=self.drops, min_interval_s=s.kvdump_min_interval_s)
             self.kv = KvEventSubscriber(bus, self.scheduler, dumper, models=list(s.models),
-                                        drops=self.drops)
+                                        drops=self.drops,
+                                        limits=RateLimits(s.kv_event_bytes_per_s, s.kv_event_burst_bytes))
             await self.kv.start()
         self.membership = MembershipConsumer(bus, self.scheduler, dumper, models=list(s.models),
-                                             allow=s.url_allow_list, drops=self.drops)
+                                             allow=s.url_allow_list, drops=self.drops,
+                                             caps=s.claim_caps,
+                                             limits=RateLimits(s.membership_rate_per_s, s.membership_burst))
         await self.membership.start()
         self.policy = PolicyConsumer(
             bus, self.scheduler, self.status, router_id=s.router_id,

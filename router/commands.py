@@ -212,6 +212,15 @@ class ApplyFits(Command[None]):
 
 
 @dataclass(slots=True)
+class ReportCached(Command[None]):
+    """A worker's answer reported ``cached_tokens``; the router had predicted ``predicted``."""
+
+    instance_id: int
+    predicted: int
+    reported: int
+
+
+@dataclass(slots=True)
 class MarkUnavailable(Command[None]):
     instance_id: int
 

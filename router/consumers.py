@@ -21,7 +21,11 @@ keeps serving with its last good state while NATS is away.
 
 Hostile but well-formed input is dropped here, before it reaches the scheduler (DESIGN §9): a
 payload whose ids differ from its subject's, a worker URL outside ``RUDDER_WORKER_URL_ALLOW``,
-anything past the size bounds (refused at decode). Each drop is logged once per source and counted
+anything past the size bounds (refused at decode), membership messages and KV events past their
+worker's rate (:class:`~router.claims.RateLimits`, checked on the subject before decoding, so a
+flood costs a dictionary look-up a message). A record's claims past the router's caps
+(:class:`~router.claims.ClaimCaps`: ``dp_size``, ``kv_total_blocks``) are cut to them and reported
+the same way (reason ``claim_capped``). Each drop is logged once per source and counted
 (:class:`~controlplane.protocol.guard.Drops`). A policy stream whose sequence went backwards (it
 was deleted and created again) is noticed by :meth:`PolicyConsumer.check_stream`, which re-syncs.
 """
@@ -33,6 +37,7 @@ import contextlib
 import functools
 import logging
 import secrets
+import time
 import uuid
 from collections.abc import Callable
 from datetime import datetime
@@ -76,6 +81,7 @@ from controlplane.protocol.subjects import (
     router_status_key,
 )
 from controlplane.telemetry import traces
+from router.claims import ClaimCaps, RateLimits
 from router.commands import (
     ApplyKvEvents,
     ApplyMembership,
@@ -431,12 +437,17 @@ class AckPublisher:
 class KvDumper:
     def __init__(
         self, bus: Bus, scheduler: Scheduler, tasks: Tasks, *, timeout_s: float, drops: Drops,
+        min_interval_s: float = 0.0,
     ) -> None:
         self.bus = bus
         self.scheduler = scheduler
         self.tasks = tasks
         self.timeout_s = timeout_s
         self.drops = drops
+        # A worker's dump is asked for at most this often: a worker that keeps making gaps (event
+        # ids jumping) cannot make the router request and load its full state in a loop.
+        self.min_interval_s = min_interval_s
+        self._last: dict[int, float] = {}
         self._inflight: set[int] = set()
 
     def request(self, instance_id: int) -> None:
@@ -448,6 +459,12 @@ class KvDumper:
     async def _dump(self, instance_id: int) -> None:
         reply = None
         try:
+            wait = self._last.get(instance_id, -self.min_interval_s) + self.min_interval_s - time.monotonic()
+            if wait > 0:
+                await asyncio.sleep(wait)
+            self._last[instance_id] = time.monotonic()
+            if len(self._last) > 65_536:
+                del self._last[next(iter(self._last))]
             msg = await self.bus.request(kvdump_subject(instance_id), wait_s=self.timeout_s)
             reply = decode_kv_dump(msg.data)
             check_kv_dump(instance_id, reply)
@@ -465,7 +482,10 @@ class MembershipConsumer:
     def __init__(
         self, bus: Bus, scheduler: Scheduler, dumper: KvDumper | None, *,
         models: list[str], allow: UrlAllowList, drops: Drops, ready_timeout_s: float = 3.0,
+        caps: ClaimCaps | None = None, limits: RateLimits | None = None,
     ) -> None:
+        self.caps = caps or ClaimCaps()
+        self.limits = limits
         self.bus = bus
         self.scheduler = scheduler
         self.dumper = dumper
@@ -517,9 +537,18 @@ class MembershipConsumer:
                 f"worker {event.worker.instance_id}: {exc.message}",
             )
             return None
-        return event
+        capped, fields = self.caps.cap(event)
+        if fields:
+            self.drops.drop("membership", "claim_capped", msg.subject,
+                            f"worker {event.worker.instance_id}: {', '.join(fields)} cut to the router's caps")
+        return capped
 
     async def _on_msg(self, msg: Message) -> None:
+        if self.limits is not None and not self.limits.allow(msg.subject, time.monotonic()):
+            self.drops.drop("membership", "rate_limited", msg.subject, "membership messages past the rate")
+            if msg.pending == 0:
+                self._declare()
+            return
         event = self._accept(msg)
         if event is not None:
             try:
@@ -536,7 +565,9 @@ class MembershipConsumer:
 class KvEventSubscriber:
     def __init__(
         self, bus: Bus, scheduler: Scheduler, dumper: KvDumper, *, models: list[str], drops: Drops,
+        limits: RateLimits | None = None,
     ) -> None:
+        self.limits = limits
         self.bus = bus
         self.scheduler = scheduler
         self.dumper = dumper
@@ -553,6 +584,9 @@ class KvEventSubscriber:
         await unsubscribe_all(self._subs)
 
     async def _on_msg(self, model: str, msg: Message) -> None:
+        if self.limits is not None and not self.limits.allow(msg.subject, time.monotonic(), len(msg.data)):
+            self.drops.drop("kv", "rate_limited", msg.subject, "KV events past the worker's byte rate")
+            return
         try:
             event = decode_kv_event(msg.data)
             check_kv_subject(msg.subject, model, event)

@@ -7,7 +7,13 @@ blocks a worker holds, counted per tier (a block held in several tiers counts in
 
 Event ids are checked per worker: a jump is a gap and a worker heard of for the first time needs
 its full state; both answer :class:`KvApplied` values that tell the caller to request a dump.
-Events arriving while a dump is pending are buffered and replayed after it.
+Events arriving while a dump is pending are buffered (at most ``max_buffered`` per worker: past it
+the rest are dropped, which the event ids show as a gap after the dump) and replayed after it.
+
+Bounded per worker (issue 17): with a capacity set (:meth:`PrefixIndex.set_capacity`, the worker's
+capped KV blocks per rank) a rank holds at most that many blocks; a ``stored`` claim past it is not
+indexed (counted in :attr:`PrefixIndex.refused`). A worker cannot grow a router's memory past its
+own capacity by claiming blocks.
 """
 
 from __future__ import annotations
@@ -46,7 +52,11 @@ class KvApplied(enum.Enum):
 
 
 class PrefixIndex:
-    def __init__(self) -> None:
+    def __init__(self, *, max_buffered: int = 4096) -> None:
+        self.max_buffered = max_buffered
+        self._capacity: dict[int, int] = {}  # instance id → blocks one rank may hold
+        self.refused = 0  # blocks claimed past a rank's capacity (not indexed)
+        self.buffer_dropped = 0  # events dropped while a dump was pending (buffer full)
         self._holders: dict[int, dict[WorkerKey, int]] = {}
         self._by_key: dict[WorkerKey, set[int]] = {}
         self._last_event: dict[int, int] = {}
@@ -138,12 +148,22 @@ class PrefixIndex:
 
     # -- mutations -----------------------------------------------------------------------------
 
+    def set_capacity(self, instance_id: int, blocks_per_rank: int) -> None:
+        """At most ``blocks_per_rank`` blocks of each rank of the worker from now on (blocks it
+        already holds past a lowered capacity stay until removed)."""
+        self._capacity[instance_id] = blocks_per_rank
+
     def store(self, key: WorkerKey, hashes: Iterable[int], tier: CacheInput = CacheInput.DEVICE) -> None:
         bit = _BIT[tier]
         if bit != _DEVICE_ONLY:
             self._other_tiers = True
         mine = self._by_key.setdefault(key, set())
         holders_of = self._holders
+        cap = self._capacity.get(key[0])
+        if cap is not None:
+            hashes = list(hashes)
+            if len(mine) + len(hashes) > cap:
+                hashes = self._within(mine, hashes, cap)
         for h in hashes:
             holders = holders_of.get(h)
             if holders is None:
@@ -151,6 +171,21 @@ class PrefixIndex:
             else:
                 holders[key] = holders.get(key, 0) | bit
             mine.add(h)
+
+    def _within(self, mine: set[int], hashes: list[int], cap: int) -> list[int]:
+        """The leading ``hashes`` that fit a rank holding ``mine`` under ``cap`` (held ones are
+        free); the others are refused and counted."""
+        room = cap - len(mine)
+        out: list[int] = []
+        for h in hashes:
+            if h in mine:
+                out.append(h)
+            elif room > 0:
+                out.append(h)
+                room -= 1
+            else:
+                self.refused += 1
+        return out
 
     def remove(self, key: WorkerKey, hashes: Iterable[int], tier: CacheInput = CacheInput.DEVICE) -> None:
         bit = _BIT[tier]
@@ -186,11 +221,16 @@ class PrefixIndex:
                     del self._holders[h]
         del self._by_key[key]
 
-    def remove_worker(self, instance_id: int) -> None:
+    def clear_worker(self, instance_id: int) -> None:
+        """Forget every block of every rank of a worker (its event ids and capacity stay)."""
         for key in [k for k in self._by_key if k[0] == instance_id]:
             self.clear(key)
+
+    def remove_worker(self, instance_id: int) -> None:
+        self.clear_worker(instance_id)
         self._last_event.pop(instance_id, None)
         self._pending_dump.pop(instance_id, None)
+        self._capacity.pop(instance_id, None)
 
     # -- KV events -----------------------------------------------------------------------------
 
@@ -198,7 +238,10 @@ class PrefixIndex:
         wid = event.instance_id
         pending = self._pending_dump.get(wid)
         if pending is not None:
-            pending.append(event)
+            if len(pending) < self.max_buffered:
+                pending.append(event)
+            else:
+                self.buffer_dropped += 1
             return KvApplied.BUFFERED
         last = self._last_event.get(wid)
         if last is not None and event.event_id <= last:

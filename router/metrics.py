@@ -76,6 +76,11 @@ class RouterMetrics:
             "rudder_router_policy_events", "Policy events applied or refused", ["status"], registry=r
         )
         self.workers = Gauge("rudder_router_workers", "Workers in the snapshot", ["model"], registry=r)
+        self.quarantined = Gauge(
+            "rudder_router_worker_cache_quarantined",
+            "Workers whose KV claims persistently exceeded the cached tokens they delivered: no cache "
+            "credit (1 while quarantined)", ["model", "instance_id"], registry=r,
+        )
         self.bus_drops = Counter(
             "rudder_router_bus_dropped", "Bus messages dropped as hostile or malformed, by kind "
             "and reason", ["kind", "reason"], registry=r,
@@ -219,6 +224,12 @@ class RouterMetrics:
         if child is None:
             child = self._answered[key] = self.requests.labels(model, endpoint, status)
         child.inc()
+
+    def set_quarantined(self, workers: Iterable[tuple[str, int]]) -> None:
+        """The workers whose cache claims are not believed (router.claims.CacheOutcomes)."""
+        self.quarantined.clear()
+        for model, wid in workers:
+            self.quarantined.labels(model, str(wid)).set(1)
 
     def set_returns(self, status: Mapping[str, float]) -> None:
         self.returns.labels("open").set(status["open"])

@@ -48,6 +48,7 @@ from router.bookings import Booking, Bookings
 from router.busy import Thresholds
 from router.calibration import Calibration, Calibrations, Pending
 from router.choose import Choice, Chooser
+from router.claims import CacheOutcomes, ClaimCaps
 from router.commands import (
     PREFILL_BOOKING,
     ApplyFits,
@@ -61,6 +62,7 @@ from router.commands import (
     LoadKvDump,
     MarkUnavailable,
     PolicyApplied,
+    ReportCached,
     RequestDone,
     RequestFirstToken,
     RestorePolicy,
@@ -97,8 +99,14 @@ class Scheduler:
         clock: Callable[[], float] = time.monotonic, wall: Callable[[], datetime] = utcnow,
         keyring: Keyring, rng: random.Random | None = None, max_queued_selections: int | None = None,
         decisions: DecisionLog | None = None, background_fits: bool = False,
+        caps: ClaimCaps | None = None,
     ) -> None:
         self.router_id = router_id
+        # What a worker's own word is believed up to (router.claims): its timing prior, the blocks
+        # of it the prefix index holds.
+        self.caps = caps or ClaimCaps()
+        # KV claims checked against what each worker delivers (router.claims.CacheOutcomes).
+        self.outcomes = CacheOutcomes()
         # Selections waiting in the queue at most (None: unbounded); past it submit refuses.
         self.max_queued_selections = max_queued_selections
         self._queued_selections = 0
@@ -338,6 +346,8 @@ class Scheduler:
             case ApplyFits():
                 for wid in self.timings.apply(cmd.results):
                     self._retime(wid)
+            case ReportCached():
+                self._cache_outcome(cmd)
                 return None
             case MarkUnavailable():
                 if self.discovery.mark_unreachable(cmd.instance_id):
@@ -418,17 +428,20 @@ class Scheduler:
         elif change is Change.JOINED:
             log.info("worker %s joined (%s, %s)", wid, event.worker.model, event.worker.url)
             self._calibrate(wid)
+            self._bound_index(wid)
             self.tables.rebuild_worker(wid)
             if self.use_index and self.kv_events:
                 self.index.begin_dump(wid)
             self._publish_view()
         elif change is Change.UPDATED:
             self._calibrate(wid)
+            self._bound_index(wid)
             self.tables.rebuild_worker(wid)
         return change
 
     def _forget(self, wid: int, why: str) -> None:
         self.index.remove_worker(wid)
+        self.outcomes.forget(wid)
         dropped = self.bookings.drop_worker(wid)
         self.tables.forget(wid)
         self.timings.forget(wid, (b.request_id for b in dropped))
@@ -462,8 +475,35 @@ class Scheduler:
         state = self.discovery.get(wid)
         if state is not None:
             params = self._params[state.record.model]
-            self.timings.join(wid, state.record.model, Timing.from_engine(state.record.timing),
+            prior = self.caps.prior(Timing.from_engine(state.record.timing))
+            self.timings.join(wid, state.record.model, prior,
                               window=params.calibration_window, min_samples=params.calibration_min_samples)
+
+    def _bound_index(self, wid: int) -> None:
+        """The prefix index holds at most the worker's (capped) KV capacity per rank."""
+        state = self.discovery.get(wid)
+        if state is not None:
+            rec = state.record
+            quarantined = wid in self.outcomes.quarantined
+            cap = 0 if quarantined else self.caps.blocks_per_rank(rec.kv_total_blocks, rec.dp_size)
+            self.index.set_capacity(wid, cap)
+
+    def quarantined(self) -> list[tuple[str, int]]:
+        """(model, instance id) of each worker whose cache claims are not believed."""
+        return [(st.record.model, wid) for wid in sorted(self.outcomes.quarantined)
+                if (st := self.discovery.get(wid)) is not None]
+
+    def _cache_outcome(self, cmd: ReportCached) -> None:
+        """Only claims from KV events are checked (approximate mode predicts from its own
+        decisions, which no worker asserted)."""
+        if not (self.use_index and self.kv_events) or self.discovery.get(cmd.instance_id) is None:
+            return
+        if self.outcomes.report(cmd.instance_id, cmd.predicted, cmd.reported):
+            log.warning("worker %s quarantined: its cache claims are not delivered (%.0f%% of predicted "
+                        "cached tokens reported); its blocks leave the prefix index", cmd.instance_id,
+                        100 * (self.outcomes.ratio(cmd.instance_id) or 0.0))
+            self.index.clear_worker(cmd.instance_id)
+            self._bound_index(cmd.instance_id)
 
     def _retime(self, wid: int | None) -> None:
         """A worker's timing model changed: its slots score with the new one."""
@@ -492,11 +532,10 @@ class Scheduler:
             if self.discovery.get(event.instance_id) is None:
                 continue  # not (or no longer) a worker of ours; its dump comes when it joins
             applied = self.index.apply(event)
-            if applied in (KvApplied.GAP, KvApplied.NEW_WORKER):
-                if applied is KvApplied.GAP:
+            if applied in (KvApplied.GAP, KvApplied.NEW_WORKER) and self.index.begin_dump(event.instance_id):
+                if applied is KvApplied.GAP:  # logged once per dump: a worker making gaps is not a log flood
                     log.warning("KV event gap from worker %s at event %d", event.instance_id, event.event_id)
-                if self.index.begin_dump(event.instance_id):
-                    need.append(event.instance_id)
+                need.append(event.instance_id)
         return need
 
     def _load_dump(self, wid: int, reply: KvDumpReply | None) -> None:

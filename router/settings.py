@@ -26,6 +26,7 @@ from controlplane.protocol.policy import (
     PolicyKind,
     validate_value,
 )
+from router.claims import ClaimCaps
 
 
 class RoutingMode(enum.StrEnum):
@@ -156,6 +157,40 @@ class RouterSettings(BusSettings):
     # Bodies at least this large are tokenized and hashed in a thread, off the event loop;
     # smaller ones inline, where a thread hop would cost more than the work (docs/router.md).
     offload_min_bytes: int = Field(default=16 * 1024, ge=0)
+
+    # What a worker's own word is believed up to without an issued capacity (router/claims.py,
+    # docs/security.md "A stolen worker credential"): its ranks, its KV blocks (and so what the
+    # prefix index holds of it), how much faster or slower than the router's own prior its
+    # advertised timing prior may be.
+    claim_max_dp_size: int = Field(default=8, ge=1, le=1024)
+    claim_max_kv_blocks: int = Field(default=262_144, ge=1)
+    claim_max_prior_speedup: float = Field(default=256.0, ge=1.0)
+    # Per worker (per subject): membership messages and KV event bytes past these rates are dropped at
+    # the edge (counted as rudder_router_bus_dropped_total{reason="rate_limited"}); a worker's
+    # full KV dump is asked for at most once per kvdump_min_interval_s.
+    membership_rate_per_s: float = Field(default=20.0, gt=0)
+    membership_burst: int = Field(default=100, ge=1)
+    # KV events are limited by their bytes (about 60 a claimed block): 1 MiB/s is ~17k blocks/s.
+    kv_event_bytes_per_s: float = Field(default=1024 * 1024, gt=0)
+    kv_event_burst_bytes: int = Field(default=4 * 1024 * 1024, ge=1024 * 1024)
+    kvdump_min_interval_s: float = Field(default=1.0, ge=0)
+
+    # Client credential headers (Authorization, Cookie, X-Api-Key, Api-Key) are never relayed to a
+    # worker unless named here (comma-separated, e.g. "authorization"); Proxy-Authorization never is.
+    forward_credential_headers: str = ""
+    # Response headers naming the worker, its rank, the policy revisions and the predicted cached
+    # tokens / TTFT (x-worker-instance-id, x-rudder-predicted-cached-tokens, ...): a debugging aid
+    # and a cache oracle for any client, so off by default.
+    debug_headers: bool = False
+
+    @property
+    def credential_headers_allowed(self) -> frozenset[str]:
+        return frozenset(h.strip().lower() for h in self.forward_credential_headers.split(",") if h.strip())
+
+    @property
+    def claim_caps(self) -> ClaimCaps:
+        return ClaimCaps(max_dp_size=self.claim_max_dp_size, max_kv_blocks=self.claim_max_kv_blocks,
+                         max_prior_speedup=self.claim_max_prior_speedup)
 
     @field_validator("overload_status")
     @classmethod

@@ -4,10 +4,13 @@ Pure, apart from logging: no NATS, no sockets, no DNS.
 
 - :class:`UrlAllowList` decides whether a worker URL may receive traffic. Entries are CIDR networks
   (``10.0.0.0/8``, ``fd00::/8``, a single address) and host names (``worker-1``, or ``*.svc`` for
-  every name below ``svc``). An IP-literal host must fall inside a listed network; a named host must
-  match a listed name. Names are never resolved: resolving at discovery would be I/O inside the
-  scheduler and would answer differently at connect time (DNS rebinding). The scheme must be
-  ``http`` or ``https``; user information in a URL (``http://user:pass@host``) is refused.
+  every name below ``svc``), or exact addresses with a port (``127.0.0.1:8123``, ``[::1]:8123``,
+  ``worker-1:8000``: that host on that port only, which is what ``rudder up`` lists, so a worker
+  cannot point routers at the control plane on the same host). An IP-literal host must fall inside
+  a listed network; a named host must match a listed name. Names are never resolved: resolving at
+  discovery would be I/O inside the scheduler and would answer differently at connect time (DNS
+  rebinding). The scheme must be ``http`` or ``https``; user information in a URL
+  (``http://user:pass@host``) is refused.
   :data:`DEFAULT_WORKER_URL_ALLOW` is loopback and the private ranges; link-local
   (``169.254.0.0/16``, where cloud metadata services answer) is deliberately not in it.
 - :class:`Drops` reports a dropped message: logged once per (kind, reason, source) with its ids,
@@ -37,6 +40,7 @@ class UrlAllowList:
     networks: tuple[Network, ...]
     names: frozenset[str]  # exact host names, lower case
     suffixes: tuple[str, ...]  # ".svc" for an entry "*.svc"
+    addresses: frozenset[tuple[str, int]] = frozenset()  # (host, port) for an entry "host:port"
 
     @classmethod
     def parse(cls, spec: str, *, field: str = "worker_url_allow") -> UrlAllowList:
@@ -44,9 +48,14 @@ class UrlAllowList:
         networks: list[Network] = []
         names: set[str] = set()
         suffixes: list[str] = []
+        addresses: set[tuple[str, int]] = set()
         for raw in spec.split(","):
             entry = raw.strip().lower()
             if not entry:
+                continue
+            address = _host_port(entry)
+            if address is not None:
+                addresses.add(address)
                 continue
             try:
                 networks.append(ipaddress.ip_network(entry, strict=False))
@@ -62,10 +71,10 @@ class UrlAllowList:
                 suffixes.append("." + name)
             else:
                 names.add(name)
-        if not networks and not names and not suffixes:
+        if not networks and not names and not suffixes and not addresses:
             raise ValidationFailed(f"{field}: the allow-list is empty; no worker could be reached",
                                    field=field)
-        return cls(tuple(networks), frozenset(names), tuple(suffixes))
+        return cls(tuple(networks), frozenset(names), tuple(suffixes), frozenset(addresses))
 
     def check(self, url: str) -> None:
         """Raise ValidationFailed (field ``url``) unless ``url`` may receive traffic."""
@@ -81,6 +90,9 @@ class UrlAllowList:
             raise ValidationFailed(f"url {url!r}: user information is not allowed", field="url")
         if not host:
             raise ValidationFailed(f"url {url!r} has no host", field="url")
+        port = parts.port if parts.port is not None else (443 if parts.scheme == "https" else 80)
+        if (host, port) in self.addresses:
+            return
         try:
             address = ipaddress.ip_address(host)
         except ValueError:
@@ -102,6 +114,26 @@ class UrlAllowList:
         except ValidationFailed:
             return False
         return True
+
+
+def _host_port(entry: str) -> tuple[str, int] | None:
+    """``host:port`` or ``[v6]:port`` as (host, port); None for anything else (a CIDR, a name)."""
+    host, sep, port = entry.rpartition(":")
+    if not sep or not port.isdigit() or not 0 < int(port) < 65536:
+        return None
+    if host.startswith("[") and host.endswith("]"):
+        host = host[1:-1]
+        try:
+            return str(ipaddress.IPv6Address(host)), int(port)
+        except ValueError:
+            return None
+    if ":" in host or not host:
+        return None  # a bare IPv6 network, not an address with a port
+    try:
+        return str(ipaddress.IPv4Address(host)), int(port)
+    except ValueError:
+        pass
+    return (host, int(port)) if all(_label_ok(label) for label in host.split(".")) else None
 
 
 def _label_ok(label: str) -> bool:

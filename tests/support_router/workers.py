@@ -470,6 +470,7 @@ def router_settings(nats_url: str, model: str, **kw: Any) -> RouterSettings:
     kw.setdefault("worker_ttl_s", 5.0)
     kw.setdefault("worker_stale_s", 1.0)
     kw.setdefault("heartbeat_s", 0.5)
+    kw.setdefault("debug_headers", True)  # tests read which worker answered (x-worker-instance-id)
     kw.setdefault("policy_verify_keys", session_keys().verify_path)
     kw.setdefault("router_id", new_router_id())
     kw.setdefault("nats_creds", buskit.router_creds(kw["router_id"]))
@@ -509,6 +510,7 @@ def spawn_router(nats_url: str, model: str, *, port: int, router_id: str, comman
     full.update({
         "RUDDER_NATS_URL": nats_url, "RUDDER_MODELS": json.dumps([model]), "RUDDER_PORT": str(port),
         "RUDDER_ROUTER_ID": router_id, "RUDDER_HEARTBEAT_S": "0.5", "RUDDER_LOG_LEVEL": "WARNING",
+        "RUDDER_DEBUG_HEADERS": "true",
         "RUDDER_NATS_CREDS": str(buskit.router_creds(router_id)),
         "PYTHONPATH": str(ROOT), **session_keys().env(),
     })

@@ -443,14 +443,38 @@ def test_migration_job_passes_db_upgrade_configuration(rendered: Rendered) -> No
 def test_init_containers_copy_files(rendered: Rendered) -> None:
     """The only init containers copy a Secret file into memory with a stricter mode (the control
     plane's two signing keys, policy and checkpoint, must be 0600, a Secret volume under fsGroup
-    is group-readable)."""
-    found = 0
+    is group-readable), or pick a router's or worker's own credential out of the Secret of all
+    of them (issue 17: each pod's process sees only its own, mode 0400)."""
+    found = creds = 0
     for c in containers(rendered):
         if c.init:
             (copy,) = [v for v in _init_copies(c).values() if v[0] is c.spec]
+            if c.spec["name"] == "nats-creds":
+                assert copy[2] == "0400"
+                creds += 1
+                continue
             assert copy[2] == "0600"
             found += 1
     assert found == 2
+    assert creds >= 2  # the routers and every worker StatefulSet
+
+
+def test_a_router_or_worker_process_mounts_no_other_identitys_credential(rendered: Rendered) -> None:
+    """No container that runs as a router or a worker mounts a Secret holding any credential but
+    its own (a stolen pod must not carry the whole fleet's credentials)."""
+    checked = 0
+    for c in all_pod_containers(rendered):
+        identity = _identity(rendered, c)
+        if identity is None or identity.kind not in (IdentityKind.ROUTER, IdentityKind.WORKER):
+            continue
+        volumes = {v["name"]: v for v in c.pod["spec"].get("volumes", [])}
+        for mount in c.spec.get("volumeMounts", []):
+            volume = volumes[mount["name"]]
+            if {"secret", "projected"} & set(volume):
+                held = [k for k in _volume_files(rendered, volume) if k.endswith(".creds")]
+                assert held == [], f"{c.where}[{c.index}] mounts {held}"
+        checked += 1
+    assert checked >= 3
 
 
 def test_a_wrong_option_or_command_fails_the_check() -> None:
@@ -636,7 +660,10 @@ def _mounted_file(r: Rendered, c: Container, path: str) -> tuple[str, str]:
         copy = _init_copies(c).get(where)
         assert copy is not None, f"{c.where}: {path} is on an emptyDir nothing fills"
         init, src, _ = copy
-        return _mounted_file(r, Container(c.workload, c.pod, init, c.index, init=True), src)
+        init_c = Container(c.workload, c.pod, init, c.index, init=True)
+        env = env_of(r, init_c)  # the kubelet expands $(VAR) in an init container's command too
+        src = re.sub(r"\$\(([A-Za-z_][A-Za-z0-9_]*)\)", lambda m: env.get(m.group(1), m.group(0)), src)
+        return _mounted_file(r, init_c, src)
     files = _volume_files(r, volume)
     assert where[1] in files, f"{c.where}[{c.index}]: nothing at {path} (has {sorted(files)})"
     return files[where[1]]
