@@ -6,7 +6,9 @@ looking its ``event_id`` up on the stream. It decides ``not_published`` only whe
 rule the event out: every revision after the record's ``expected_revision`` is still retained
 and none is the event. When the document's oldest retained revision is above it (the per-document
 history limit may have dropped the event), the event id is looked up in the router ACK table: a
-router that ACKed or NACKed it saw it on the stream, so it was published (``reconciled_from_acks``).
+router that ACKed or NACKed it saw it on the stream, so it was published (``reconciled_from_acks``);
+another event accepted on the same expected revision of the document means this one's
+compare-and-set failed (only one write succeeds on a revision), so it was not published.
 Otherwise the record stays without a decision and is reported as ``undeterminable`` (a finding:
 never recorded as rejected).
 ``check`` verifies the invariant in both directions: every event in ``RUDDER_POLICY`` has exactly
@@ -136,6 +138,14 @@ class Reconciler:
             return (Decision.ACCEPTED, "reconciled_from_acks",
                     f"event no longer retained on the stream; router {acks[0]['router_id']} reported "
                     f"revision {acks[0]['revision']} of it", int(acks[0]["revision"]))
+        # Only one write can succeed on a revision: another event accepted on this expected
+        # revision of the document means this one's compare-and-set failed.
+        for other in await self.audit.accepted_decisions():
+            if (other.model == model and other.kind == kind.value and other.event_id != row.event_id
+                    and expected is not None and other.expected_revision == expected):
+                return (Decision.REJECTED, "not_published",
+                        f"event {other.event_id} was published on expected revision {expected} "
+                        f"(as revision {other.new_revision}); settled by the reconciler", None)
         return None
 
     async def check(self, *, resolve: bool = True) -> ReconcileReport:

@@ -369,7 +369,9 @@ class PolicyConsumer:
             log.warning("chain of %s|%s revision %d not checked: %s", model, kind.value, revision,
                         exc.message)
             return None
-        if msg is None or msg.seq is None:
+        if msg is None or msg.seq is None or msg.seq > revision:
+            # Past the event itself: the stream no longer holds it (a router that resumes after
+            # more than the history's depth of newer revisions); nothing in between can be seen.
             return None
         return expected if msg.seq == revision else msg.seq
 

@@ -346,6 +346,7 @@ class Scheduler:
             case ApplyFits():
                 for wid in self.timings.apply(cmd.results):
                     self._retime(wid)
+                return None
             case ReportCached():
                 self._cache_outcome(cmd)
                 return None

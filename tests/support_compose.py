@@ -263,8 +263,10 @@ class ComposeFleet:
         i = cmd.index("-c")
         conf_in = svc.root / cmd[i + 1].lstrip("/")
         text = conf_in.read_text()
-        # listen / http / cluster listen: 0.0.0.0:<port> → this service's mapped ports
-        text = re.sub(r"0\.0\.0\.0:(\d+)", lambda m: f"127.0.0.1:{self.port(svc.name, int(m[1]))}", text)
+        # listen / http / cluster listen: 0.0.0.0:<port> or the container's own 127.0.0.1:<port>
+        # (the monitor answers inside the container only) → this service's mapped ports
+        text = re.sub(r"(?:0\.0\.0\.0|127\.0\.0\.1):(\d+)",
+                      lambda m: f"127.0.0.1:{self.port(svc.name, int(m[1]))}", text)
         text = self._rewrite(svc, text)
         conf_out = conf_in.parent / f"mapped-{conf_in.name}"
         conf_out.write_text(text)
