@@ -138,7 +138,7 @@ async def _select(request: Request, rt: Runtime, req: RoutingRequest) -> Selecti
         fut.cancel()
         raise ClientGone("client disconnected while the request was queued")
     sel = fut.result()
-    rt.metrics.selection.labels(req.model).observe(time.perf_counter() - asked)
+    rt.metrics.model(req.model).selection.observe(time.perf_counter() - asked)
     return sel
 
 
@@ -156,12 +156,13 @@ def _observe_answer(rt: Runtime, sel: Selection, status: str, tail: bytes, ttft_
     worker reported (``usage``, in ``tail``: the whole answer, or a stream's last chunks) with
     the prediction (a byte scan, no JSON parse), and complete the decision's record if it was
     sampled (router.decisions) with the measured TTFT (sent to the worker → first token)."""
-    rt.metrics.worker_requests.labels(sel.model, str(sel.instance_id), status).inc()
+    rt.metrics.worker_answered(sel.model, sel.instance_id, status)
     found = _CACHED.search(tail) if b'"cached_tokens"' in tail else None
     cached = int(found.group(1)) if found is not None else None
     if cached is not None:
-        rt.metrics.predicted_cached.labels(sel.model).inc(sel.cached_tokens)
-        rt.metrics.reported_cached.labels(sel.model).inc(cached)
+        series = rt.metrics.model(sel.model)
+        series.predicted_cached.inc(sel.cached_tokens)
+        series.reported_cached.inc(cached)
         rt.scheduler.send(ReportCached(sel.instance_id, sel.cached_tokens, cached))
     if rt.decisions.sample > 0.0:
         record = rt.decisions.finish(sel.request_id, sel.instance_id, ttft_ms=ttft_ms,

@@ -26,12 +26,15 @@ class ModelSeries:
     itl: Any
     overhead: Any
     hit_rate: Any
+    selection: Any
+    predicted_cached: Any
+    reported_cached: Any
 
 
 class RouterMetrics:
     def __init__(self) -> None:
         self._series: dict[str, ModelSeries] = {}
-        self._answered: dict[tuple[str, str, str], Any] = {}
+        self._counted: dict[tuple[str, ...], Any] = {}
         self.registry = CollectorRegistry()
         r = self.registry
         self.requests = Counter(
@@ -213,16 +216,25 @@ class RouterMetrics:
         if series is None:
             series = self._series[model] = ModelSeries(
                 self.ttft.labels(model), self.itl.labels(model), self.overhead.labels(model),
-                self.hit_rate.labels(model))
+                self.hit_rate.labels(model), self.selection.labels(model),
+                self.predicted_cached.labels(model), self.reported_cached.labels(model))
         return series
 
     def answered(self, model: str, endpoint: str, status: str) -> None:
         """Count a request answered (``model`` served by this router; refusals of unknown
         models go through ``requests.labels``)."""
-        key = (model, endpoint, status)
-        child = self._answered.get(key)
+        self._count(self.requests, "answered", model, endpoint, status)
+
+    def worker_answered(self, model: str, instance_id: int, status: str) -> None:
+        """Count a worker's answer by worker and status (``rudder_router_worker_requests``)."""
+        self._count(self.worker_requests, "worker", model, str(instance_id), status)
+
+    def _count(self, counter: Any, kind: str, *labels: str) -> None:
+        """Increment ``counter``'s series of ``labels``, looked up once per series."""
+        key = (kind, *labels)
+        child = self._counted.get(key)
         if child is None:
-            child = self._answered[key] = self.requests.labels(model, endpoint, status)
+            child = self._counted[key] = counter.labels(*labels)
         child.inc()
 
     def set_quarantined(self, workers: Iterable[tuple[str, int]]) -> None:
