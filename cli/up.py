@@ -54,7 +54,17 @@ class _StopRequested(Exception):
     """Raised from the SIGINT/SIGTERM handler to unwind into the cleanup."""
 
 
+def _ignore(signum: int, frame: FrameType | None) -> None:
+    """Later stop signals while stopping. (A Python handler, not SIG_IGN: a signal already pending
+    when its handler becomes SIG_IGN raises OSError "ignored due to race condition".)"""
+
+
 def _on_signal(signum: int, frame: FrameType | None) -> None:
+    # The first signal starts the cleanup; later ones are ignored from here on (the handler is
+    # replaced before anything else runs), so a second Ctrl-C cannot escape as a traceback from
+    # the "stopping" line or interrupt the cleanup. `up` restores the previous handlers after it.
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, _ignore)
     raise _StopRequested(signal.Signals(signum).name)
 
 
@@ -128,7 +138,7 @@ def up(
         code = err.exit_code
     finally:
         for sig in previous:  # a second Ctrl-C must not interrupt the cleanup
-            signal.signal(sig, signal.SIG_IGN)
+            signal.signal(sig, _ignore)
         try:
             stack.stop()
             note("stopped" if code == ExitCode.OK else "stopped after an error")
