@@ -22,7 +22,7 @@ import logging
 from collections.abc import Callable
 
 from bus.client import Bus, Message, Subscription
-from controlplane.protocol.errors import InvalidRequest, SignatureInvalid
+from controlplane.protocol.errors import InvalidRequest, SignatureInvalid, SubjectMismatch
 from controlplane.protocol.guard import Drops
 from controlplane.protocol.manifests import WorkerManifest, check_manifest_subject, decode_manifest
 from controlplane.protocol.signing import Keyring, Purpose
@@ -97,7 +97,8 @@ class ManifestConsumer:
             self.drops.drop("manifest", exc.reason_code, subject, exc.message)
             return None
         except InvalidRequest as exc:
-            self.drops.drop("manifest", "malformed", subject, exc.message)
+            reason = "subject_mismatch" if isinstance(exc, SubjectMismatch) else "malformed"
+            self.drops.drop("manifest", reason, subject, exc.message)
             return None
         if not self.book.put(manifest):
             self.drops.drop("manifest", "replayed", subject,
