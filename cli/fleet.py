@@ -155,11 +155,21 @@ def _load(load: Any) -> str:
     return "; ".join(parts) or "-"
 
 
+def _quarantined(entries: Any) -> str:
+    """Which claims of a worker which routers no longer believe: "cache, timing by router-1"."""
+    if not isinstance(entries, list) or not entries:
+        return "-"
+    parts = [f"{', '.join(str(c) for c in e.get('claims') or [])} by {e.get('router_id')}"
+             for e in entries if isinstance(e, dict)]
+    return "; ".join(parts) or "-"
+
+
 @workers_app.command("list")
 def workers_list(
     model: Annotated[str | None, typer.Option("--model", "-m", help="Only this model.")] = None,
 ) -> None:
-    """Workers with their model, role, URL, capacity and last reported load."""
+    """Workers with their model, role, URL, capacity, last reported load, and which routers no
+    longer believe which of their claims (cache, timing)."""
     with shared.client() as api:
         body = api.get("/workers")
     workers = [w for w in (body or {}).get("workers") or [] if isinstance(w, dict)]
@@ -173,10 +183,11 @@ def workers_list(
         return
     show(table(
         ["instance", "model", "role", "engine", "url", "dp", "block", "kv blocks", "last seen",
-         "load"],
+         "load", "quarantined"],
         [(str(w.get("instance_id")), w.get("model"), w.get("role"), w.get("engine"),
           w.get("url"), w.get("dp_size"), w.get("block_size"), w.get("kv_total_blocks"),
-          fmt_time(w.get("last_seen")), _load(w.get("load"))) for w in workers],
+          fmt_time(w.get("last_seen")), _load(w.get("load")), _quarantined(w.get("quarantined")))
+         for w in workers],
     ))
 
 

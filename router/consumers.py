@@ -59,6 +59,7 @@ from controlplane.protocol.events import (
     RouterRole,
     RouterStatus,
     WorkerCalibration,
+    WorkerQuarantine,
     check_kv_dump,
     check_kv_subject,
     check_membership_subject,
@@ -149,19 +150,21 @@ class StatusPublisher:
         self._dirty = asyncio.Event()
         self.resync: PolicyResync | None = None  # set by the policy consumer when it re-syncs
         self._calibration: list[WorkerCalibration] = []
+        self._quarantined: list[WorkerQuarantine] = []
 
     def status(self) -> RouterStatus:
         return RouterStatus(
             **self._static, applied=self.scheduler.view.applied, heartbeat_at=utcnow(),
             policy_resync=self.resync,
-            calibration=self._calibration,
+            calibration=self._calibration, quarantined=self._quarantined,
         )
 
     async def put(self) -> None:
         async with self._lock:
             self._dirty.clear()
             with contextlib.suppress(RudderError):  # stopping: keep the last one
-                self._calibration = await self.scheduler.inspect(lambda s: s.calibration_status())
+                self._calibration, self._quarantined = await self.scheduler.inspect(
+                    lambda s: (s.calibration_status(), s.quarantine_status()))
             try:
                 await self.kv.put(router_status_key(self.router_id), self.status().to_bytes())
             except RudderError as exc:

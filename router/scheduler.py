@@ -40,6 +40,7 @@ from controlplane.protocol.events import (
     MembershipEvent,
     RouterRole,
     WorkerCalibration,
+    WorkerQuarantine,
     WorkerRole,
     utcnow,
 )
@@ -511,6 +512,13 @@ class Scheduler:
                         100 * (self.outcomes.ratio(cmd.instance_id) or 0.0))
             self.index.clear_worker(cmd.instance_id)
             self._bound_index(cmd.instance_id)
+
+    def quarantine_status(self) -> list[WorkerQuarantine]:
+        """Every worker whose cache claims or timing prior this router does not believe (its
+        status, so ``rudder workers list`` shows it)."""
+        cache, timing = self.outcomes.quarantined, self.timing_outcomes.quarantined
+        return [WorkerQuarantine(model=st.record.model, instance_id=wid, cache=wid in cache, timing=wid in timing)
+                for wid in sorted(cache | timing) if (st := self.discovery.get(wid)) is not None]
 
     def timing_quarantined(self) -> list[tuple[str, int]]:
         """(model, instance id) of each worker whose claimed timing prior is not believed."""

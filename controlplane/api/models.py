@@ -199,6 +199,7 @@ class RouterView(Open):
     started_at: str | None = None
     policy_resync: dict[str, Any] | None = None
     calibration: list[dict[str, Any]] | None = None
+    quarantined: list[dict[str, Any]] | None = None
 
 
 class Routers(Open):
@@ -227,6 +228,8 @@ class WorkerView(Open):
     last_seen: str | None = None
     state: str | None = Field(default=None, description="The last membership op (join, heartbeat)")
     load: list[dict[str, Any]] | None = None
+    quarantined: list[dict[str, Any]] | None = Field(default=None, description=(
+        'Routers that no longer believe its claims: [{"router_id", "claims": ["cache", "timing"]}]'))
 
 
 class Workers(Open):

@@ -1,7 +1,9 @@
-"""What a worker may claim is issued, not asserted (issue 17 item 1), against real NATS and
-PostgreSQL: an admin issues a worker's manifest through the control plane's API (signed, on
-``rudder.manifests.<id>``); a router caps the worker's membership record by it. A manifest
-published with the control plane's NATS credential but not its signing key is ignored."""
+"""What a worker may claim is issued, not asserted, and checked against what it delivers (issue 17
+items 1-3), against real NATS and PostgreSQL: an admin issues a worker's manifest through the
+control plane's API (signed, on ``rudder.manifests.<id>``); a router caps the worker's membership
+record by it. A manifest published with the control plane's NATS credential but not its signing
+key is ignored. A worker slower than the timing prior it claims loses it, and ``GET /workers``
+shows which routers quarantine which of its claims."""
 
 from __future__ import annotations
 
@@ -22,6 +24,7 @@ from controlplane.protocol.manifests import ManifestSpec, WorkerManifest
 from controlplane.protocol.signing import Purpose, SigningKey
 from controlplane.protocol.subjects import manifest_subject, membership_subject
 from controlplane.server import Running
+from router.cost.time import DEFAULT_TIMING
 from tests import buskit
 from tests.integration.cp_support import Tokens, client, controlplane
 from tests.support_router.workers import InProcessRouter, router_settings, wait_for
@@ -196,3 +199,75 @@ async def test_manifests_lists_the_last_of_every_worker(nats_url: str, db: str, 
             listed = {m["instance_id"]: m for m in (await api.get("/workers/manifests")).json()["manifests"]}
         assert set(ids) <= set(listed), listed
         assert listed[ids[0]]["spec"]["max_dp_size"] == 4 and all(listed[w]["verified"] for w in ids)
+
+
+async def test_a_worker_slower_than_its_claimed_prior_loses_it_and_workers_list_shows_it(
+        nats_url: str, db: str, tokens: Tokens) -> None:
+    """Issue 17 items 2-3: a real mock worker advertising a prior 100x faster than it is (and an
+    honest one at the same real speed); the router's time cost first believes the claim, then the
+    measured TTFTs take it away: its own prior is used, reported on /metrics and, through the
+    router's status, in ``GET /workers`` (``rudder workers list``)."""
+    model = f"timing/{uuid.uuid4().hex[:6]}"
+    stop = asyncio.Event()
+    ready: list[agent.Worker] = []
+    tasks = []
+    try:
+        for advertised in (100.0, None):
+            settings = buskit.worker_settings(nats_url=nats_url, model=model, heartbeat_s=0.2, mock=MockEngineSettings(
+                speedup_ratio=1.0, advertise_speedup_ratio=advertised, block_size=16))
+            tasks.append(asyncio.create_task(agent.serve(settings, stop=stop, on_ready=ready.append)))  # type: ignore[arg-type]
+            await wait_for(lambda n=len(tasks): len(ready) == n or any(t.done() for t in tasks), within=30)
+        for t in tasks:
+            if t.done():
+                t.result()
+        liar, honest = ready[0].instance_id, ready[1].instance_id
+        async with controlplane(nats_url, db) as cp:
+            router = await InProcessRouter(router_settings(nats_url, model, mode="kv-time")).start()
+            try:
+                await _slower_than_claimed(router, cp, tokens, model, liar, honest)
+            finally:
+                await router.stop()
+    finally:
+        stop.set()
+        for t in tasks:
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(t, 10)
+
+
+async def _slower_than_claimed(router: InProcessRouter, cp: Running, tokens: Tokens, model: str, liar: int,
+                               honest: int) -> None:
+    sched = router.runtime.scheduler
+    await wait_for(lambda: sched.view.workers.get(model) == 2, within=15)
+    claimed = await sched.inspect(lambda s: s.timings.workers[liar].prior)
+    assert claimed.p1 == pytest.approx(DEFAULT_TIMING.p1 / 100, rel=0.01)  # believed at first
+    # 3,000-token prompts: a real prefill of about 65 ms (the liar claims 0.65), well past the
+    # 20 ms a request of slack that keeps honest fast workers (HTTP overhead) from being judged.
+    async with httpx.AsyncClient(base_url=router.url, timeout=20) as http:
+        for i in range(40):
+            r = await http.post("/v1/chat/completions", json={  # streamed: its TTFT is measured
+                "model": model, "max_tokens": 2, "stream": True,
+                "messages": [{"role": "user", "content": f"{uuid.uuid4().hex} question {i} " + "x" * 3000}]})
+            assert r.status_code == 200, r.text
+            if await sched.inspect(lambda s: liar in s.timing_outcomes.quarantined):
+                break
+        metrics = (await http.get("/metrics")).text
+    quarantined, prior = await sched.inspect(
+        lambda s: (set(s.timing_outcomes.quarantined), s.timings.workers[liar].prior))
+    assert quarantined == {liar}, quarantined  # the honest worker keeps its prior
+    assert (prior.p0, prior.p1, prior.p2) == (DEFAULT_TIMING.p0, DEFAULT_TIMING.p1, DEFAULT_TIMING.p2)
+    gauge = metrics.split("rudder_router_worker_timing_quarantined", 1)[1].split("# HELP", 1)[0]
+    assert f'{{instance_id="{liar}",model="{model}"}} 1.0' in gauge
+    assert f'instance_id="{honest}"' not in gauge
+
+    async def listed() -> dict[int, Any]:
+        async with client(cp, tokens.viewer) as api:
+            body = (await api.get("/workers", params={"model": model})).json()
+        return {w["instance_id"]: w["quarantined"] for w in body["workers"]}
+
+    want = [{"router_id": router.runtime.settings.router_id, "claims": ["timing"]}]
+
+    async def shown() -> bool:
+        return (await listed()).get(liar) == want
+
+    await wait_for(shown)
+    assert (await listed())[honest] == []
