@@ -210,7 +210,8 @@ def workers_issue(
     model: Annotated[str, typer.Option("--model", "-m", help="The model it serves.")],
     url_allow: Annotated[str, typer.Option(
         "--url-allow", help="Where it may be reached (RUDDER_WORKER_URL_ALLOW syntax: host:port, CIDR, *.suffix).")],
-    block_size: Annotated[int, typer.Option("--block-size", help="Tokens per KV block.")] = 16,
+    block_size: Annotated[int, typer.Option(
+        "--block-size", help="Tokens per KV block: the worker's own (another is refused).")],
     dp_size: Annotated[int, typer.Option("--dp-size", help="Most data-parallel ranks.")] = 1,
     kv_blocks: Annotated[int, typer.Option("--kv-blocks", help="Most KV blocks (all ranks).")] = 16384,
     role: Annotated[str, typer.Option("--role", help="aggregated, prefill or decode.")] = "aggregated",

@@ -376,13 +376,17 @@ def test_workers_issue_and_manifests(env: Env) -> None:
     wid = str(uuid.uuid4().int >> 65)
     timing = '{"prefill_ms": [16.5, 0.015, 4e-7], "decode_ms": [5.7, 54, -25]}'
     issued = env.ok("workers", "issue", wid, "--model", "cli/m", "--url-allow", "127.0.0.1:9", "--dp-size", "2",
+                    "--block-size", "16",
                     "--kv-blocks", "512", "--timing", timing)
     assert issued["instance_id"] == int(wid) and issued["manifest"]["spec"]["max_dp_size"] == 2
     listed = {str(m["instance_id"]): m for m in env.ok("workers", "manifests", role="viewer")}
     assert listed[wid]["verified"] is True and listed[wid]["spec"]["max_kv_blocks"] == 512
     human = env.run("workers", "manifests", json_out=False)
     assert human.exit_code == 0 and wid in human.stdout and "cli/m" in human.stdout
-    assert env.run("workers", "issue", wid, "--model", "m", "--url-allow", "127.0.0.1", role="operator").exit_code == 4
-    bad = env.run("workers", "issue", wid, "--model", "m", "--url-allow", "127.0.0.1", "--dp-size", "0")
+    assert env.run("workers", "issue", wid, "--model", "m", "--url-allow", "127.0.0.1", "--block-size", "16",
+                   role="operator").exit_code == 4
+    bad = env.run("workers", "issue", wid, "--model", "m", "--url-allow", "127.0.0.1", "--block-size", "16",
+                  "--dp-size", "0")
     assert bad.exit_code == 2 and "max_dp_size" in bad.stderr
-    assert env.run("workers", "issue", wid, "--model", "m", "--url-allow", "x", "--timing", "{").exit_code == 2
+    assert env.run("workers", "issue", wid, "--model", "m", "--url-allow", "x", "--block-size", "16",
+                   "--timing", "{").exit_code == 2
