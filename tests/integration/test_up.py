@@ -189,6 +189,13 @@ def test_up_serves_stops_everything_and_keeps_data(tmp_path: Path) -> None:
                 break
             time.sleep(0.2)
         assert routers and all(r["applied_revision"] == revision and not r["last_nack"] for r in routers), routers
+        # Issue 17: what each mock worker may claim was issued (signed, audited) before it started.
+        manifests = json.loads(rudder(tmp_path, "--json", "workers", "manifests").stdout)
+        workers = json.loads(rudder(tmp_path, "--json", "workers", "list").stdout)
+        assert len(manifests) == len(workers) >= 1 and all(m["verified"] for m in manifests), manifests
+        assert {m["instance_id"] for m in manifests} == {w["instance_id"] for w in workers}
+        assert all(m["spec"]["url_allow"] == w["url"].removeprefix("http://")
+                   for m in manifests for w in workers if w["instance_id"] == m["instance_id"])
     finally:
         code = up.stop()
     assert code == 0, "".join(up.output)
