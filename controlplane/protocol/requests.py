@@ -22,6 +22,7 @@ the kind's table (the policy module's ``validate_changes``).
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Annotated, Any, Self, TypeVar
@@ -87,9 +88,16 @@ def _carried(error: RudderError) -> PydanticCustomError:
 # ---- the checks (each raises the error the write path has always answered) --------------------
 
 
+#: Characters no model name holds: C0 controls and DEL (a NUL cannot even be stored), and
+#: unpaired surrogates (no UTF-8 encoding).
+_NOT_IN_NAMES = re.compile("[\x00-\x1f\x7f\ud800-\udfff]")
+
+
 def check_model(value: Any, field: str) -> str:
     if not isinstance(value, str) or not value.strip():
         raise InvalidRequest(f"{field} is required and must be a non-empty string", field=field)
+    if _NOT_IN_NAMES.search(value):
+        raise InvalidRequest(f"{field} holds a control character or an unpaired surrogate", field=field)
     encode_model_key(value)  # raises for an unusable name (too long)
     return value
 
