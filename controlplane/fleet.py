@@ -66,7 +66,11 @@ class _Source:
     def seen(self, stored_at: datetime | None, *, mono: float, wall: datetime, live: bool) -> float:
         """Bus seconds at which an entry stored at ``stored_at`` (None: now) was current;
         ``live``: delivered as it was stored (not a replay), so it tells the server's time."""
-        if live and stored_at is not None:
+        if not live:
+            # A replay (a watch restarted after a silence) is not the stream being heard: it
+            # would end the silence, and each restart count half a TTL of it again.
+            return self.clock.at(mono) - self.server.age(stored_at, mono, wall)
+        if stored_at is not None:
             self.server.learn(stored_at, mono, wall)
         return self.clock.heard(mono) - self.server.age(stored_at, mono, wall)
 
@@ -178,8 +182,9 @@ class FleetView:
             return
         self.bad_routers.pop(key, None)
         self._routers[key] = status
-        self._router_seen[key] = self._router_src.seen(stored_at, mono=self.monotonic(), wall=self.clock(),
-                                                       live=live)
+        seen = self._router_src.seen(stored_at, mono=self.monotonic(), wall=self.clock(), live=live)
+        # A watch restarted after a silence replays what it holds: no older than what was heard.
+        self._router_seen[key] = max(seen, self._router_seen.get(key, seen))
 
     async def _on_membership(self, msg: Message) -> None:
         live = self._membership_replayed
@@ -199,7 +204,8 @@ class FleetView:
         wid = event.worker.instance_id
         mono, wall = self.monotonic(), self.clock()
         self._workers[wid] = event
-        self._worker_seen[wid] = self._worker_src.seen(stored_at, mono=mono, wall=wall, live=live)
+        seen = self._worker_src.seen(stored_at, mono=mono, wall=wall, live=live)
+        self._worker_seen[wid] = max(seen, self._worker_seen.get(wid, seen))
         server_now = self._worker_src.server.now(mono, wall)
         self._worker_stored[wid] = min(stored_at or server_now, server_now)
 

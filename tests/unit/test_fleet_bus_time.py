@@ -117,6 +117,11 @@ def test_the_fleet_view_holds_last_known_state_while_the_bus_cannot_store() -> N
     for t in (110.0, 140.0, 400.0):
         c.t = t
         assert _live(view) == (["r-a"], [1]), f"the view emptied {t - 100:.0f} s into the outage"
+        # The silent router watch restarts and replays r-a's last status: neither an older
+        # "seen" nor the silence's end (each restart would count half a TTL again).
+        _router(view, c, "r-a", ago=t - 100.0, live=False)
+        c.t += 0.5
+        assert _live(view) == (["r-a"], [1]), f"a replay {t - 100:.0f} s into the outage aged r-a"
     # The bus stores again; r-a comes back, worker 1 died meanwhile: it ages out from now.
     view.bus_unhealthy(False)
     for t in (401.0, 402.0, 403.0):
