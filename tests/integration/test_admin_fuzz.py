@@ -98,22 +98,28 @@ def generate(spec: dict[str, Any]) -> list[tuple[Case, GenerationMode]]:
 
 
 def invalid(case: Case, mode: GenerationMode, sent: httpx.Request) -> bool:
-    """Whether what was sent breaks the case's schema. Not when the only broken part was the
-    bearer header (replaced by the caller's own), or a body the route does not read (``Ignored``:
-    documented as an object for clients, never parsed), nor when the extra query parameters a
-    case adds were dropped on the way (httpx sends no parameter whose value is None)."""
+    """Whether what was sent breaks the case's schema: some mutation of it reached the server
+    and is read there. Not the bearer header (each caller sends its own), nor a body the route
+    does not read (``Ignored``: documented as an object for clients, never parsed), nor extra
+    query parameters dropped on the way (httpx sends no parameter whose value is None)."""
     if mode is not GenerationMode.NEGATIVE:
         return False
     data = case.meta.phase.data if case.meta is not None else None
-    if getattr(data, "parameter", None) == "Authorization":
-        return False
-    if getattr(data, "parameter_location", None) == ParameterLocation.BODY and case.path in UNREAD_BODIES:
-        return False
-    if (getattr(data, "parameter_location", None) == ParameterLocation.QUERY
-            and "additionalProperties" in getattr(data, "description", "")):
-        declared = {p.name for p in case.operation.iter_parameters() if p.location == ParameterLocation.QUERY}
-        return any(name not in declared for name in sent.url.params)
-    return True
+    mutations = getattr(data, "mutations", None)
+    if not mutations:
+        return getattr(data, "parameter", None) != "Authorization"
+    declared = {p.name for p in case.operation.iter_parameters() if p.location == ParameterLocation.QUERY}
+
+    def reaches(m: Any) -> bool:
+        if m.parameter == "Authorization":
+            return False
+        if m.parameter_location == ParameterLocation.BODY and case.path in UNREAD_BODIES:
+            return False
+        if m.parameter_location == ParameterLocation.QUERY and "additionalProperties" in m.keywords:
+            return any(name not in declared for name in sent.url.params)
+        return True
+
+    return any(reaches(m) for m in mutations)
 
 
 @dataclass(frozen=True)
@@ -267,6 +273,18 @@ async def test_what_the_fuzzer_found_stays_fixed(nats_url: str, db: str, tokens:
         # A model name with a control character was published (a NUL-free one reached the stream).
         r = await call("POST", "/router_policy/calibration/reset", tokens.operator, json={"model": "G\u000fx"})
         assert r.status_code == 400 and r.json()["error"]["field"] == "model", r.text
+        # A revision past BIGINT could not be recorded with its refusal (503, nothing audited).
+        for path, body in (("/router_policy", {"model": "m", "expected_revision": 2**70, "parameters": {}}),
+                           ("/router_policy/rollback", {"model": "m", "expected_revision": 0, "to_revision": 2**64})):
+            r = await call("PATCH" if path == "/router_policy" else "POST", path, tokens.operator, json=body)
+            assert r.status_code == 422, r.text
+            assert [(row.decision, row.reason_code) for row in await audited(running, r)] == [
+                ("rejected", "validation_failed")]
+        # A threshold read-POST naming no model was refused 400 without a record.
+        r = await call("POST", "/busy_threshold", tokens.viewer, json={"model": ""})
+        assert r.status_code == 400 and r.json()["error"]["field"] == "model", r.text
+        assert [(row.decision, row.reason_code) for row in await audited(running, r)] == [
+            ("rejected", "invalid_request")]
         # A threshold POST that asks nothing (a read) from an unauthenticated caller: its 401 was
         # not recorded, though the edge had counted it as recorded.
         r = await call("POST", "/busy_threshold", None, json={"model": "m"})

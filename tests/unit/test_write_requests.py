@@ -51,6 +51,8 @@ def refusal(request: type[WriteRequest], body: Any) -> RudderError:
     (PolicyPatch, {"model": "m", "expected_revision": True}, InvalidRequest, "expected_revision"),
     (PolicyPatch, {"model": "m", "expected_revision": 1.0}, InvalidRequest, "expected_revision"),
     (PolicyPatch, {"model": "m", "expected_revision": -1}, ValidationFailed, "expected_revision"),
+    (PolicyPatch, {"model": "m", "expected_revision": 2**63}, ValidationFailed, "expected_revision"),
+    (PolicyRollback, {"model": "m", "expected_revision": 0, "to_revision": 2**64}, ValidationFailed, "to_revision"),
     (PolicyPatch, {**PATCH, "dry_run": None}, InvalidRequest, "dry_run"),
     (PolicyPatch, {**PATCH, "reset": 1}, InvalidRequest, "reset"),
     # parameters or reset, checked before the parameters themselves
