@@ -122,9 +122,12 @@ class FleetView:
 
     def quiet(self) -> bool:
         """Whether a stream that was heard has been silent past half its TTL (the moment a
-        silence starts to age entries: worth asking whether the bus can store)."""
+        silence starts to age entries: worth asking whether the bus can store), and not yet
+        past the outage grace (a silence that long with the bus storing is a fleet that left:
+        no probe every second for ever)."""
         now = self.monotonic()
-        return any(src.clock.heard_at is not None and now - src.clock.heard_at > src.ttl_s / 2
+        return any(src.clock.heard_at is not None
+                   and src.ttl_s / 2 < now - src.clock.heard_at <= src.clock.grace_s + src.ttl_s
                    for src in (self._router_src, self._worker_src))
 
     async def stop(self) -> None:

@@ -131,6 +131,14 @@ def test_the_fleet_view_holds_last_known_state_while_the_bus_cannot_store() -> N
     c.t = 412.0
     _router(view, c, "r-a")
     assert _live(view) == (["r-a"], [])
+    # Quiet (worth a store probe) from half a TTL of silence until the grace is spent (the
+    # membership stream, silent since 100 s, is long past it: the worker left for good).
+    c.t = 413.0
+    assert not view.quiet()  # r-a heard 1 s ago (half its TTL is 1.5 s)
+    c.t = 414.0
+    assert view.quiet()
+    c.t = 412.0 + 30.0 + 3.0 + 0.5
+    assert not view.quiet()  # past the grace and a TTL: no probe for ever
     # Without the hold the same silence empties the view once the grace is spent.
     cc = Clocks(timedelta(0))
     other = _view(cc, grace_s=30)
