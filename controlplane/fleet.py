@@ -63,16 +63,23 @@ class _Source:
         self.clock = BusClock(counted_s=ttl_s / 2, grace_s=grace_s)
         self.server = ServerTime(step_back_s=ttl_s)
 
-    def seen(self, stored_at: datetime | None, *, mono: float, wall: datetime, live: bool) -> float:
+    def seen(self, stored_at: datetime | None, *, mono: float, wall: datetime, live: bool,
+             before: float | None) -> float:
         """Bus seconds at which an entry stored at ``stored_at`` (None: now) was current;
-        ``live``: delivered as it was stored (not a replay), so it tells the server's time."""
-        if not live:
-            # A replay (a watch restarted after a silence) is not the stream being heard: it
-            # would end the silence, and each restart count half a TTL of it again.
-            return self.clock.at(mono) - self.server.age(stored_at, mono, wall)
-        if stored_at is not None:
+        ``live``: delivered as it was stored (not a replay), so it tells the server's time;
+        ``before``: the sender's previous value, if any."""
+        if live and stored_at is not None:
             self.server.learn(stored_at, mono, wall)
-        return self.clock.heard(mono) - self.server.age(stored_at, mono, wall)
+        age = self.server.age(stored_at, mono, wall)
+        if not live and self.clock.holding:
+            # While the bus cannot store, a watch restarted after the silence replays what it
+            # holds: that is neither the stream heard (it would end the silence, and each
+            # restart count half a TTL of it again) nor news of the sender (its age is in
+            # seconds, not in held bus seconds). Otherwise a replay shows the bus answers: a
+            # sender with no news since then ages by it.
+            seen = self.clock.at(mono) - age
+            return seen if before is None else max(before, seen)
+        return self.clock.heard(mono) - age
 
 
 def _reason(exc: InvalidRequest) -> str:
@@ -185,9 +192,8 @@ class FleetView:
             return
         self.bad_routers.pop(key, None)
         self._routers[key] = status
-        seen = self._router_src.seen(stored_at, mono=self.monotonic(), wall=self.clock(), live=live)
-        # A watch restarted after a silence replays what it holds: no older than what was heard.
-        self._router_seen[key] = max(seen, self._router_seen.get(key, seen))
+        self._router_seen[key] = self._router_src.seen(stored_at, mono=self.monotonic(), wall=self.clock(),
+                                                       live=live, before=self._router_seen.get(key))
 
     async def _on_membership(self, msg: Message) -> None:
         live = self._membership_replayed
@@ -207,8 +213,8 @@ class FleetView:
         wid = event.worker.instance_id
         mono, wall = self.monotonic(), self.clock()
         self._workers[wid] = event
-        seen = self._worker_src.seen(stored_at, mono=mono, wall=wall, live=live)
-        self._worker_seen[wid] = max(seen, self._worker_seen.get(wid, seen))
+        self._worker_seen[wid] = self._worker_src.seen(stored_at, mono=mono, wall=wall, live=live,
+                                                       before=self._worker_seen.get(wid))
         server_now = self._worker_src.server.now(mono, wall)
         self._worker_stored[wid] = min(stored_at or server_now, server_now)
 

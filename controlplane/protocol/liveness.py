@@ -29,6 +29,11 @@ class BusClock:
         self._holding = False
 
     @property
+    def holding(self) -> bool:
+        """Whether the bus is known unhealthy (:meth:`hold`)."""
+        return self._holding
+
+    @property
     def heard_at(self) -> float | None:
         """When the newest message arrived (the caller's clock), None before the first."""
         return self._heard
