@@ -8,7 +8,8 @@ none. For every answer:
 - never a 5xx (the API's own checks: status code, content type, headers and body as documented;
   an invalid case is refused);
 - a 4xx changes nothing: the policy stream (every document's head, thresholds included) and the
-  token table are as before;
+  token table are as before (read around every accepted write, which must have made exactly its
+  own change; a caller who may not revoke tokens is pointed at real ones);
 - every refused write is in the audit log (docs/api.md: "Every refused write is recorded ...
   whatever the reason: 401, 403, 413, 415, 400, 422, 404, 409"): a rejected row with the
   answer's request id and error code; a read refused for authentication is counted in its
@@ -51,7 +52,7 @@ from schemathesis.core.parameters import ParameterLocation
 from sqlalchemy import select
 
 from controlplane.audit.tables import AuditLogRow
-from controlplane.auth import AUTH_FAILURES, Action
+from controlplane.auth import AUTH_FAILURES, Action, Role
 from controlplane.protocol.subjects import STREAM_POLICY
 from controlplane.server import Running
 from tests.integration.cp_support import Tokens, controlplane
@@ -132,6 +133,7 @@ class Caller:
 class Findings:
     problems: list[str] = field(default_factory=list)
     read_auth_failures: set[str] = field(default_factory=set)  # source addresses
+    write_refusals: list[tuple[Case, Caller, httpx.Response]] = field(default_factory=list)
     sent: int = 0
 
     def add(self, case: Case, caller: Caller, what: str) -> None:
@@ -159,6 +161,8 @@ async def test_every_route_every_role_and_none(nats_url: str, db: str, tokens: T
     async with controlplane(nats_url, db, trusted_proxies=[f"{PROXY}/32"], auth_failure_max_rows=100_000) as running:
         cp = running.controlplane
         protected = {t["id"] for t in await cp.tokens.list()}  # the callers' own tokens
+        # Tokens a caller who may not revoke tries to revoke (a refusal must leave them as they were).
+        victims = [(await cp.tokens.create(f"victim-{i}", Role.OPERATOR))[1] for i in range(3)]
         spec = running.app.openapi()
         cases = generate(spec)
         actions = {(m.upper(), p): op.get("x-rudder-action")
@@ -166,12 +170,19 @@ async def test_every_route_every_role_and_none(nats_url: str, db: str, tokens: T
         findings = Findings()
         addresses = sources()
         async with httpx.AsyncClient(base_url=running.url, timeout=30) as http:
+            # The state changes only with an accepted write: it is read before and after each
+            # one, and every refusal in between must have left it as the last one did.
             before = await state(nc, running)
+            refused: list[str] = []  # the refusals since that state was read
             seen: set[tuple[tuple[str, str, GenerationMode], str]] = set()
             for (case, mode), caller in itertools.product(cases, callers):
                 if (caller.name == "admin" and case.path == "/tokens/{token_id}/revoke"
                         and (case.path_parameters or {}).get("token_id") in protected):
                     continue  # revoking a caller's own token would end the run, not test it
+                token_id = (case.path_parameters or {}).get("token_id")
+                if caller.name != "admin" and isinstance(token_id, int) and not isinstance(token_id, bool):
+                    case = case.derive()
+                    case.path_parameters = {"token_id": victims[token_id % len(victims)]}
                 if caller.token is None or caller.name == "unknown":
                     # Refused before anything about the request is read: once per route and mode.
                     key = (case.method, case.path, mode)
@@ -200,33 +211,62 @@ async def test_every_route_every_role_and_none(nats_url: str, db: str, tokens: T
                     findings.add(case, caller, f"{response.status_code} {response.text[:300]}: {titles}")
                 status = response.status_code
                 if 400 <= status < 500:
+                    refused.append(f"{case.method} {case.formatted_path} as {caller.name}: {status}")
+                elif case.method.upper() != "GET" and status < 300:
+                    # An accepted write: the state is now the last one with its own change only.
                     after = await state(nc, running)
-                    if after != before:
-                        findings.add(case, caller, f"{status} changed {before} → {after}")
-                elif case.method.upper() != "GET":
-                    before = await state(nc, running)  # an accepted write: the next one's "before"
+                    expected = accepted_change(before, case, response)
+                    if after != expected:
+                        refused.append(f"(then {case.method} {case.formatted_path} as {caller.name}: {status}, "
+                                       f"expected {expected})")
+                        await check_unchanged(nc, running, before, refused, findings, now=after)
+                    before, refused = after, []
                 action = actions.get((case.method.upper(), case.path))
                 write = action in WRITES or (case.method.upper(), case.path) in WRITE_ROUTES
                 if 400 <= status < 500:
                     if write:
-                        await check_audited(running, case, caller, response, findings)
+                        findings.write_refusals.append((case, caller, response))
                     elif status == 401:
                         findings.read_auth_failures.add(source)
+            await check_unchanged(nc, running, before, refused, findings)
+            await check_audited(running, findings)
             await cp.flush_auth_failures(everything=True)
             await check_summarized(running, findings)
         assert not findings.problems, f"{len(findings.problems)} of {findings.sent} answers:\n" + \
             "\n".join(findings.problems)
 
 
-async def check_audited(running: Running, case: Case, caller: Caller, response: httpx.Response,
-                        findings: Findings) -> None:
-    request_id = response.headers.get("x-request-id")
-    code = response.json().get("error", {}).get("code") if response.content else None
+def accepted_change(before: tuple[Any, ...], case: Case, response: httpx.Response) -> tuple[Any, ...]:
+    """The state after an accepted write, from the one before and the write's answer: a
+    published policy event is the stream's new last message, a revoked token is revoked."""
+    seq, messages, tokens = before
+    body = response.json()
+    if case.path == "/tokens/{token_id}/revoke":
+        return seq, messages, tuple((i, revoked or i == body["id"]) for i, revoked in tokens)
+    if isinstance(body, dict) and body.get("event_id") and not body.get("dry_run"):
+        return body["revision"], messages + 1, tokens
+    return before
+
+
+async def check_unchanged(nc: NATS, running: Running, before: tuple[Any, ...], refused: list[str],
+                          findings: Findings, *, now: tuple[Any, ...] | None = None) -> None:
+    after = now if now is not None else await state(nc, running)
+    if refused and after != before:
+        findings.problems.append(f"one of {len(refused)} refused requests changed {before} → {after}:\n    "
+                                 + "\n    ".join(refused))
+
+
+async def check_audited(running: Running, findings: Findings) -> None:
+    """Every refused write has a rejected row with its request id and error code."""
+    wanted = {r.headers.get("x-request-id"): (case, caller, r) for case, caller, r in findings.write_refusals}
     async with running.controlplane.audit.engine.connect() as conn:
-        rows = (await conn.execute(select(AuditLogRow.decision, AuditLogRow.reason_code)
-                                   .where(AuditLogRow.request_id == request_id))).all()
-    if not any(r.decision == "rejected" and r.reason_code == code for r in rows):
-        findings.add(case, caller, f"{response.status_code} {code} not audited (request {request_id}: {rows})")
+        rows = (await conn.execute(select(AuditLogRow.request_id, AuditLogRow.decision, AuditLogRow.reason_code)
+                                   .where(AuditLogRow.request_id.in_(list(wanted))))).all()
+    recorded = {(r.request_id, r.reason_code) for r in rows if r.decision == "rejected"}
+    for request_id, (case, caller, response) in wanted.items():
+        code = response.json().get("error", {}).get("code") if response.content else None
+        if (request_id, code) not in recorded:
+            findings.add(case, caller, f"{response.status_code} {code} not audited (request {request_id})")
 
 
 async def check_summarized(running: Running, findings: Findings) -> None:
