@@ -87,6 +87,8 @@ class ControlPlane:
         self.tasks.spawn(self.acks.run(), name="ack-consumer")
         self.tasks.spawn(self.fleet.watch_routers(), name="fleet-routers")
         await self.fleet.start()
+        self.tasks.spawn(every(max(1.0, s.router_heartbeat_s), self._watch_store, "store probe"),
+                         name="store-probe")
         self.restore = RestoreResponder(self.bus, self.audit, self.log, drops=self.fleet.drops)
         await self.restore.start()
         self.writes = WritePath(self.log, self.audit, self.fleet,
@@ -236,13 +238,22 @@ class ControlPlane:
 
     async def probe_store(self) -> str:
         """Whether JetStream can store: a probe write to ``RUDDER_PROBE`` (a full disk leaves
-        NATS connected and answering reads while every write fails or times out)."""
+        NATS connected and answering reads while every write fails or times out). The fleet
+        view holds its ages while it cannot (B2: heartbeats cannot arrive either)."""
         try:
             await self.bus.store(PROBE_CONTROLPLANE, b"", ack_wait_s=1.0)
         except RudderError as exc:
             log.warning("readiness: NATS cannot store: %s", exc.message)
+            self.fleet.bus_unhealthy(True)
             return "cannot_store"
+        self.fleet.bus_unhealthy(False)
         return "ok"
+
+    async def _watch_store(self) -> None:
+        """Probe the bus's storage when the fleet view has heard nothing for half a TTL (or
+        holds its ages): costs no write while heartbeats flow."""
+        if self.fleet.holding or self.fleet.quiet():
+            await self.probe_store()
 
     async def readiness(self) -> dict[str, str]:
         checks: dict[str, str] = {}

@@ -70,6 +70,7 @@ from controlplane.protocol.requests import (
     PolicyRollback,
     ThresholdsUpdate,
     WriteRequest,
+    check_model,
     parse,
 )
 from controlplane.telemetry import traces
@@ -556,8 +557,18 @@ class WritePath:
         Without ``expected_revision`` it reads the head, merges, and publishes with CAS, retrying
         on conflict, so concurrent partial updates never lose each other.
         """
-        if asks_nothing(body):
-            return None  # all null: the compatible API treats it as a read
+        if asks_nothing(body) and ctx.auth_error is None:
+            # All null: the compatible API treats it as a read; one that names no usable model is
+            # refused, and recorded like a write's refusal (it came to a write route).
+            try:
+                check_model(body.field("model"), "model")
+            except RudderError as exc:
+                a = Attempt(op=PolicyOp.PATCH, kind=PolicyKind.BUSY_THRESHOLD)
+                _hint(a, body.json)
+                raise await self.refusal(ctx, a, exc) from exc
+            return None
+        # (An unauthenticated caller is refused here as a write, so its refusal is recorded: the
+        # edge counted it as audited. Found by the admin API fuzzer.)
         explicit = body.field("expected_revision") is not None
         conflicts = 0
         while True:

@@ -21,7 +21,7 @@ from starlette.routing import Match
 
 from controlplane.api import audit, decisions, fleet, health, policy, thresholds, tokens, ui, workers
 from controlplane.api.deps import Gate, Services, clean_query
-from controlplane.api.models import DECLARED_ONLY, REF
+from controlplane.api.models import DECLARED_ONLY, ERRORS, REF, ErrorBody
 from controlplane.api.observe import BusDropsCollector, Metrics, ObserveMiddleware
 from controlplane.protocol.errors import (
     Forbidden,
@@ -119,6 +119,12 @@ def openapi(app: FastAPI) -> dict[str, Any]:
                 answer = op["responses"].get("422", {})
                 if "HTTPValidationError" in str(answer.get("content", "")):
                     del op["responses"]["422"]
+                # Every route checks its query string (clean_query): an unknown parameter or a
+                # control character is answered 400, on every route.
+                op["responses"].setdefault("400", {
+                    "description": ERRORS[400],
+                    "content": {"application/json": {"schema": {"$ref": REF.format(model=ErrorBody.__name__)}}}})
+                op["responses"] = dict(sorted(op["responses"].items()))
         spec["components"]["securitySchemes"] = {"bearer": {
             "type": "http", "scheme": "bearer", "description": "An API token (`rudder token create`)."}}
         app.openapi_schema = spec

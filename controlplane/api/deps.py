@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Annotated, Any
 
 from fastapi import Depends, Request
+from fastapi.routing import APIRoute
 
 from controlplane.api.observe import Metrics
 from controlplane.auth import Action, Principal
@@ -135,14 +136,32 @@ INT64_MAX = 2**63 - 1
 _CONTROL = re.compile(r"[\x00-\x1f\x7f]")
 
 
+def _query_names(route: APIRoute) -> frozenset[str]:
+    """The query parameters a route takes (its own and its dependencies'; a few objects to walk,
+    not worth a cache: routes are not hashable)."""
+    names: set[str] = set()
+    stack = [route.dependant]
+    while stack:
+        dependant = stack.pop()
+        names.update(p.alias for p in dependant.query_params)
+        stack.extend(dependant.dependencies)
+    return frozenset(names)
+
+
 async def clean_query(request: Request) -> None:
     """Every route's query string (a dependency of each router): a parameter whose name or value
-    holds a control character (a NUL reaches PostgreSQL as an error, not a filter) is refused
-    with 400 naming it, before anything is looked up."""
+    holds a control character (a NUL reaches PostgreSQL as an error, not a filter), or that the
+    route does not take (``?modle=x`` would otherwise answer every model, unfiltered), is
+    refused with 400 naming it, before anything is looked up."""
+    route = request.scope.get("route")
+    known = _query_names(route) if isinstance(route, APIRoute) else None
     for name, value in request.query_params.multi_items():
+        shown = _CONTROL.sub("?", name)[:64]
         if _CONTROL.search(name) or _CONTROL.search(value):
-            shown = _CONTROL.sub("?", name)[:64]
             raise InvalidRequest(f"query parameter {shown!r} holds a control character", field=shown)
+        if known is not None and name not in known:
+            takes = ", ".join(sorted(known)) or "none"
+            raise InvalidRequest(f"unknown query parameter {shown!r} (this route takes: {takes})", field=shown)
 
 
 @dataclass(frozen=True)

@@ -23,6 +23,7 @@ import enum
 import hashlib
 import json
 import math
+import re
 import uuid
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
@@ -53,6 +54,23 @@ def _as_utc(value: datetime) -> datetime:
     if value.tzinfo is None or value.utcoffset() is None:
         raise ValueError("audit times must be timezone-aware (UTC)")
     return value.astimezone(UTC)
+
+
+#: What PostgreSQL cannot store in text or JSONB (NUL) and what is no Unicode scalar (an unpaired
+#: surrogate, from a JSON ``\ud800`` escape): a row holding one could not be written, so a
+#: refusal that names a caller's bad input would answer 503 instead of being recorded.
+_UNSTORABLE = re.compile("[\x00\ud800-\udfff]")
+
+
+def storable(value: Any) -> Any:
+    """``value`` with every unstorable character in its strings (keys too) replaced by U+FFFD."""
+    if isinstance(value, str):
+        return _UNSTORABLE.sub("\ufffd", value)
+    if isinstance(value, Mapping):
+        return {storable(k): storable(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [storable(v) for v in value]
+    return value
 
 
 def format_time(value: datetime) -> str:
@@ -103,6 +121,11 @@ class AuditEntry:
         object.__setattr__(self, "decision", decision)
         object.__setattr__(self, "at", _as_utc(self.at))
         object.__setattr__(self, "roles", [str(r) for r in self.roles])
+        for name in ("reason_code", "reason", "actor", "auth_method", "source_ip", "user_agent",
+                     "request_id", "model", "kind", "op", "changes", "before", "after"):
+            value = getattr(self, name)
+            if value is not None:
+                object.__setattr__(self, name, storable(value))
         if isinstance(self.event_id, str):
             object.__setattr__(self, "event_id", uuid.UUID(self.event_id))
 

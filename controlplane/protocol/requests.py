@@ -22,6 +22,7 @@ the kind's table (the policy module's ``validate_changes``).
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Annotated, Any, Self, TypeVar
@@ -40,6 +41,7 @@ from pydantic_core import CoreSchema, PydanticCustomError, core_schema
 from controlplane.protocol.errors import InvalidRequest, RudderError, ValidationFailed
 from controlplane.protocol.policy import (
     PARAMETERS,
+    REVISION_MAX,
     THRESHOLD_PARAMETERS,
     PolicyKind,
     parse_kind,
@@ -87,9 +89,16 @@ def _carried(error: RudderError) -> PydanticCustomError:
 # ---- the checks (each raises the error the write path has always answered) --------------------
 
 
+#: Characters no model name holds: C0 controls and DEL (a NUL cannot even be stored), and
+#: unpaired surrogates (no UTF-8 encoding).
+_NOT_IN_NAMES = re.compile("[\x00-\x1f\x7f\ud800-\udfff]")
+
+
 def check_model(value: Any, field: str) -> str:
     if not isinstance(value, str) or not value.strip():
         raise InvalidRequest(f"{field} is required and must be a non-empty string", field=field)
+    if _NOT_IN_NAMES.search(value):
+        raise InvalidRequest(f"{field} holds a control character or an unpaired surrogate", field=field)
     encode_model_key(value)  # raises for an unusable name (too long)
     return value
 
@@ -132,7 +141,7 @@ ModelName = Annotated[str, Field(min_length=1, description=(
     f"Model name, at most {MAX_MODEL_NAME_BYTES} UTF-8 bytes, e.g. meta-llama/Llama-3.1-8B-Instruct.")),
     Check(check_model)]
 Kind = Annotated[PolicyKind, Field(description="Which document of the model."), Check(check_kind)]
-ExpectedRevision = Annotated[int, Field(ge=0, description=(
+ExpectedRevision = Annotated[int, Field(ge=0, le=REVISION_MAX, description=(
     "The head revision the write expects (compare-and-set); 0 for a document that does not exist "
     "yet. A stale one is answered 409.")),
     Check(check_revision, missing="expected_revision is required (use the current revision, or 0 "
@@ -210,7 +219,7 @@ class PolicyRollback(WriteRequest):
     kind: Kind = PolicyKind.SELECTION
     expected_revision: ExpectedRevision
     dry_run: DryRun = False
-    to_revision: Annotated[int, Field(ge=0, description=(
+    to_revision: Annotated[int, Field(ge=0, le=REVISION_MAX, description=(
         "The revision whose document to restore (0: the empty document)")), Check(check_revision)]
 
 
@@ -236,7 +245,7 @@ class ThresholdsUpdate(WriteRequest):
     create: Annotated[bool, Field(description=(
         "Create the document of a model no live worker or router serves (else 404).")),
         Check(check_flag)] = False
-    expected_revision: Annotated[int | None, Field(ge=0, description=(
+    expected_revision: Annotated[int | None, Field(ge=0, le=REVISION_MAX, description=(
         "Write only if this is the head revision (409 otherwise); null: merge with the head.")),
         Check(check_optional_revision)] = None
 

@@ -4,13 +4,16 @@ the audit database, workers from RUDDER_MEMBERSHIP, the legacy threshold API (re
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import uuid
 from collections.abc import Callable
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 
 import pytest
 from nats.aio.client import Client as NATS
 
+from bus.client import Bus
+from controlplane.fleet import FleetView
 from controlplane.protocol.events import (
     AckStatus,
     AppliedDocument,
@@ -23,6 +26,7 @@ from controlplane.protocol.events import (
 )
 from controlplane.protocol.policy import PolicyKind
 from controlplane.protocol.subjects import BUCKET_ROUTERS, acks_subject, membership_subject
+from tests import buskit
 from tests.integration.cp_support import Tokens, client, controlplane
 
 pytestmark = pytest.mark.timeout(120)
@@ -142,3 +146,50 @@ async def test_openapi_served_and_unknown_routes_use_the_error_shape(nats_url: s
         assert r.headers["x-request-id"] == "trace-123"
         metrics = (await http.get("/metrics")).text
         assert 'rudder_admin_requests_total{method="GET",route="/router_policy",status="200"}' in metrics
+
+
+@pytest.mark.parametrize("skew", [timedelta(hours=1), timedelta(hours=-1)], ids=["+1h", "-1h"])
+async def test_a_control_plane_clock_off_the_servers_sees_the_live_fleet(nats_url: str, nc: NATS,
+                                                                          skew: timedelta) -> None:
+    """B4's twin on a real NATS server: a fleet view whose wall clock is an hour ahead used to
+    take every router and worker for dead (their ages were its clock less the server's receive
+    time); one an hour behind kept a router that stopped alive. Ages are on the server's clock."""
+    model = f"skew/{uuid.uuid4().hex[:6]}"
+    bus = await Bus.connect(buskit.options(nats_url, buskit.controlplane_creds()))
+    view = FleetView(bus, worker_ttl_s=1.0, router_heartbeat_s=0.2, clock=lambda: datetime.now(UTC) + skew)
+    watch = asyncio.create_task(view.watch_routers())
+    kv = await nc.jetstream().key_value(BUCKET_ROUTERS)
+    rec = WorkerRecord(instance_id=4242, model=model, url="http://127.0.0.1:1", dp_size=1, block_size=16,
+                       kv_total_blocks=100, max_num_batched_tokens=64, started_at=datetime.now(UTC))
+    routers = ("skew-a", "skew-b")
+
+    async def beat(*names: str) -> None:
+        now = datetime.now(UTC)
+        for name in names:
+            await kv.put(name, RouterStatus(router_id=name, models=[model], started_at=now,
+                                            heartbeat_at=now).to_bytes())
+        event = MembershipEvent(op=MembershipOp.HEARTBEAT, worker=rec, at=now)
+        await nc.jetstream().publish(membership_subject(model, rec.instance_id), event.to_bytes())
+
+    try:
+        await beat(*routers)
+        await view.start()
+        deadline = asyncio.get_running_loop().time() + 5.0
+        while not (len(view.live_routers(model)) == 2 and view.live_workers(model)):
+            assert asyncio.get_running_loop().time() < deadline, (
+                f"clock {skew} off: live routers {view.live_routers(model)}, workers {view.live_workers(model)}")
+            await beat(*routers)
+            await asyncio.sleep(0.1)
+        # skew-b stops; skew-a and the worker go on: skew-b ages out on the server's time.
+        deadline = asyncio.get_running_loop().time() + 5.0
+        while [r.router_id for r in view.live_routers(model)] != ["skew-a"]:
+            assert asyncio.get_running_loop().time() < deadline, view.live_routers(model)
+            await beat("skew-a")
+            await asyncio.sleep(0.1)
+        assert [w.worker.instance_id for w in view.live_workers(model)] == [4242]
+    finally:
+        watch.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await watch
+        await view.stop()
+        await bus.close()

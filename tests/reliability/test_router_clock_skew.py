@@ -9,6 +9,7 @@ import asyncio
 import contextlib
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -31,10 +32,46 @@ MODEL = "skew/model"
 
 def _start_router(faketime: str, offset: str, port: int, env: dict[str, str],
                   log_path: Path) -> subprocess.Popen[bytes]:
+    """The router under ``faketime``, in its own process group: faketime runs the router as its
+    child, so signalling faketime alone left the router running after the test."""
     with open(log_path, "wb") as log:
         return subprocess.Popen([faketime, "-f", offset, sys.executable, "-m", "cli.main", "serve", "router",
                                  "--model", MODEL, "--port", str(port)], env=env, stdout=log,
-                                stderr=subprocess.STDOUT)
+                                stderr=subprocess.STDOUT, start_new_session=True)
+
+
+def _group_alive(pgid: int) -> bool:
+    """Whether a process of the group still runs (a zombie left for PID 1 to reap does not)."""
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        with contextlib.suppress(OSError, IndexError, ValueError):
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+            if int(fields[2]) == pgid and fields[0] != "Z":
+                return True
+    return False
+
+
+def _stop_group(proc: subprocess.Popen[bytes], *, within_s: float = 15.0) -> None:
+    """Stop faketime and the router it runs (SIGTERM to the group, SIGKILL past ``within_s``);
+    raises if anything of the group is still there."""
+    pgid = proc.pid  # the leader of its own session
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(pgid, signal.SIGTERM)
+    deadline = time.monotonic() + within_s
+    while time.monotonic() < deadline:
+        proc.poll()
+        if not _group_alive(pgid):
+            break
+        time.sleep(0.1)
+    else:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(pgid, signal.SIGKILL)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(5)
+        deadline = time.monotonic() + 5
+        while _group_alive(pgid) and time.monotonic() < deadline:
+            time.sleep(0.1)
+    proc.poll()
+    assert not _group_alive(pgid), f"router process group {pgid} still running after SIGKILL"
 
 
 @pytest.mark.parametrize("offset", ["+5s", "+1h", "-1h"])
@@ -74,11 +111,7 @@ async def test_a_router_with_a_skewed_clock_serves(nats_url: str, tmp_path: Path
                 assert r.status_code == 200, r.text
     finally:
         if proc is not None:
-            proc.terminate()
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                proc.wait(15)
-            if proc.poll() is None:
-                proc.kill()
+            _stop_group(proc)
         stop.set()
         with contextlib.suppress(Exception):
             await asyncio.wait_for(worker, 10)

@@ -156,3 +156,15 @@ def test_cursor_round_trip_and_refusal() -> None:
         with pytest.raises(InvalidRequest) as info:
             decode_cursor(bad)
         assert info.value.field == "cursor"
+
+
+def test_text_the_database_cannot_hold_is_recorded_as_a_replacement_character() -> None:
+    """PostgreSQL holds no NUL in text or JSONB, and an unpaired surrogate is no UTF-8: a refusal
+    naming such input could not be written (the admin API fuzzer found every caller answered 503
+    instead of its refusal being recorded)."""
+    entry = full_entry(model="a\x00b", reason="unknown parameter '\x00'", user_agent="x\ud800",
+                       changes={"k\x00": ["\x00", {"n": "\udfff"}], "ok": 1.5})
+    assert entry.model == "a\ufffdb" and entry.reason == "unknown parameter '\ufffd'"
+    assert entry.user_agent == "x\ufffd"
+    assert entry.changes == {"k\ufffd": ["\ufffd", {"n": "\ufffd"}], "ok": 1.5}
+    assert b"\\u0000" not in canonical_json(entry.hashed_fields())  # hashed as stored

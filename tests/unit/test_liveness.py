@@ -30,7 +30,9 @@ def test_bus_clock_counts_part_of_a_silence_up_to_the_grace() -> None:
 
 
 def _view(now: list[datetime]) -> FleetView:
-    return FleetView(Bus(NATS()), worker_ttl_s=10, router_heartbeat_s=1.0, clock=lambda: now[0])
+    # The monotonic clock runs with the wall clock here (ages are measured on it since B4's twin).
+    return FleetView(Bus(NATS()), worker_ttl_s=10, router_heartbeat_s=1.0, clock=lambda: now[0],
+                     monotonic=lambda: (now[0] - T0).total_seconds())
 
 
 def _status(router_id: str, at: datetime) -> bytes:
@@ -43,7 +45,7 @@ def test_a_silent_bus_empties_no_fleet_view_a_stopped_router_still_ages_out() ->
 
     def beat(*routers: str) -> None:
         for r in routers:
-            view._on_router_status(r, _status(r, now[0]), now[0])
+            view._on_router_status(r, _status(r, now[0]), now[0], live=True)
 
     beat("r-a", "r-b")
     # The watch's JetStream node dies: 8 s without any status (the router TTL is 3 s).
@@ -55,5 +57,5 @@ def test_a_silent_bus_empties_no_fleet_view_a_stopped_router_still_ages_out() ->
         beat("r-a")
     assert [r.router_id for r in view.live_routers()] == ["r-a"]
     # A status stored long before it is read (a replay) is as old as its bus timestamp.
-    view._on_router_status("r-c", _status("r-c", now[0]), now[0] - timedelta(seconds=5))
+    view._on_router_status("r-c", _status("r-c", now[0]), now[0] - timedelta(seconds=5), live=False)
     assert [r.router_id for r in view.live_routers()] == ["r-a"]

@@ -40,11 +40,19 @@ def refusal(request: type[WriteRequest], body: Any) -> RudderError:
     (PolicyPatch, {"expected_revision": 0}, InvalidRequest, "model"),
     (PolicyPatch, {"model": "  ", "expected_revision": 0}, InvalidRequest, "model"),
     (PolicyPatch, {"model": "x" * 300, "expected_revision": 0}, InvalidRequest, "model"),
+    # a control character or an unpaired surrogate in a model name (the admin API fuzzer: a NUL
+    # could not even be audited, a \x0f was published)
+    (PolicyPatch, {"model": "a\x00b", "expected_revision": 0}, InvalidRequest, "model"),
+    (CalibrationReset, {"model": "G\x0fx"}, InvalidRequest, "model"),
+    (ThresholdsUpdate, {"model": "m\x7f"}, InvalidRequest, "model"),
+    (PolicyRollback, {"model": "\ud800", "expected_revision": 0, "to_revision": 1}, InvalidRequest, "model"),
     (PolicyPatch, {"model": "m", "kind": "bogus", "expected_revision": "x"}, ValidationFailed, "kind"),
     (PolicyPatch, {"model": "m"}, InvalidRequest, "expected_revision"),
     (PolicyPatch, {"model": "m", "expected_revision": True}, InvalidRequest, "expected_revision"),
     (PolicyPatch, {"model": "m", "expected_revision": 1.0}, InvalidRequest, "expected_revision"),
     (PolicyPatch, {"model": "m", "expected_revision": -1}, ValidationFailed, "expected_revision"),
+    (PolicyPatch, {"model": "m", "expected_revision": 2**63}, ValidationFailed, "expected_revision"),
+    (PolicyRollback, {"model": "m", "expected_revision": 0, "to_revision": 2**64}, ValidationFailed, "to_revision"),
     (PolicyPatch, {**PATCH, "dry_run": None}, InvalidRequest, "dry_run"),
     (PolicyPatch, {**PATCH, "reset": 1}, InvalidRequest, "reset"),
     # parameters or reset, checked before the parameters themselves
