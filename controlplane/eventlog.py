@@ -61,6 +61,10 @@ class PolicyLog:
         """Sign with ``signer`` from now on; accept events signed by ``keyring`` or by it."""
         self.signer = signer
         self.keyring = keyring.union(Keyring.of([signer.public_key]))
+        # Per subject, the last head read, verified and decoded: every write reads its head, and
+        # a head that is the same message (sequence, bytes and headers) under the same keys
+        # needs no second signature check.
+        self._heads: dict[str, tuple[tuple[int | None, bytes, tuple[tuple[str, str], ...]], StoredEvent]] = {}
 
     def _stored(self, msg: Message) -> StoredEvent:
         revision = msg.seq or 0
@@ -84,7 +88,15 @@ class PolicyLog:
     async def head(self, model: str, kind: PolicyKind) -> StoredEvent | None:
         """The newest event of a document, or None (revision 0) if it has none."""
         msg = await self.bus.last(STREAM_POLICY, policy_subject(model, kind))
-        return self._stored(msg) if msg is not None else None
+        if msg is None:
+            return None
+        key = (msg.seq, msg.data, tuple(sorted(msg.headers.items())))
+        cached = self._heads.get(msg.subject)
+        if cached is not None and cached[0] == key:
+            return cached[1]
+        stored = self._stored(msg)
+        self._heads[msg.subject] = (key, stored)
+        return stored
 
     async def publish(self, event: PolicyEvent) -> PublishResult:
         """Publish signed, with compare-and-set. Raises RevisionConflict, LogUnavailable,

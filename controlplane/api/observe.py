@@ -59,9 +59,24 @@ class Metrics:
                                      "problem, -1 before the first", registry=self.registry)
         self.reconcile_clean.set(-1)
         self.build = build_info(self.registry, "controlplane")
+        # Children of the per-request series, looked up once per label set (``labels()`` takes a
+        # lock and builds a key on every call); the label sets are few (routes, statuses, codes).
+        self._children: dict[tuple[object, ...], Any] = {}
+
+    def child(self, metric: Counter | Histogram, *labels: str) -> Any:
+        """``metric.labels(*labels)``, cached."""
+        key = (id(metric), *labels)
+        found = self._children.get(key)
+        if found is None:
+            found = self._children[key] = metric.labels(*labels)
+        return found
+
+    def observe_request(self, method: str, route: str, status: int, seconds: float) -> None:
+        self.child(self.requests, method, route, str(status)).inc()
+        self.child(self.latency, method, route).observe(seconds)
 
     def observe_audit_append(self, seconds: float, ok: bool) -> None:
-        self.audit_append.labels("ok" if ok else "error").observe(seconds)
+        self.child(self.audit_append, "ok" if ok else "error").observe(seconds)
 
     def observe_documents(self, documents: list[dict[str, Any]]) -> None:
         """Heads and router states from the read side's document listing (controlplane.queries)."""
@@ -85,9 +100,9 @@ class Metrics:
         try:
             result = await write
         except RudderError as exc:
-            self.writes.labels("rejected", exc.code).inc()
+            self.child(self.writes, "rejected", exc.code).inc()
             raise
-        self.writes.labels("accepted", "ok").inc()
+        self.child(self.writes, "accepted", "ok").inc()
         return result
 
     def observe_reconcile(self, report: ReconcileReport | None, at: datetime | None) -> None:
@@ -161,8 +176,7 @@ class ObserveMiddleware:
         finally:
             route = scope.get("route")
             path = getattr(route, "path", "unmatched")
-            self.metrics.requests.labels(scope["method"], path, str(status)).inc()
-            self.metrics.latency.labels(scope["method"], path).observe(time.perf_counter() - start)
+            self.metrics.observe_request(scope["method"], path, status, time.perf_counter() - start)
             if span is not None:
                 span.update_name(f"admin {scope['method']} {path}")
                 span.set_attribute("http.route", path)

@@ -6,9 +6,10 @@ from __future__ import annotations
 from typing import Any
 
 from fastapi import APIRouter
+from fastapi.responses import JSONResponse
 
-from controlplane.api.deps import ReadPolicy, Svc, WriteBody, Writer
-from controlplane.api.models import AUTHENTICATED, Documents, History, WriteAnswer, operation, responses
+from controlplane.api.deps import ReadPolicy, Svc, Write
+from controlplane.api.models import AUTHENTICATED, Documents, History, WriteAnswer, answer, operation, responses
 from controlplane.auth import Action
 from controlplane.protocol.policy import parse_kind
 from controlplane.protocol.requests import CalibrationReset, PolicyPatch, PolicyRollback
@@ -28,10 +29,10 @@ async def list_policy(_: ReadPolicy, svc: Svc, model: str | None = None) -> dict
 
 @router.patch("/router_policy", response_model=WriteAnswer, response_model_exclude_unset=True,
               responses=responses(*WRITE), openapi_extra=operation(Action.WRITE_POLICY, body=PolicyPatch))
-async def patch_policy(ctx: Writer, body: WriteBody, svc: Svc) -> dict[str, Any]:
+async def patch_policy(w: Write) -> JSONResponse:
     """Set or remove overrides (``parameters``), or remove them all (``reset: true``), with
     compare-and-set on ``expected_revision``."""
-    return (await svc.metrics.decision(svc.cp.writes.patch(ctx, body))).to_dict()
+    return answer((await w.svc.metrics.decision(w.svc.cp.writes.patch(w.ctx, w.body))).to_dict())
 
 
 @router.get("/router_policy/history", response_model=History, response_model_exclude_unset=True,
@@ -44,14 +45,14 @@ async def history(_: ReadPolicy, svc: Svc, model: str, kind: str = "selection", 
 
 @router.post("/router_policy/rollback", response_model=WriteAnswer, response_model_exclude_unset=True,
              responses=responses(*WRITE, 404), openapi_extra=operation(Action.WRITE_POLICY, body=PolicyRollback))
-async def rollback(ctx: Writer, body: WriteBody, svc: Svc) -> dict[str, Any]:
+async def rollback(w: Write) -> JSONResponse:
     """Restore an older revision's document as a new forward revision (``op`` = ``rollback``)."""
-    return (await svc.metrics.decision(svc.cp.writes.rollback(ctx, body))).to_dict()
+    return answer((await w.svc.metrics.decision(w.svc.cp.writes.rollback(w.ctx, w.body))).to_dict())
 
 
 @router.post("/router_policy/calibration/reset", response_model=WriteAnswer, response_model_exclude_unset=True,
              responses=responses(*WRITE), openapi_extra=operation(Action.WRITE_POLICY, body=CalibrationReset))
-async def reset_calibration(ctx: Writer, body: WriteBody, svc: Svc) -> dict[str, Any]:
+async def reset_calibration(w: Write) -> JSONResponse:
     """Reset every router's timing fit of a model: the selection document's ``calibration_epoch``
     becomes the head's + 1 (a patch; retried when another write gets in between)."""
-    return (await svc.metrics.decision(svc.cp.writes.reset_calibration(ctx, body))).to_dict()
+    return answer((await w.svc.metrics.decision(w.svc.cp.writes.reset_calibration(w.ctx, w.body))).to_dict())

@@ -6,9 +6,10 @@ from __future__ import annotations
 from typing import Any
 
 from fastapi import APIRouter
+from fastapi.responses import JSONResponse
 
-from controlplane.api.deps import ReadPolicy, Svc, WriteBody, Writer
-from controlplane.api.models import AUTHENTICATED, Thresholds, ThresholdsWritten, operation, responses
+from controlplane.api.deps import ReadPolicy, Svc, Write
+from controlplane.api.models import AUTHENTICATED, Thresholds, ThresholdsWritten, answer, operation, responses
 from controlplane.auth import Action
 from controlplane.protocol.errors import InvalidRequest
 from controlplane.protocol.requests import ThresholdsUpdate
@@ -23,9 +24,10 @@ async def get_thresholds(_: ReadPolicy, svc: Svc, model: str) -> dict[str, Any]:
     return await svc.cp.queries.thresholds(model)
 
 
-async def post_thresholds(ctx: Writer, body: WriteBody, svc: Svc) -> dict[str, Any]:
+async def post_thresholds(w: Write) -> dict[str, Any] | JSONResponse:
     """Set or unset thresholds; thresholds not named keep their value (the control plane merges
     with the head and retries its own compare-and-set unless ``expected_revision`` is given)."""
+    ctx, body, svc = w.ctx, w.body, w.svc
     result = await svc.metrics.decision(svc.cp.writes.set_thresholds(ctx, body))
     if result is None:  # every threshold null and nothing to unset: a read
         ctx.authorize(Action.READ_POLICY)
@@ -33,9 +35,9 @@ async def post_thresholds(ctx: Writer, body: WriteBody, svc: Svc) -> dict[str, A
         if not isinstance(model, str):
             raise InvalidRequest("model is required", field="model")
         return await svc.cp.queries.thresholds(model)
-    return {"model": result.model, "revision": result.revision, "thresholds": result.document,
-            "changed": result.changed, "event_id": str(result.event_id) if result.event_id else None,
-            "dry_run": result.dry_run}
+    return answer({"model": result.model, "revision": result.revision, "thresholds": result.document,
+                   "changed": result.changed, "event_id": str(result.event_id) if result.event_id else None,
+                   "dry_run": result.dry_run})
 
 
 for path in PATHS:
