@@ -23,7 +23,7 @@ import itertools
 import logging
 import random
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from datetime import datetime
 from typing import Any, TypeVar
 
@@ -54,6 +54,7 @@ from router.commands import (
     ApplyFits,
     ApplyKvEvents,
     ApplyMembership,
+    ApplyPeerLoad,
     ApplyPolicy,
     BusHealth,
     Command,
@@ -71,6 +72,7 @@ from router.commands import (
     RoutingRequest,
     Selection,
     SelectWorker,
+    TakeBookings,
     TakeFitWindows,
     Tick,
     UseVerifyKeys,
@@ -80,6 +82,7 @@ from router.cost.time import Timing, predict_row, time_row
 from router.decisions import DecisionLog
 from router.discovery import Change, Discovery, Health
 from router.index import KvApplied, PrefixIndex, WorkerKey
+from router.peers import PeerLoads, own_figures
 from router.policy_state import ApplyResult, Outcome, PolicyState
 from router.pools import Pools, Slot
 from router.settings import RoutingMode
@@ -99,7 +102,7 @@ class Scheduler:
         clock: Callable[[], float] = time.monotonic, wall: Callable[[], datetime] = utcnow,
         keyring: Keyring, rng: random.Random | None = None, max_queued_selections: int | None = None,
         decisions: DecisionLog | None = None, background_fits: bool = False,
-        caps: ClaimCaps | None = None,
+        caps: ClaimCaps | None = None, peer_stale_s: float = 1.5,
     ) -> None:
         self.router_id = router_id
         # What a worker's own word is believed up to (router.claims): its timing prior, the blocks
@@ -133,6 +136,8 @@ class Scheduler:
                                    outage_grace_s=bus_outage_grace_s)
         self.index = PrefixIndex()
         self.bookings = Bookings()
+        # Other router replicas' bookings (router.peers; empty unless router.peersync runs).
+        self.peers = PeerLoads(stale_s=peer_stale_s)
         # Per-worker timing models (router.calibration) and the predictions awaiting their outcome.
         # With background_fits (a router process) the actor only records observations and a
         # router.fitting.Fitter task fits them (TakeFitWindows, ApplyFits); without, they are
@@ -141,7 +146,7 @@ class Scheduler:
         self._epochs: dict[str, Number | None] = {}
         self.tables = Pools(
             models=models, roles=self.pools, discovery=self.discovery, bookings=self.bookings,
-            clock=clock, timing=self.timings.timing,
+            clock=clock, timing=self.timings.timing, peers=self.peers,
         )
         # Where a selection goes: its pool, its rank (and the round-robin positions, the objective counters).
         self.chooser = Chooser(mode=mode, role=role, models=models, pools=self.tables, discovery=self.discovery,
@@ -347,6 +352,14 @@ class Scheduler:
                 for wid in self.timings.apply(cmd.results):
                     self._retime(wid)
                 return None
+            case TakeBookings():
+                version = self.bookings.version
+                return None if version == cmd.since else (version, own_figures(self.bookings))
+            case ApplyPeerLoad():
+                changed = self.peers.apply(cmd.router_id, boot=cmd.boot, seq=cmd.number, ranks=cmd.ranks,
+                                           now=self.clock())
+                self._refresh_keys(changed or ())
+                return None
             case ReportCached():
                 self._cache_outcome(cmd)
                 return None
@@ -424,6 +437,9 @@ class Scheduler:
             event, now=self.clock(), wall_now=self.wall(), received_at=received_at, live=live
         )
         wid = event.worker.instance_id
+        if event.load and change is Change.UPDATED:
+            # The worker's report counts what peers had booked there until now (router.peers).
+            self.peers.supersede(wid)  # its slots are re-read below (rebuild_worker)
         if change is Change.LEFT:
             self._forget(wid, "left")
         elif change is Change.JOINED:
@@ -443,6 +459,7 @@ class Scheduler:
     def _forget(self, wid: int, why: str) -> None:
         self.index.remove_worker(wid)
         self.outcomes.forget(wid)
+        self.peers.forget_worker(wid)
         dropped = self.bookings.drop_worker(wid)
         self.tables.forget(wid)
         self.timings.forget(wid, (b.request_id for b in dropped))
@@ -456,6 +473,10 @@ class Scheduler:
             self._forget(wid, "expired (no heartbeat within the TTL)")
         if self.approximate:
             self.index.expire(now)
+        forgotten, changed = self.peers.expire(now)
+        if forgotten:
+            log.info("peer routers %s forgotten: no bookings from them for %.1fs", forgotten, self.peers.stale_s)
+            self._refresh_keys(changed)
         self.tables.refresh_health(now)
         if self._live_counts(now) != self.view.live_workers:
             self._publish_view()
@@ -505,6 +526,13 @@ class Scheduler:
                         100 * (self.outcomes.ratio(cmd.instance_id) or 0.0))
             self.index.clear_worker(cmd.instance_id)
             self._bound_index(cmd.instance_id)
+
+    def _refresh_keys(self, keys: Iterable[WorkerKey]) -> None:
+        """Re-read the slots of these ranks (their peers' bookings changed)."""
+        for key in keys:
+            state = self.discovery.get(key[0])
+            if state is not None:
+                self.tables.refresh_slot(state.record.model, key, state)
 
     def _retime(self, wid: int | None) -> None:
         """A worker's timing model changed: its slots score with the new one."""

@@ -33,6 +33,9 @@ AUDIT_PREFIX = "rudder.audit"
 #: ``rudder.restore.<router_id>``: a router without a valid signed head asks the control plane
 #: for the last document it wrote (request/reply; the answer is signed with the policy key).
 RESTORE_PREFIX = "rudder.restore"
+#: ``rudder.routerload.<router_id>``: a router's bookings per worker rank, for its peers (core NATS,
+#: nothing stored: a lost message costs a moment's accuracy, router.peers).
+ROUTERLOAD_PREFIX = "rudder.routerload"
 
 POLICY_SUBJECTS = f"{POLICY_PREFIX}.>"
 MEMBERSHIP_SUBJECTS = f"{MEMBERSHIP_PREFIX}.>"
@@ -150,6 +153,10 @@ def restore_subject(router_id: str) -> str:
 
 def decisions_subject(router_id: str) -> str:
     return f"{DECISIONS_PREFIX}.{router_id}"
+
+
+def router_load_subject(router_id: str) -> str:
+    return f"{ROUTERLOAD_PREFIX}.{router_id}"
 
 
 def acks_subject(router_id: str) -> str:
