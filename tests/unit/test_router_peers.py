@@ -7,6 +7,7 @@ from datetime import UTC, datetime
 
 import pytest
 
+from bus.identities import Identity, IdentityKind, permissions
 from controlplane.protocol.errors import InvalidRequest, SubjectMismatch
 from controlplane.protocol.events import (
     MembershipEvent,
@@ -207,3 +208,12 @@ def test_a_departed_workers_peer_figures_go_with_it() -> None:
     s._dispatch(ApplyPeerLoad("r-a", "x", 1, {(1, 0): Figures(2, 0, 2)}))
     s._dispatch(ApplyMembership(_member(1, MembershipOp.LEAVE)))
     assert s.peers.total((1, 0)) is None
+
+
+def test_a_router_may_publish_its_own_bookings_only_and_read_every_peers() -> None:
+    perms = permissions(Identity(IdentityKind.ROUTER, router_id="r-a"))
+    mine = [p for p in perms.publish if p.startswith("rudder.routerload")]
+    assert mine == ["rudder.routerload.r-a"]
+    assert "rudder.routerload.*" in perms.subscribe
+    worker = permissions(Identity(IdentityKind.WORKER, model="m", instance_id=3))
+    assert not any(p.startswith("rudder.routerload") for p in (*worker.publish, *worker.subscribe))
