@@ -160,6 +160,7 @@ class Simulation:
             kv_events=True, cache_inputs=ALL_CACHE_INPUTS, startup=startup, worker_ttl_s=1e9,
             worker_stale_s=1e9, clock=lambda: self.now, wall=lambda: EPOCH + timedelta(seconds=self.now),
             rng=random.Random(seed + 7919 * i), keyring=Keyring({}), background_fits=background_fits,
+            peer_sync=peer_sync_s > 0 and routers > 1,
         ) for i in range(routers)]
         self.router = self.routers[0]
         self._next_router = itertools.count()
@@ -319,14 +320,15 @@ class Simulation:
             answer = r._dispatch(TakeBookings(since=-1 if keepalive else version))
             if answer is None:
                 continue
-            version, ranks = answer
-            if not ranks and not nonempty:
+            version, ranks = answer.version, answer.ranks
+            if not ranks and not nonempty and not answer.finished and not answer.returned:
                 self._synced[i] = (version, last_at, nonempty, seq)
                 continue
             self._synced[i] = (version, self.now, bool(ranks), seq + 1)
             for peer in self.routers:
                 if peer is not r:
-                    cmd = ApplyPeerLoad(r.router_id, "sim", seq + 1, dict(ranks))
+                    cmd = ApplyPeerLoad(r.router_id, "sim", seq + 1, dict(ranks), list(answer.finished),
+                                        list(answer.returned))
                     self.at(self.now + self.hop_s, lambda p=peer, c=cmd: p._dispatch(c))  # type: ignore[misc]
         if self.pending_sessions:
             self.at(self.now + self.peer_sync_s, self._sync)

@@ -83,7 +83,7 @@ class RouterRuntime:
             keyring=self.verify_keys.keyring, rng=rng,
             max_queued_selections=settings.max_queued_selections, decisions=self.decisions,
             background_fits=True,
-            caps=settings.claim_caps, peer_stale_s=settings.peer_stale_s,
+            caps=settings.claim_caps, peer_stale_s=settings.peer_stale_s, peer_sync=settings.peer_sync,
         )
         self.metrics = RouterMetrics()
         self.drops = Drops(

@@ -22,7 +22,7 @@ from controlplane.protocol.policy import PolicyKind
 from controlplane.protocol.signing import Keyring
 from router.calibration import FitResult, FitWindow
 from router.discovery import Change
-from router.peers import Figures, WorkerKey
+from router.peers import Figures, Finished, Snapshot, WorkerKey
 from router.policy_state import ApplyResult
 from router.targets import Pin, Targets
 
@@ -222,9 +222,10 @@ class ReportCached(Command[None]):
 
 
 @dataclass(slots=True)
-class TakeBookings(Command["tuple[int, dict[WorkerKey, Figures]] | None"]):
-    """This router's bookings per rank for its peers (router.peersync), with their version; None
-    when they have not changed since ``since`` (the version last taken)."""
+class TakeBookings(Command[Snapshot | None]):
+    """This router's bookings per rank for its peers (router.peersync), with their version, and the
+    expected-returns events since the last snapshot (taken: they are sent once); None when nothing
+    changed since ``since`` (the version last taken)."""
 
     since: int = -1
 
@@ -237,6 +238,8 @@ class ApplyPeerLoad(Command[None]):
     boot: str
     number: int  # the snapshot's seq (RouterLoad.seq; Command.seq is the queue position)
     ranks: dict[WorkerKey, Figures]
+    finished: list[Finished] = field(default_factory=list)  # requests finished at the peer
+    returned: list[int] = field(default_factory=list)  # entries closed by returns the peer saw
 
 
 @dataclass(slots=True)

@@ -38,6 +38,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
+from controlplane.protocol import limits as L
 from router.bookings import Bookings
 
 WorkerKey = tuple[int, int]
@@ -52,6 +53,28 @@ class Figures(NamedTuple):
 
 
 NOTHING = Figures(0, 0, 0)
+#: Events of the expected returns (router.returns) a router tells its peers, at most this many of
+#: each kind per snapshot (the newest; more only when the bus was away).
+MAX_RETURN_EVENTS = L.MAX_ROUTER_LOAD_EVENTS
+
+
+class Finished(NamedTuple):
+    """A request that finished on ``key``: its prompt's last full block hash and how long ago."""
+
+    key: WorkerKey
+    hash: int
+    age_s: float
+
+
+class Snapshot(NamedTuple):
+    """What a router publishes (router.peersync): its bookings per rank with their version, and
+    the expected-returns events since its last snapshot: requests finished (entries opened) and
+    entries closed by a return it saw (their hashes)."""
+
+    version: int
+    ranks: dict[WorkerKey, Figures]
+    finished: list[Finished]
+    returned: list[int]
 
 
 def own_figures(bookings: Bookings) -> dict[WorkerKey, Figures]:

@@ -1,8 +1,10 @@
 """Router replicas share their bookings over core NATS (router.peers has the merge).
 
 - Publishing: every ``interval_s`` the router asks its scheduler for its bookings per rank
-  (:class:`~router.commands.TakeBookings`: nothing unless they changed since the last snapshot)
-  and publishes the whole snapshot as a :class:`RouterLoad` on ``rudder.routerload.<router_id>``.
+  (:class:`~router.commands.TakeBookings`: nothing unless they changed since the last snapshot),
+  with the expected-returns events since the last one (router.returns: requests finished here,
+  entries a return seen here closed), and publishes the whole snapshot as a :class:`RouterLoad`
+  on ``rudder.routerload.<router_id>``.
   So a burst of bookings costs one message per interval (coalesced), an idle router none; while
   it has bookings it re-sends them at least every ``keepalive_s`` (peers forget a replica that
   sent nothing for their ``peer_stale_s``). A graceful stop publishes an empty snapshot.
@@ -32,16 +34,20 @@ from controlplane.protocol.guard import Drops
 from controlplane.protocol.subjects import ROUTERLOAD_PREFIX, router_load_subject
 from router.claims import RateLimits
 from router.commands import ApplyPeerLoad, TakeBookings
-from router.peers import Figures, WorkerKey
+from router.peers import Figures, Finished, Snapshot, WorkerKey
 from router.scheduler import Scheduler
 
 log = logging.getLogger(__name__)
 KIND = "router_load"
 
 
-def to_message(router_id: str, boot: str, seq: int, ranks: dict[WorkerKey, Figures]) -> RouterLoad:
-    return RouterLoad(router_id=router_id, boot=boot, seq=seq,
-                      ranks=[(k[0], k[1], f.requests, f.prefill_tokens, f.blocks) for k, f in ranks.items()])
+def to_message(router_id: str, boot: str, seq: int, ranks: dict[WorkerKey, Figures],
+               snapshot: Snapshot | None = None) -> RouterLoad:
+    return RouterLoad(
+        router_id=router_id, boot=boot, seq=seq,
+        ranks=[(k[0], k[1], f.requests, f.prefill_tokens, f.blocks) for k, f in ranks.items()],
+        finished=[(f.key[0], f.key[1], f.hash, round(f.age_s, 6)) for f in snapshot.finished] if snapshot else [],
+        returned=list(snapshot.returned) if snapshot else [])
 
 
 class LoadSharing:
@@ -76,9 +82,10 @@ class LoadSharing:
         except RudderError as exc:
             log.info("last (empty) bookings snapshot not published: %s", exc.message)
 
-    async def _publish(self, ranks: dict[WorkerKey, Figures]) -> None:
+    async def _publish(self, ranks: dict[WorkerKey, Figures], snapshot: Snapshot | None = None) -> None:
         self._seq += 1
-        await self.bus.publish(self.subject, to_message(self.router_id, self.boot, self._seq, ranks).to_bytes())
+        message = to_message(self.router_id, self.boot, self._seq, ranks, snapshot)
+        await self.bus.publish(self.subject, message.to_bytes())
         self.sent += 1
 
     async def run(self) -> None:
@@ -96,13 +103,14 @@ class LoadSharing:
                 return  # the scheduler is stopping
             if answer is None:
                 continue
-            version, ranks = answer
-            if self._stopped or (not ranks and not nonempty):
+            version, ranks = answer.version, answer.ranks
+            events = bool(answer.finished or answer.returned)
+            if self._stopped or (not ranks and not nonempty and not events):
                 continue  # stopping (the empty snapshot is sent); or nothing booked, and peers know it
             if len(ranks) > L.MAX_ROUTER_LOAD_RANKS:  # thousands of busy ranks: the busiest
                 ranks = dict(sorted(ranks.items(), key=lambda kv: -kv[1].requests)[:L.MAX_ROUTER_LOAD_RANKS])
             try:
-                await self._publish(ranks)
+                await self._publish(ranks, answer)
             except RudderError as exc:
                 log.debug("bookings snapshot not published: %s", exc.message)
                 version = -1  # try again next interval
@@ -128,4 +136,5 @@ class LoadSharing:
             return
         self.received += 1
         ranks = {(i, r): Figures(n, p, b) for i, r, n, p, b in load.ranks}
-        self.scheduler.send(ApplyPeerLoad(load.router_id, load.boot, load.seq, ranks))
+        finished = [Finished((i, r), h, age) for i, r, h, age in load.finished]
+        self.scheduler.send(ApplyPeerLoad(load.router_id, load.boot, load.seq, ranks, finished, list(load.returned)))

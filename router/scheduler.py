@@ -82,7 +82,7 @@ from router.cost.time import Timing, predict_row, time_row
 from router.decisions import DecisionLog
 from router.discovery import Change, Discovery, Health
 from router.index import KvApplied, PrefixIndex, WorkerKey
-from router.peers import PeerLoads, own_figures
+from router.peers import MAX_RETURN_EVENTS, Finished, PeerLoads, Snapshot, own_figures
 from router.policy_state import ApplyResult, Outcome, PolicyState
 from router.pools import Pools, Slot
 from router.settings import RoutingMode
@@ -102,7 +102,7 @@ class Scheduler:
         clock: Callable[[], float] = time.monotonic, wall: Callable[[], datetime] = utcnow,
         keyring: Keyring, rng: random.Random | None = None, max_queued_selections: int | None = None,
         decisions: DecisionLog | None = None, background_fits: bool = False,
-        caps: ClaimCaps | None = None, peer_stale_s: float = 1.5,
+        caps: ClaimCaps | None = None, peer_stale_s: float = 1.5, peer_sync: bool = False,
     ) -> None:
         self.router_id = router_id
         # What a worker's own word is believed up to (router.claims): its timing prior, the blocks
@@ -138,6 +138,11 @@ class Scheduler:
         self.bookings = Bookings()
         # Other router replicas' bookings (router.peers; empty unless router.peersync runs).
         self.peers = PeerLoads(stale_s=peer_stale_s)
+        # With peer_sync, the expected-returns events peers must hear of (TakeBookings takes them):
+        # requests finished here (rank, last block hash, when) and entries closed here.
+        self.peer_sync = peer_sync
+        self._finished_out: list[tuple[WorkerKey, int, float]] = []
+        self._returned_out: list[int] = []
         # Per-worker timing models (router.calibration) and the predictions awaiting their outcome.
         # With background_fits (a router process) the actor only records observations and a
         # router.fitting.Fitter task fits them (TakeFitWindows, ApplyFits); without, they are
@@ -342,7 +347,10 @@ class Scheduler:
             case RequestDone():
                 booking = self.bookings.free(cmd.request_id)
                 if booking is not None:
-                    self.tables.returns.finished(booking.key, booking.hashes, self.clock())
+                    now = self.clock()
+                    self.tables.returns.finished(booking.key, booking.hashes, now)
+                    if self.peer_sync and booking.hashes:
+                        self._finished_out.append((booking.key, booking.hashes[-1], now))
                     self.tables.refresh_slot(booking.model, booking.key)
                 self._retime(self.timings.done(cmd.request_id, cmd.itl_ms, cmd.decode_tokens))
                 return None
@@ -353,12 +361,9 @@ class Scheduler:
                     self._retime(wid)
                 return None
             case TakeBookings():
-                version = self.bookings.version
-                return None if version == cmd.since else (version, own_figures(self.bookings))
+                return self._take_bookings(cmd.since)
             case ApplyPeerLoad():
-                changed = self.peers.apply(cmd.router_id, boot=cmd.boot, seq=cmd.number, ranks=cmd.ranks,
-                                           now=self.clock())
-                self._refresh_keys(changed or ())
+                self._apply_peer(cmd)
                 return None
             case ReportCached():
                 self._cache_outcome(cmd)
@@ -527,6 +532,36 @@ class Scheduler:
             self.index.clear_worker(cmd.instance_id)
             self._bound_index(cmd.instance_id)
 
+    # -- router replicas (router.peers) ------------------------------------------------------
+
+    def _take_bookings(self, since: int) -> Snapshot | None:
+        version = self.bookings.version
+        if version == since and not self._finished_out and not self._returned_out:
+            return None
+        now = self.clock()
+        finished = [Finished(k, h, max(now - at, 0.0)) for k, h, at in self._finished_out[-MAX_RETURN_EVENTS:]]
+        returned = self._returned_out[-MAX_RETURN_EVENTS:]
+        self._finished_out, self._returned_out = [], []
+        return Snapshot(version, own_figures(self.bookings), finished, returned)
+
+    def _apply_peer(self, cmd: ApplyPeerLoad) -> None:
+        """A peer's snapshot: its bookings (router.peers), and the expected returns it opened and
+        closed, so every replica expects each session back where its cache is, whichever replica
+        routed its last turn."""
+        now = self.clock()
+        changed = self.peers.apply(cmd.router_id, boot=cmd.boot, seq=cmd.number, ranks=cmd.ranks, now=now)
+        if changed is None:
+            return  # an older snapshot of that peer: its events were applied (or are lost)
+        returns = self.tables.returns
+        for key, h, age in cmd.finished:
+            returns.finished(key, (h,), now - age)
+            changed.add(key)
+        for h in cmd.returned:
+            back = returns.closed(h, now)
+            if back is not None:
+                changed.add(back)
+        self._refresh_keys(changed)
+
     def _refresh_keys(self, keys: Iterable[WorkerKey]) -> None:
         """Re-read the slots of these ranks (their peers' bookings changed)."""
         for key in keys:
@@ -644,8 +679,13 @@ class Scheduler:
         (router.returns), the rank that held it expects it no more. Matched here rather than at
         selection, off the selection's path (the request's own entry counts for its holder in the
         meantime: its wait term there is about λ·D², a D of tens of ms for a cached turn)."""
-        back = self.tables.returns.arrived(booking.hashes, booking.booked_at)
-        if back is not None and back != booking.key:
+        entry = self.tables.returns.arrived_entry(booking.hashes, booking.booked_at)
+        if entry is None:
+            return
+        back, h = entry
+        if self.peer_sync:
+            self._returned_out.append(h)
+        if back != booking.key:
             self.tables.refresh_slot(booking.model, back)
 
     # -- the view the HTTP side reads -----------------------------------------------------------

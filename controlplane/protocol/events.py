@@ -462,22 +462,29 @@ def decode_decision_reply(data: bytes | str | dict[str, Any]) -> DecisionReply:
 # ---------------------------------------------------------------------------------------------
 # Router replicas' bookings (router.peers)
 
+InstanceId = Annotated[int, Field(gt=0, le=U64_MAX)]
 #: One rank's bookings: (instance_id, dp_rank, requests, prefill_tokens, blocks).
-RankBooked = tuple[Annotated[int, Field(gt=0, le=U64_MAX)], Rank, Count, Count, Count]
+RankBooked = tuple[InstanceId, Rank, Count, Count, Count]
+#: A request finished there: (instance_id, dp_rank, its prompt's last full block hash, seconds ago).
+FinishedThere = tuple[InstanceId, Rank, Hash64, Annotated[float, Field(ge=0, le=86_400)]]
 
 
 class RouterLoad(_Event):
     """What a router has booked on each worker rank and not yet seen finish (router.bookings), on
     ``rudder.routerload.<router_id>`` for its peers: a whole snapshot each time (only the ranks
-    with bookings), so a lost message is made good by the next. ``boot`` names the publishing
-    process and ``seq`` counts its snapshots: a receiver keeps the newest of each boot. Core NATS,
-    never stored."""
+    with bookings), so a lost message is made good by the next; and its expected-returns events.
+    ``boot`` names the publishing process and ``seq`` counts its snapshots: a receiver keeps the
+    newest of each boot. Core NATS, never stored."""
 
     schema_version: Literal[1] = 1
     router_id: RouterId
     boot: str = Field(min_length=1, max_length=32)
     seq: int = Field(ge=0, le=U64_MAX)
     ranks: list[RankBooked] = Field(default_factory=list, max_length=L.MAX_ROUTER_LOAD_RANKS)
+    # The expected returns (router.returns) since the previous snapshot: requests that finished
+    # here, and entries a return seen here closed (their hashes). Sent once: a lost message loses them.
+    finished: list[FinishedThere] = Field(default_factory=list, max_length=L.MAX_ROUTER_LOAD_EVENTS)
+    returned: list[Hash64] = Field(default_factory=list, max_length=L.MAX_ROUTER_LOAD_EVENTS)
 
 
 def decode_router_load(data: bytes | str | dict[str, Any]) -> RouterLoad:

@@ -20,7 +20,16 @@ from controlplane.protocol.events import (
 )
 from controlplane.protocol.policy import ALL_CACHE_INPUTS, PolicyKind, startup_values
 from router.bookings import Bookings
-from router.commands import ApplyMembership, ApplyPeerLoad, RoutingRequest, SelectWorker, TakeBookings, Tick
+from router.commands import (
+    ApplyMembership,
+    ApplyPeerLoad,
+    RequestDone,
+    RequestFirstToken,
+    RoutingRequest,
+    SelectWorker,
+    TakeBookings,
+    Tick,
+)
 from router.peers import Figures, PeerLoads, own_figures
 from router.peersync import to_message
 from router.scheduler import Scheduler
@@ -193,13 +202,13 @@ def test_a_peers_booking_steers_the_next_selection_and_a_silent_peer_is_forgotte
 def test_take_bookings_answers_only_when_they_changed() -> None:
     s = _sched(Clock())
     s._dispatch(ApplyMembership(_member(1)))
-    version, ranks = s._dispatch(TakeBookings(since=-1))
-    assert ranks == {}
-    assert s._dispatch(TakeBookings(since=version)) is None
+    snap = s._dispatch(TakeBookings(since=-1))
+    assert snap.ranks == {}
+    assert s._dispatch(TakeBookings(since=snap.version)) is None
     sel = s._dispatch(SelectWorker(_req(1)))
-    version, ranks = s._dispatch(TakeBookings(since=version))
-    assert ranks == {(sel.instance_id, 0): Figures(1, 16, 2)}
-    assert s._dispatch(TakeBookings(since=version)) is None
+    snap = s._dispatch(TakeBookings(since=snap.version))
+    assert snap.ranks == {(sel.instance_id, 0): Figures(1, 16, 2)}
+    assert s._dispatch(TakeBookings(since=snap.version)) is None
 
 
 def test_a_departed_workers_peer_figures_go_with_it() -> None:
@@ -217,3 +226,34 @@ def test_a_router_may_publish_its_own_bookings_only_and_read_every_peers() -> No
     assert "rudder.routerload.*" in perms.subscribe
     worker = permissions(Identity(IdentityKind.WORKER, model="m", instance_id=3))
     assert not any(p.startswith("rudder.routerload") for p in (*worker.publish, *worker.subscribe))
+
+
+def test_expected_returns_are_shared_so_a_session_is_expected_whichever_replica_routed_it() -> None:
+    clock = Clock()
+    a, b = _sched(clock), _sched(clock)
+    a.peer_sync = b.peer_sync = True
+    for s in (a, b):
+        s._dispatch(ApplyMembership(_member(1)))
+        s._dispatch(ApplyMembership(_member(2)))
+    first = RoutingRequest(request_id="t1", model="m", prompt_tokens=16, hashes={4: [1, 2, 3, 4]})
+    sel = a._dispatch(SelectWorker(first))
+    a._dispatch(RequestFirstToken("t1", ttft_ms=5.0))
+    clock.t += 0.5
+    a._dispatch(RequestDone("t1"))
+    snap = a._dispatch(TakeBookings(since=-1))
+    assert [(f.key, f.hash) for f in snap.finished] == [((sel.instance_id, 0), 4)]
+    assert a._dispatch(TakeBookings(since=snap.version)) is None  # events are taken once
+    # b hears of it: it expects the session back on that rank too
+    b._dispatch(ApplyPeerLoad("r-a", "x", 1, snap.ranks, snap.finished, snap.returned))
+    assert b.tables.returns.rate((sel.instance_id, 0), clock.t) > 0
+    # the next turn comes through b: b closes the entry, and tells a, which closes its own
+    clock.t += 2.0
+    nxt = RoutingRequest(request_id="t2", model="m", prompt_tokens=24, hashes={4: [1, 2, 3, 4, 5, 6]})
+    b._dispatch(SelectWorker(nxt))
+    b._dispatch(RequestFirstToken("t2", ttft_ms=5.0))
+    back = b._dispatch(TakeBookings(since=-1))
+    assert back.returned == [4] and b.tables.returns.rate((sel.instance_id, 0), clock.t) == 0
+    assert a.tables.returns.rate((sel.instance_id, 0), clock.t) > 0
+    a._dispatch(ApplyPeerLoad("r-b", "y", 1, back.ranks, back.finished, back.returned))
+    assert a.tables.returns.rate((sel.instance_id, 0), clock.t) == 0
+    assert a.tables.returns.fraction == b.tables.returns.fraction  # both counted one finish, one return
