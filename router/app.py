@@ -142,7 +142,8 @@ class RouterRuntime:
             self.sharing = LoadSharing(
                 bus, self.scheduler, router_id=s.router_id, interval_s=s.peer_sync_interval_s,
                 keepalive_s=s.peer_stale_s / 3, drops=self.drops,
-                limits=RateLimits(s.peer_sync_rate_per_s, 2 * s.peer_sync_rate_per_s))
+                limits=RateLimits(s.peer_sync_rate_per_s, 2 * s.peer_sync_rate_per_s),
+                count=lambda direction: self.metrics.peer_snapshots.labels(direction).inc())
             await self.sharing.start()
             self.tasks.spawn(self.sharing.run(), name="bookings-sharing")
         self.tasks.spawn(self.policy.acks.run(), name="ack-publisher")

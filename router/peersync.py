@@ -25,6 +25,7 @@ import asyncio
 import logging
 import secrets
 import time
+from collections.abc import Callable
 
 from bus.client import Bus, Message, Subscription
 from controlplane.protocol import limits as L
@@ -52,7 +53,8 @@ def to_message(router_id: str, boot: str, seq: int, ranks: dict[WorkerKey, Figur
 
 class LoadSharing:
     def __init__(self, bus: Bus, scheduler: Scheduler, *, router_id: str, interval_s: float,
-                 keepalive_s: float, drops: Drops, limits: RateLimits) -> None:
+                 keepalive_s: float, drops: Drops, limits: RateLimits,
+                 count: Callable[[str], None] | None = None) -> None:
         self.bus = bus
         self.scheduler = scheduler
         self.router_id = router_id
@@ -60,6 +62,7 @@ class LoadSharing:
         self.keepalive_s = keepalive_s
         self.drops = drops
         self.limits = limits
+        self.count = count  # "sent" / "received" (the process's metric)
         self.boot = secrets.token_hex(8)
         self.subject = router_load_subject(router_id)
         self._seq = 0
@@ -87,6 +90,8 @@ class LoadSharing:
         message = to_message(self.router_id, self.boot, self._seq, ranks, snapshot)
         await self.bus.publish(self.subject, message.to_bytes())
         self.sent += 1
+        if self.count is not None:
+            self.count("sent")
 
     async def run(self) -> None:
         """The publisher (a task of the router's lifespan); ends when the scheduler stops."""
@@ -135,6 +140,8 @@ class LoadSharing:
             self.drops.drop(KIND, reason, msg.subject, exc.message)
             return
         self.received += 1
+        if self.count is not None:
+            self.count("received")
         ranks = {(i, r): Figures(n, p, b) for i, r, n, p, b in load.ranks}
         finished = [Finished((i, r), h, age) for i, r, h, age in load.finished]
         self.scheduler.send(ApplyPeerLoad(load.router_id, load.boot, load.seq, ranks, finished, list(load.returned)))

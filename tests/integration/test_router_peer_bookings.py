@@ -84,6 +84,10 @@ async def test_alternating_replicas_see_each_others_bookings_within_the_stalenes
             # alternating replicas spread the four long requests over both workers
             assert sorted(chosen.count(w.instance_id) for w in workers) == [2, 2], chosen
             print(f"peer booking seen after {', '.join(f'{s * 1000:.0f}' for s in seen_after)} ms")
+            async with httpx.AsyncClient(timeout=10) as http:
+                metrics = (await http.get(f"{b.url}/metrics")).text
+            assert "rudder_router_peers 1.0" in metrics
+            assert 'rudder_router_peer_snapshots_total{direction="received"}' in metrics
             # a replica that stops says so: its peer no longer counts its bookings
             await a.stop()
             await wait_for(lambda: _no_peer(b, "peer-a"), within=SEEN_WITHIN_S, interval=0.005)
