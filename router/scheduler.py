@@ -351,6 +351,8 @@ class Scheduler:
                     self.tables.returns.finished(booking.key, booking.hashes, now)
                     if self.peer_sync and booking.hashes:
                         self._finished_out.append((booking.key, booking.hashes[-1], now))
+                        if len(self._finished_out) > 2 * MAX_RETURN_EVENTS:  # nobody takes them
+                            del self._finished_out[:MAX_RETURN_EVENTS]
                     self.tables.refresh_slot(booking.model, booking.key)
                 self._retime(self.timings.done(cmd.request_id, cmd.itl_ms, cmd.decode_tokens))
                 return None
@@ -685,6 +687,8 @@ class Scheduler:
         back, h = entry
         if self.peer_sync:
             self._returned_out.append(h)
+            if len(self._returned_out) > 2 * MAX_RETURN_EVENTS:
+                del self._returned_out[:MAX_RETURN_EVENTS]
         if back != booking.key:
             self.tables.refresh_slot(booking.model, back)
 
