@@ -25,6 +25,11 @@ period. Two rules keep peers' figures from outliving what they describe:
   ``stale_s`` plus one tick. A live peer re-sends its snapshot at least every ``stale_s / 3``
   while it has bookings, so a lost message or two costs nothing.
 
+The same snapshots carry the expected returns' events (router.returns: requests finished, entries
+closed by a return) since the previous one (:class:`Outbox` keeps them until taken;
+:func:`apply_returns` applies a peer's), so every replica expects a session back on the rank that
+holds its cache whichever replica routed its last turn.
+
 Snapshots are whole, so a lost message costs a moment's accuracy, never a lasting error; ``boot``
 and ``seq`` keep only the newest snapshot of each peer process (core NATS keeps one publisher's
 order, but a reconnect may not). Peers' blocks are summed as distinct counts: a prefix booked by
@@ -40,6 +45,7 @@ from typing import NamedTuple
 
 from controlplane.protocol import limits as L
 from router.bookings import Bookings
+from router.returns import Returns
 
 WorkerKey = tuple[int, int]
 
@@ -190,3 +196,52 @@ class PeerLoads:
             self._total.pop(key, None)
         else:
             self._total[key] = total
+
+
+class Outbox:
+    """What this router's peers must hear of its expected returns (router.returns) until
+    router.peersync takes it with the next snapshot: requests finished here (rank, last block hash,
+    when) and entries closed here by a return (hashes). Bounded: when nothing takes them (a bus
+    away), the oldest go."""
+
+    def __init__(self) -> None:
+        self.finished: list[tuple[WorkerKey, int, float]] = []
+        self.returned: list[int] = []
+
+    def __bool__(self) -> bool:
+        return bool(self.finished or self.returned)
+
+    def finish(self, key: WorkerKey, h: int, at: float) -> None:
+        self.finished.append((key, h, at))
+        if len(self.finished) > 2 * MAX_RETURN_EVENTS:
+            del self.finished[:MAX_RETURN_EVENTS]
+
+    def close(self, h: int) -> None:
+        self.returned.append(h)
+        if len(self.returned) > 2 * MAX_RETURN_EVENTS:
+            del self.returned[:MAX_RETURN_EVENTS]
+
+    def take(self, bookings: Bookings, since: int, now: float) -> Snapshot | None:
+        """The snapshot to publish (None: nothing changed since version ``since``); the events are
+        handed over once."""
+        if bookings.version == since and not self:
+            return None
+        finished = [Finished(k, h, max(now - at, 0.0)) for k, h, at in self.finished[-MAX_RETURN_EVENTS:]]
+        returned = self.returned[-MAX_RETURN_EVENTS:]
+        self.finished, self.returned = [], []
+        return Snapshot(bookings.version, own_figures(bookings), finished, returned)
+
+
+def apply_returns(returns: Returns, finished: Iterable[Finished], returned: Iterable[int],
+                  now: float) -> set[WorkerKey]:
+    """A peer's expected-returns events, as if they had happened here (a finish opens the entry, a
+    return closes it and counts); the ranks whose expected rate changed."""
+    changed: set[WorkerKey] = set()
+    for key, h, age in finished:
+        returns.finished(key, (h,), now - age)
+        changed.add(key)
+    for h in returned:
+        back = returns.closed(h, now)
+        if back is not None:
+            changed.add(back)
+    return changed

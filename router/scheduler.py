@@ -82,7 +82,7 @@ from router.cost.time import Timing, predict_row, time_row
 from router.decisions import DecisionLog
 from router.discovery import Change, Discovery, Health
 from router.index import KvApplied, PrefixIndex, WorkerKey
-from router.peers import MAX_RETURN_EVENTS, Finished, PeerLoads, Snapshot, own_figures
+from router.peers import Outbox, PeerLoads, apply_returns
 from router.policy_state import ApplyResult, Outcome, PolicyState
 from router.pools import Pools, Slot
 from router.settings import RoutingMode
@@ -141,8 +141,7 @@ class Scheduler:
         # With peer_sync, the expected-returns events peers must hear of (TakeBookings takes them):
         # requests finished here (rank, last block hash, when) and entries closed here.
         self.peer_sync = peer_sync
-        self._finished_out: list[tuple[WorkerKey, int, float]] = []
-        self._returned_out: list[int] = []
+        self.outbox = Outbox()
         # Per-worker timing models (router.calibration) and the predictions awaiting their outcome.
         # With background_fits (a router process) the actor only records observations and a
         # router.fitting.Fitter task fits them (TakeFitWindows, ApplyFits); without, they are
@@ -350,9 +349,7 @@ class Scheduler:
                     now = self.clock()
                     self.tables.returns.finished(booking.key, booking.hashes, now)
                     if self.peer_sync and booking.hashes:
-                        self._finished_out.append((booking.key, booking.hashes[-1], now))
-                        if len(self._finished_out) > 2 * MAX_RETURN_EVENTS:  # nobody takes them
-                            del self._finished_out[:MAX_RETURN_EVENTS]
+                        self.outbox.finish(booking.key, booking.hashes[-1], now)
                     self.tables.refresh_slot(booking.model, booking.key)
                 self._retime(self.timings.done(cmd.request_id, cmd.itl_ms, cmd.decode_tokens))
                 return None
@@ -363,7 +360,7 @@ class Scheduler:
                     self._retime(wid)
                 return None
             case TakeBookings():
-                return self._take_bookings(cmd.since)
+                return self.outbox.take(self.bookings, cmd.since, self.clock())
             case ApplyPeerLoad():
                 self._apply_peer(cmd)
                 return None
@@ -536,33 +533,14 @@ class Scheduler:
 
     # -- router replicas (router.peers) ------------------------------------------------------
 
-    def _take_bookings(self, since: int) -> Snapshot | None:
-        version = self.bookings.version
-        if version == since and not self._finished_out and not self._returned_out:
-            return None
-        now = self.clock()
-        finished = [Finished(k, h, max(now - at, 0.0)) for k, h, at in self._finished_out[-MAX_RETURN_EVENTS:]]
-        returned = self._returned_out[-MAX_RETURN_EVENTS:]
-        self._finished_out, self._returned_out = [], []
-        return Snapshot(version, own_figures(self.bookings), finished, returned)
-
     def _apply_peer(self, cmd: ApplyPeerLoad) -> None:
-        """A peer's snapshot: its bookings (router.peers), and the expected returns it opened and
-        closed, so every replica expects each session back where its cache is, whichever replica
-        routed its last turn."""
+        """A peer's snapshot: its bookings, and the expected returns it opened and closed, so every
+        replica expects each session back where its cache is, whichever replica routed its last
+        turn (router.peers)."""
         now = self.clock()
         changed = self.peers.apply(cmd.router_id, boot=cmd.boot, seq=cmd.number, ranks=cmd.ranks, now=now)
-        if changed is None:
-            return  # an older snapshot of that peer: its events were applied (or are lost)
-        returns = self.tables.returns
-        for key, h, age in cmd.finished:
-            returns.finished(key, (h,), now - age)
-            changed.add(key)
-        for h in cmd.returned:
-            back = returns.closed(h, now)
-            if back is not None:
-                changed.add(back)
-        self._refresh_keys(changed)
+        if changed is not None:  # else an older snapshot of that peer: its events were applied (or lost)
+            self._refresh_keys(changed | apply_returns(self.tables.returns, cmd.finished, cmd.returned, now))
 
     def _refresh_keys(self, keys: Iterable[WorkerKey]) -> None:
         """Re-read the slots of these ranks (their peers' bookings changed)."""
@@ -686,9 +664,7 @@ class Scheduler:
             return
         back, h = entry
         if self.peer_sync:
-            self._returned_out.append(h)
-            if len(self._returned_out) > 2 * MAX_RETURN_EVENTS:
-                del self._returned_out[:MAX_RETURN_EVENTS]
+            self.outbox.close(h)
         if back != booking.key:
             self.tables.refresh_slot(booking.model, back)
 
