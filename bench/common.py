@@ -238,11 +238,13 @@ class Router:
 
     def __init__(self, bus: LocalBus, model: str, *, mode: str = "kv",
                  selection: dict[str, float] | None = None, kv_events: bool = True,
-                 log: Path | None = None, launcher: str = "cli", src: Path | None = None) -> None:
+                 log: Path | None = None, launcher: str = "cli", src: Path | None = None,
+                 env: dict[str, str] | None = None) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.model = model
-        env = router_env(bus, model, self.port, mode=mode, selection=selection, kv_events=kv_events)
+        env = {**router_env(bus, model, self.port, mode=mode, selection=selection, kv_events=kv_events),
+               **(env or {})}
         self.proc = spawn(serve_command("router", launcher), env, log=log, src=src)
 
     async def ready(self, workers: int) -> None:

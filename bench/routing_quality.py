@@ -30,6 +30,9 @@ The loaded run is followed by a short low-load ("idle") run for reference.
 ``--routers 1,2,4`` runs each mode with each number of router replicas (issue 16): every replica
 its own process on the same bus and workers, the client sending each request to the next replica
 (round robin per request, no session affinity, as an L4 balancer would); a row is ``mode xN``.
+``--peer-sync off,on`` runs each multi-replica row both without and with the replicas sharing
+their bookings (``RUDDER_PEER_SYNC``; router.peers): ``mode xN`` and ``mode xN shared``, in the same
+run (one router runs with the first of the list; off is the router before sharing existed).
 
     python bench/routing_quality.py            # table on stdout, bench/results/routing_quality.json
     python bench/routing_quality.py --help
@@ -357,7 +360,8 @@ async def router_timing(url: str) -> dict[str, Any]:
 
 async def run_mode(bus: LocalBus, fleet: Fleet, mode: str, sessions: list[Session],
                    selection: dict[str, float] | None, deadline_s: float, log_dir: Path,
-                   nats_pid: int, details: bool = False, replicas: int = 1) -> dict[str, Any]:
+                   nats_pid: int, details: bool = False, replicas: int = 1,
+                   peer_sync: bool = True) -> dict[str, Any]:
     await fleet.reset_caches()
     label = mode
     if ":" in mode:  # "kv-blocks:{json}": a kv variant with its own selection overrides
@@ -367,7 +371,8 @@ async def run_mode(bus: LocalBus, fleet: Fleet, mode: str, sessions: list[Sessio
     mode = "kv" if mode == "kv-approx" else mode
     routers = [Router(bus, MODEL, mode=mode, selection=selection if mode in KV_MODES else None,
                       kv_events=kv_events, log=log_dir / f"router-{next(_ROUTER_LOGS)}-{mode}.log",
-                      launcher=fleet.launcher) for _ in range(replicas)]
+                      launcher=fleet.launcher, env={"RUDDER_PEER_SYNC": "true" if peer_sync else "false"})
+               for _ in range(replicas)]
     try:
         for router in routers:
             await router.ready(fleet.n)
@@ -384,8 +389,9 @@ async def run_mode(bus: LocalBus, fleet: Fleet, mode: str, sessions: list[Sessio
             router.stop()
     turns_by_key = {(t.session, t.turn): t for s in sessions for t in s.turns}
     out = summarize(results, wall, turns_by_key)
-    out["mode"] = label if replicas == 1 else f"{label} x{replicas}"
+    out["mode"] = label if replicas == 1 else f"{label} x{replicas}" + (" shared" if peer_sync else "")
     out["routers"] = replicas
+    out["peer_sync"] = peer_sync
     out["selection_overrides"] = (selection or {}) if mode in KV_MODES else {}
     if details:
         out["details"] = [asdict(r) for r in sorted(results, key=lambda r: r.sent)]
@@ -413,7 +419,7 @@ def split_modes(text: str) -> list[str]:
 
 def print_table(title: str, rows: list[dict[str, Any]], oracle_fraction: float) -> None:
     print(f"\n{title} (trace oracle cached fraction {oracle_fraction:.3f})")
-    head = (f"{'mode':<13}{'reqs':>6}{'err':>5}{'TTFT mean':>11}{'p50':>9}{'p90':>9}"
+    head = (f"{'mode':<20}{'reqs':>6}{'err':>5}{'TTFT mean':>11}{'p50':>9}{'p90':>9}"
             f"{'cached':>8}{'of oracle':>10}{'req/s':>7}{'tok/s in':>10}{'CPU us':>7}{'others':>7}"
             f"{'vs rr':>7}")
     print(head)
@@ -421,7 +427,7 @@ def print_table(title: str, rows: list[dict[str, Any]], oracle_fraction: float) 
     rr = next((r for r in rows if r["mode"] == "round_robin"), None)
     for r in rows:
         speed = (rr["ttft_mean_ms"] / r["ttft_mean_ms"]) if rr and r["ttft_mean_ms"] else float("nan")
-        print(f"{r['mode'][:13]:<13}{r['ok']:>6}{r['errors']:>5}{r['ttft_mean_ms']:>9.0f}ms"
+        print(f"{r['mode'][:20]:<20}{r['ok']:>6}{r['errors']:>5}{r['ttft_mean_ms']:>9.0f}ms"
               f"{r['ttft_p50_ms']:>7.0f}ms{r['ttft_p90_ms']:>7.0f}ms{r['cached_fraction']:>8.3f}"
               f"{(r['of_oracle'] or 0) * 100:>9.1f}%{r['throughput_rps']:>7.2f}"
               f"{r['prompt_tokens_per_s']:>10.0f}{sum(r['cpu']['process_cores'].values()):>7.2f}"
@@ -435,6 +441,7 @@ async def main(args: argparse.Namespace) -> None:
                        think_s=1.0, seed=args.seed + 1)
     selection = json.loads(args.selection) if args.selection else None
     router_counts = [int(n) for n in str(args.routers).split(",")]
+    syncs = [v.strip() == "on" for v in str(args.peer_sync).split(",")]
     mock = {"speedup_ratio": args.speedup}
     slow = [{"speedup_ratio": args.speedup / 2}] * (args.workers // 2)
     hetero_speedups = [args.speedup] * (args.workers - len(slow)) + [args.speedup / 2] * len(slow)
@@ -442,7 +449,7 @@ async def main(args: argparse.Namespace) -> None:
         "benchmark": "routing_quality", **machine(),
         "workers": args.workers, "launcher": args.launcher, "speedup_ratio": args.speedup,
         "heterogeneous_speedup_ratios": hetero_speedups,
-        "kv_selection_overrides": selection or {}, "routers": router_counts,
+        "kv_selection_overrides": selection or {}, "routers": router_counts, "peer_sync": args.peer_sync,
         "note": ("TTFT = client send -> first chunk with content; cached = usage.prompt_tokens_details."
                  "cached_tokens; oracle = unlimited cache of every earlier request, whole blocks, "
                  "last prompt token never a hit"),
@@ -485,10 +492,12 @@ async def main(args: argparse.Namespace) -> None:
                 print(f"{label}: {cfg.sessions} sessions, {n_req} requests, "
                       f"{cfg.session_rate} sessions/s, speedup_ratio {speeds}, {prior}", flush=True)
                 rows = []
-                for mode, replicas in ((m, n) for m in modes for n in router_counts):
+                runs = [(m, n, sync) for m in modes for n in router_counts
+                        for sync in (syncs if n > 1 else syncs[:1])]
+                for mode, replicas, sync in runs:
                     row = await run_mode(server, fleet, mode, sessions, selection,
                                          args.deadline, log_dir, server.server.proc.pid, args.details,
-                                         replicas=replicas)
+                                         replicas=replicas, peer_sync=sync)
                     rows.append(row)
                     print(f"  {row['mode']}: TTFT mean {row['ttft_mean_ms']:.0f} ms, cached "
                           f"{row['cached_fraction']:.3f}, CPU {row['cpu']['machine_busy_pct']:.0f}%, "
@@ -523,6 +532,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--routers", default="1",
                    help="router replicas, comma-separated (e.g. 1,2,4): each mode runs with each count, "
                         "requests spread over the replicas round-robin per request (no session affinity)")
+    p.add_argument("--peer-sync", default="on",
+                   help="router replicas share their bookings (RUDDER_PEER_SYNC): on, off, or off,on to run "
+                        "each multi-replica row both ways")
     p.add_argument("--hetero-prior", default="true", choices=("true", "generic", "both"),
                    help="what the heterogeneous pool's workers advertise: their true timing, the generic "
                         "prior of a vLLM worker (the router learns their speed), or a run of each")

@@ -19,6 +19,11 @@ The simulated system:
   routing_quality.py), its 0.2 s tick, the first token and the end of each request reported as
   the HTTP side reports them (TTFT measured from the send to the worker, mean inter-token time);
 - the client: a session's next turn is sent its think time after the previous answer ended;
+- ``--routers N``: N router replicas (each its own scheduler, rng and calibration), every request
+  sent to the next one (round robin, no affinity), each hearing every heartbeat and KV event;
+  ``--peer-sync-ms T`` has them share their bookings as the router process does (router.peersync:
+  a snapshot every T ms when changed, at least every 0.5 s while non-empty, delivered
+  ``--hop-ms`` later; 0 = not shared);
 - the calibration fits (``--fits``): ``inline`` (the default) refits as observations come, every
   ``REFIT_EVERY`` of them; ``background`` as a router process does (router.fitting): the actor only
   records, and a round every ``FIT_INTERVAL_S`` of virtual time fits what is due (same code).
@@ -73,11 +78,13 @@ from router.commands import (
     ApplyFits,
     ApplyKvEvents,
     ApplyMembership,
+    ApplyPeerLoad,
     LoadKvDump,
     RequestDone,
     RequestFirstToken,
     RoutingRequest,
     SelectWorker,
+    TakeBookings,
     TakeFitWindows,
     Tick,
 )
@@ -117,6 +124,7 @@ class _Running:
     arrived: float  # at the worker
     session: Session
     index: int  # the turn's index in its session
+    router: Scheduler  # the replica that routed it
 
 
 @dataclass
@@ -139,7 +147,7 @@ class Simulation:
 
     def __init__(self, mode: str, selection: dict[str, Any], speedups: list[float], *,
                  kv_delay_s: float, hop_s: float, seed: int, background_fits: bool = False,
-                 generic_prior: bool = False) -> None:
+                 generic_prior: bool = False, routers: int = 1, peer_sync_s: float = 0.0) -> None:
         self.now = 0.0
         self._heap: list[tuple[float, int, Callable[[], None]]] = []
         self._order = itertools.count()
@@ -147,12 +155,16 @@ class Simulation:
         self.kv_delay_s = kv_delay_s
         startup = {k: startup_values(k) for k in PolicyKind}
         startup[PolicyKind.SELECTION].update(selection)
-        self.router = Scheduler(
-            router_id="sim", models=[MODEL], role=RouterRole.AGGREGATED, mode=RoutingMode(mode),
+        self.routers = [Scheduler(
+            router_id=f"sim-{i}", models=[MODEL], role=RouterRole.AGGREGATED, mode=RoutingMode(mode),
             kv_events=True, cache_inputs=ALL_CACHE_INPUTS, startup=startup, worker_ttl_s=1e9,
             worker_stale_s=1e9, clock=lambda: self.now, wall=lambda: EPOCH + timedelta(seconds=self.now),
-            rng=random.Random(seed), keyring=Keyring({}), background_fits=background_fits,
-        )
+            rng=random.Random(seed + 7919 * i), keyring=Keyring({}), background_fits=background_fits,
+            peer_sync=peer_sync_s > 0 and routers > 1,
+        ) for i in range(routers)]
+        self.router = self.routers[0]
+        self._next_router = itertools.count()
+        self._synced: list[tuple[int, float, bool, int]] = [(-1, 0.0, False, 0)] * routers
         self.workers: dict[int, SimWorker] = {}
         for i, speedup in enumerate(speedups):
             settings = MockEngineSettings(speedup_ratio=speedup)
@@ -169,12 +181,15 @@ class Simulation:
             self.workers[wid] = w = SimWorker(wid, rank, record, lambda c=counter: next(c))  # type: ignore[misc]
             self._membership(w, MembershipOp.JOIN)
             # An empty cache as of no event: the first KV event (id 0) applies in order.
-            self.router._dispatch(LoadKvDump(wid, KvDumpReply(
-                instance_id=wid, last_event_id=-1, ranks=[rank.dump()])))
+            for r in self.routers:
+                r._dispatch(LoadKvDump(wid, KvDumpReply(instance_id=wid, last_event_id=-1, ranks=[rank.dump()])))
             self.at(HEARTBEAT_S * (i + 1) / len(speedups), lambda w=w: self._heartbeat(w))  # type: ignore[misc]
         self.at(TICK_S, self._tick)
         if background_fits:
             self.at(FIT_INTERVAL_S, self._fit)
+        self.peer_sync_s = peer_sync_s
+        if peer_sync_s > 0 and routers > 1:
+            self.at(peer_sync_s, self._sync)
         self.outcomes: list[Outcome] = []
         self._ids = itertools.count(1)
         self.pending_sessions = 0
@@ -198,7 +213,8 @@ class Simulation:
 
     def _membership(self, w: SimWorker, op: MembershipOp) -> None:
         event = MembershipEvent(op=op, worker=w.record, load=[w.rank.load()], at=EPOCH + timedelta(seconds=self.now))
-        self.router._dispatch(ApplyMembership(event))
+        for r in self.routers:
+            r._dispatch(ApplyMembership(event))
 
     def _heartbeat(self, w: SimWorker) -> None:
         self._membership(w, MembershipOp.HEARTBEAT)
@@ -206,15 +222,17 @@ class Simulation:
             self.at(self.now + HEARTBEAT_S, lambda: self._heartbeat(w))
 
     def _tick(self) -> None:
-        self.router._dispatch(Tick())
+        for r in self.routers:
+            r._dispatch(Tick())
         if self.pending_sessions:
             self.at(self.now + TICK_S, self._tick)
 
     def _fit(self) -> None:
         """A round of router.fitting.Fitter, its thread's work done at once."""
-        windows = self.router._dispatch(TakeFitWindows())
-        if windows:
-            self.router._dispatch(ApplyFits(fit_all(windows)))
+        for r in self.routers:
+            windows = r._dispatch(TakeFitWindows())
+            if windows:
+                r._dispatch(ApplyFits(fit_all(windows)))
         if self.pending_sessions:
             self.at(self.now + FIT_INTERVAL_S, self._fit)
 
@@ -224,13 +242,14 @@ class Simulation:
         rid = f"r{next(self._ids)}"
         req = RoutingRequest(request_id=rid, model=MODEL, prompt_tokens=len(prompt),
                              hashes={BLOCK: chain_hashes(prompt, BLOCK)})
-        sel = self.router._dispatch(SelectWorker(req, seq=int(rid[1:])))
+        router = self.routers[next(self._next_router) % len(self.routers)]
+        sel = router._dispatch(SelectWorker(req, seq=int(rid[1:])))
         out = Outcome(turn.session, turn.turn, self.now, worker=sel.instance_id, prompt_tokens=len(prompt),
                       predicted_ttft_ms=sel.predicted_ttft_ms)
         self.outcomes.append(out)
         w = self.workers[sel.instance_id]
         self.at(self.now + self.hop_s, lambda: self._arrive(w, prompt, turn, _Running(
-            out, sel.booking_id, 0.0, session, index)))
+            out, sel.booking_id, 0.0, session, index, router)))
 
     # -- worker side ------------------------------------------------------------------------------
 
@@ -259,12 +278,12 @@ class Simulation:
             if out.first is None:
                 out.first = self.now
                 out.cached_tokens = output.seq.cached_tokens
-                self.router._dispatch(RequestFirstToken(run.booking, ttft_ms=(self.now - run.arrived) * 1e3))
+                run.router._dispatch(RequestFirstToken(run.booking, ttft_ms=(self.now - run.arrived) * 1e3))
             if output.finished:
                 del w.running[output.seq]
                 out.done = self.now
                 itl = (self.now - out.first) * 1e3 / (out.tokens - 1) if out.tokens > 1 else None
-                self.router._dispatch(RequestDone(run.booking, itl_ms=itl, decode_tokens=out.tokens))
+                run.router._dispatch(RequestDone(run.booking, itl_ms=itl, decode_tokens=out.tokens))
                 self._next_turn(run)
         self._flush_kv(w)
         if w.rank.scheduler.has_work:
@@ -287,9 +306,32 @@ class Simulation:
             self.at(self.now + self.kv_delay_s, lambda: self._deliver_kv(events))
 
     def _deliver_kv(self, events: list[KvEvent]) -> None:
-        need = self.router._dispatch(ApplyKvEvents(events))
+        need = [w for r in self.routers for w in r._dispatch(ApplyKvEvents(events))]
         if need:  # a gap cannot happen here (events are delivered in order): a bug
             raise RuntimeError(f"KV events of workers {need} out of order")
+
+
+    def _sync(self) -> None:
+        """Each replica publishes its bookings as router.peersync.LoadSharing does; its peers apply
+        them one hop later."""
+        for i, r in enumerate(self.routers):
+            version, last_at, nonempty, seq = self._synced[i]
+            keepalive = nonempty and self.now - last_at >= 0.5
+            answer = r._dispatch(TakeBookings(since=-1 if keepalive else version))
+            if answer is None:
+                continue
+            version, ranks = answer.version, answer.ranks
+            if not ranks and not nonempty and not answer.finished and not answer.returned:
+                self._synced[i] = (version, last_at, nonempty, seq)
+                continue
+            self._synced[i] = (version, self.now, bool(ranks), seq + 1)
+            for peer in self.routers:
+                if peer is not r:
+                    cmd = ApplyPeerLoad(r.router_id, "sim", seq + 1, dict(ranks), list(answer.finished),
+                                        list(answer.returned))
+                    self.at(self.now + self.hop_s, lambda p=peer, c=cmd: p._dispatch(c))  # type: ignore[misc]
+        if self.pending_sessions:
+            self.at(self.now + self.peer_sync_s, self._sync)
 
 
 def summarize(outcomes: list[Outcome], turns: dict[tuple[int, int], Turn], hop_s: float) -> dict[str, Any]:
@@ -327,6 +369,9 @@ def main() -> None:
                     help="calibration fits as observations come, or in rounds as a router process does")
     ap.add_argument("--generic-prior", action="store_true",
                     help="workers advertise the generic prior a vLLM worker does, not their true timing")
+    ap.add_argument("--routers", default="1", help="router replicas, comma-separated (1,2,4): each mode with each")
+    ap.add_argument("--peer-sync-ms", default="0",
+                    help="replicas share their bookings every this many ms (0: not), comma-separated: each")
     ap.add_argument("--output", default=None)
     args = ap.parse_args()
     speedups = [args.speedup] * args.workers
@@ -334,7 +379,12 @@ def main() -> None:
         speedups[args.workers - args.workers // 2:] = [args.speedup / 2] * (args.workers // 2)
     seeds = [int(s) for s in args.seeds.split(",")]
     rows: list[dict[str, Any]] = []
-    for label, name, overrides in map(parse_mode, split_modes(args.modes)):
+    variants = [(label, name, overrides, n, sync) for label, name, overrides in map(parse_mode, split_modes(args.modes))
+                for n in (int(x) for x in args.routers.split(","))
+                for sync in ([float(x) for x in args.peer_sync_ms.split(",")] if n > 1 else [0.0])]
+    for label, name, overrides, replicas, sync_ms in variants:
+        if replicas > 1:
+            label = f"{label} x{replicas}" + (f" shared {sync_ms:g} ms" if sync_ms > 0 else "")
         per_seed = []
         for seed in seeds:
             sessions = build_trace(TraceConfig(sessions=args.sessions, session_rate=args.session_rate, seed=seed))
@@ -342,7 +392,7 @@ def main() -> None:
             t0 = time.perf_counter()
             sim = Simulation(name, overrides, speedups, kv_delay_s=args.kv_delay_ms / 1e3,
                              hop_s=args.hop_ms / 1e3, seed=seed, background_fits=args.fits == "background",
-                             generic_prior=args.generic_prior)
+                             generic_prior=args.generic_prior, routers=replicas, peer_sync_s=sync_ms / 1e3)
             res = summarize(sim.run(sessions), turns, args.hop_ms / 1e3)
             res["seed"], res["wall_s"] = seed, time.perf_counter() - t0
             per_seed.append(res)
@@ -374,7 +424,8 @@ def main() -> None:
         "benchmark": "routing_sim", **machine(), "workers": args.workers, "speedups": speedups,
         "sessions": args.sessions, "session_rate": args.session_rate, "seeds": seeds,
         "kv_delay_ms": args.kv_delay_ms, "hop_ms": args.hop_ms, "fits": args.fits,
-        "generic_prior": args.generic_prior, "modes": rows,
+        "generic_prior": args.generic_prior, "routers": args.routers, "peer_sync_ms": args.peer_sync_ms,
+        "modes": rows,
     })
 
 

@@ -11,7 +11,8 @@ out.
   records (``rudder.decisions.*``); never creates, updates, purges or deletes a stream.
 - **router ``<router_id>``**: publishes only its own ACKs and its own status key, kvdump requests;
   creates consumers on the policy, membership and manifest streams; subscribes to KV events; answers
-  requests on its own decisions subject (``rudder.decisions.<router_id>``).
+  requests on its own decisions subject (``rudder.decisions.<router_id>``); publishes its
+  bookings on ``rudder.routerload.<router_id>`` and reads its peers' (``rudder.routerload.*``).
 - **worker ``<model>/<instance_id>``**: publishes only its own membership and KV subjects, and
   answers requests on its own kvdump subject.
 
@@ -36,6 +37,7 @@ from controlplane.protocol.subjects import (
     MANIFESTS_PREFIX,
     POLICY_PREFIX,
     RESTORE_PREFIX,
+    ROUTERLOAD_PREFIX,
     STREAM_ACKS,
     STREAM_AUDIT_CHECKPOINTS,
     STREAM_MANIFESTS,
@@ -46,6 +48,7 @@ from controlplane.protocol.subjects import (
     kvdump_subject,
     membership_subject,
     restore_subject,
+    router_load_subject,
 )
 
 _ID = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
@@ -130,6 +133,7 @@ def permissions(identity: Identity) -> Permissions:
         pub = [
             f"{ACKS_PREFIX}.{identity.router_id}",
             restore_subject(identity.router_id),
+            router_load_subject(identity.router_id),
             f"$KV.{BUCKET_ROUTERS}.{identity.router_id}",
             f"{KVDUMP_PREFIX}.*",
             "$JS.API.INFO", "$JS.API.STREAM.NAMES",
@@ -141,7 +145,8 @@ def permissions(identity: Identity) -> Permissions:
             f"$JS.API.DIRECT.GET.{KV_STREAM_ROUTERS}.$KV.{BUCKET_ROUTERS}.{identity.router_id}",
         ]
         return Permissions(publish=tuple(pub),
-                           subscribe=(inbox, f"{KV_PREFIX}.>", decisions_subject(identity.router_id)),
+                           subscribe=(inbox, f"{KV_PREFIX}.>", decisions_subject(identity.router_id),
+                                      f"{ROUTERLOAD_PREFIX}.*"),
                            responses=True)
     assert identity.model is not None and identity.instance_id is not None
     pub = [

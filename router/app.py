@@ -49,6 +49,7 @@ from router.fitting import Fitter
 from router.ingress import IngressLimits, protocol_class
 from router.manifests import ManifestBook, ManifestConsumer
 from router.metrics import RouterMetrics
+from router.peersync import LoadSharing
 from router.policy_state import ApplyResult, Outcome
 from router.proxy import Proxy
 from router.scheduler import Scheduler
@@ -83,7 +84,7 @@ class RouterRuntime:
             keyring=self.verify_keys.keyring, rng=rng,
             max_queued_selections=settings.max_queued_selections, decisions=self.decisions,
             background_fits=True,
-            caps=settings.claim_caps,
+            caps=settings.claim_caps, peer_stale_s=settings.peer_stale_s, peer_sync=settings.peer_sync,
         )
         self.metrics = RouterMetrics()
         self.drops = Drops(
@@ -105,6 +106,7 @@ class RouterRuntime:
         self.manifest_book = ManifestBook()
         self.manifests: ManifestConsumer | None = None
         self.kv: KvEventSubscriber | None = None
+        self.sharing: LoadSharing | None = None
         self._decision_sub: Subscription | None = None
 
     async def start(self) -> None:
@@ -143,6 +145,14 @@ class RouterRuntime:
         )
         await self.policy.start()
         self._decision_sub = await bus.subscribe(decisions_subject(s.router_id), self._answer_decisions)
+        if s.peer_sync:  # router replicas share their bookings (router.peersync)
+            self.sharing = LoadSharing(
+                bus, self.scheduler, router_id=s.router_id, interval_s=s.peer_sync_interval_s,
+                keepalive_s=s.peer_stale_s / 3, drops=self.drops,
+                limits=RateLimits(s.peer_sync_rate_per_s, 2 * s.peer_sync_rate_per_s),
+                count=lambda direction: self.metrics.peer_snapshots.labels(direction).inc())
+            await self.sharing.start()
+            self.tasks.spawn(self.sharing.run(), name="bookings-sharing")
         self.tasks.spawn(self.policy.acks.run(), name="ack-publisher")
         await self.status.put()
         self.tasks.spawn(every(s.tick_s, lambda: tick(self.scheduler), "tick"), name="tick")
@@ -258,7 +268,7 @@ class RouterRuntime:
         if self._decision_sub is not None:
             with contextlib.suppress(RudderError):
                 await self._decision_sub.stop()
-        for part in (self.policy, self.membership, self.kv, self.manifests):
+        for part in (self.policy, self.membership, self.kv, self.manifests, self.sharing):
             if part is not None:
                 await part.stop()
         if self.policy is not None:

@@ -39,6 +39,8 @@ class Bookings:
     def __init__(self) -> None:
         self._by_request: dict[str, Booking] = {}
         self._by_key: dict[WorkerKey, RankBookings] = {}
+        # Bumped by every change (what router.peersync publishes only when it moved).
+        self.version = 0
 
     def __len__(self) -> int:
         return len(self._by_request)
@@ -53,6 +55,7 @@ class Bookings:
         """Raises ValueError if the request id is already booked (a bug in the caller)."""
         if request_id in self._by_request:
             raise ValueError(f"request {request_id} is already booked")
+        self.version += 1
         booking = Booking(request_id, key, model, prefill_tokens, tuple(hashes), at)
         self._by_request[request_id] = booking
         rank = self._by_key.get(key)
@@ -68,6 +71,7 @@ class Bookings:
         if booking is None or booking.prefill_released:
             return None
         booking.prefill_released = True
+        self.version += 1
         self._by_key[booking.key].prefill_tokens -= booking.prefill_tokens
         return booking
 
@@ -75,6 +79,7 @@ class Bookings:
         booking = self._by_request.pop(request_id, None)
         if booking is None:
             return None
+        self.version += 1
         rank = self._by_key[booking.key]
         if not booking.prefill_released:
             rank.prefill_tokens -= booking.prefill_tokens

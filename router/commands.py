@@ -22,6 +22,7 @@ from controlplane.protocol.policy import PolicyKind
 from controlplane.protocol.signing import Keyring
 from router.calibration import FitResult, FitWindow
 from router.discovery import Change
+from router.peers import Figures, Finished, Snapshot, WorkerKey
 from router.policy_state import ApplyResult
 from router.targets import Pin, Targets
 
@@ -218,6 +219,27 @@ class ReportCached(Command[None]):
     instance_id: int
     predicted: int
     reported: int
+
+
+@dataclass(slots=True)
+class TakeBookings(Command[Snapshot | None]):
+    """This router's bookings per rank for its peers (router.peersync), with their version, and the
+    expected-returns events since the last snapshot (taken: they are sent once); None when nothing
+    changed since ``since`` (the version last taken)."""
+
+    since: int = -1
+
+
+@dataclass(slots=True)
+class ApplyPeerLoad(Command[None]):
+    """A peer router's snapshot of its bookings (router.peers)."""
+
+    router_id: str
+    boot: str
+    number: int  # the snapshot's seq (RouterLoad.seq; Command.seq is the queue position)
+    ranks: dict[WorkerKey, Figures]
+    finished: list[Finished] = field(default_factory=list)  # requests finished at the peer
+    returned: list[int] = field(default_factory=list)  # entries closed by returns the peer saw
 
 
 @dataclass(slots=True)

@@ -192,6 +192,13 @@ class RouterMetrics:
         )
         self.build = build_info(r, "router")
 
+        # Router replicas sharing their bookings (router.peers): peers counted (at each scrape).
+        self.peers = Gauge("rudder_router_peers", "Peer routers whose bookings are counted here", registry=r)
+        self.peer_snapshots = Counter(
+            "rudder_router_peer_snapshots", "Bookings snapshots sent to peers and received from them "
+            "(accepted; refused ones are rudder_router_bus_dropped_total{kind=\"router_load\"})",
+            ["direction"], registry=r,
+        )
         # What the time cost expects back (router.returns), refreshed at each scrape.
         self.returns = Gauge(
             "rudder_router_expected_returns",

@@ -22,6 +22,7 @@ from router.cost.time import Timing
 from router.discovery import Discovery, Health, WorkerState
 from router.index import WorkerKey
 from router.loadvec import LoadTable, Selectable
+from router.peers import PeerLoads
 from router.returns import Returns
 
 
@@ -52,10 +53,12 @@ class Pools:
     def __init__(
         self, *, models: Sequence[str], roles: Iterable[WorkerRole], discovery: Discovery,
         bookings: Bookings, clock: Callable[[], float], timing: Callable[[int], Timing | None],
+        peers: PeerLoads | None = None,
     ) -> None:
         self.roles = frozenset(roles)
         self.discovery = discovery
         self.bookings = bookings
+        self.peers = peers if peers is not None else PeerLoads(stale_s=1.0)  # other replicas' bookings (router.peers)
         self.clock = clock
         self.timing = timing  # worker id → its current timing model (the calibration's)
         self.returns = Returns()  # requests expected back on each rank (the time cost's λ)
@@ -119,8 +122,8 @@ class Pools:
                 self.refresh_slot(state.record.model, (wid, rank), state)
 
     def refresh_slot(self, model: str, key: WorkerKey, state: WorkerState | None = None) -> None:
-        """Re-read a slot's load figures (the larger of this router's bookings and the worker's
-        last report), health and busy flag."""
+        """Re-read a slot's load figures (the larger of the bookings, this router's and its peers',
+        and the worker's last report: router.peers), health and busy flag."""
         slot = self.slots[model].get(key)
         if slot is None:
             return
@@ -132,6 +135,10 @@ class Pools:
         booked = self.bookings.rank(key)
         prefill, blocks, requests = (
             (booked.prefill_tokens, len(booked.blocks), booked.requests) if booked else (0, 0, 0))
+        peer = self.peers.total(key)
+        if peer is not None:
+            prefill, blocks, requests = (prefill + peer.prefill_tokens, blocks + peer.blocks,
+                                         requests + peer.requests)
         if reported is not None:
             prefill = max(prefill, reported.active_prefill_tokens)
             blocks = max(blocks, reported.active_decode_blocks)

@@ -116,13 +116,27 @@ class Returns:
         it is the return of an open entry (its prompt holds the entry's hash) the entry closes;
         the rank it was open on, else None. The longest such prefix wins (a conversation's newest
         turn)."""
+        entry = self.arrived_entry(hashes, at)
+        return entry[0] if entry is not None else None
+
+    def arrived_entry(self, hashes: Sequence[int], at: float) -> tuple[WorkerKey, int] | None:
+        """:meth:`arrived`, answering the closed entry's (rank, hash)."""
         open_ = self._open
         if not open_:
             return None
         h = next((h for h in reversed(hashes) if h in open_), None)
         if h is None:
             return None
-        key, finished_at = open_.pop(h)
+        key = self.closed(h, at)
+        return (key, h) if key is not None else None
+
+    def closed(self, h: int, at: float) -> WorkerKey | None:
+        """The entry ``h`` came back at ``at`` (here, or at a peer router: router.peers): close it
+        and count the return; its rank, or None when it is not open here."""
+        entry = self._open.pop(h, None)
+        if entry is None:
+            return None
+        key, finished_at = entry
         self._close(key, h)
         self._count(at, returned=1.0)
         delay = at - finished_at

@@ -23,7 +23,7 @@ import itertools
 import logging
 import random
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import replace
 from datetime import datetime
 from typing import Any, TypeVar
@@ -56,6 +56,7 @@ from router.commands import (
     ApplyFits,
     ApplyKvEvents,
     ApplyMembership,
+    ApplyPeerLoad,
     ApplyPolicy,
     BusHealth,
     Command,
@@ -73,6 +74,7 @@ from router.commands import (
     RoutingRequest,
     Selection,
     SelectWorker,
+    TakeBookings,
     TakeFitWindows,
     Tick,
     UseVerifyKeys,
@@ -82,6 +84,7 @@ from router.cost.time import DEFAULT_TIMING, Timing, predict_row, time_row
 from router.decisions import DecisionLog
 from router.discovery import Change, Discovery, Health
 from router.index import KvApplied, PrefixIndex, WorkerKey
+from router.peers import Outbox, PeerLoads, apply_returns
 from router.policy_state import ApplyResult, Outcome, PolicyState
 from router.pools import Pools, Slot
 from router.settings import RoutingMode
@@ -101,7 +104,7 @@ class Scheduler:
         clock: Callable[[], float] = time.monotonic, wall: Callable[[], datetime] = utcnow,
         keyring: Keyring, rng: random.Random | None = None, max_queued_selections: int | None = None,
         decisions: DecisionLog | None = None, background_fits: bool = False,
-        caps: ClaimCaps | None = None,
+        caps: ClaimCaps | None = None, peer_stale_s: float = 1.5, peer_sync: bool = False,
     ) -> None:
         self.router_id = router_id
         # What a worker's own word is believed up to (router.claims): its timing prior, the blocks
@@ -137,6 +140,12 @@ class Scheduler:
                                    outage_grace_s=bus_outage_grace_s)
         self.index = PrefixIndex()
         self.bookings = Bookings()
+        # Other router replicas' bookings (router.peers; empty unless router.peersync runs).
+        self.peers = PeerLoads(stale_s=peer_stale_s)
+        # With peer_sync, the expected-returns events peers must hear of (TakeBookings takes them):
+        # requests finished here (rank, last block hash, when) and entries closed here.
+        self.peer_sync = peer_sync
+        self.outbox = Outbox()
         # Per-worker timing models (router.calibration) and the predictions awaiting their outcome.
         # With background_fits (a router process) the actor only records observations and a
         # router.fitting.Fitter task fits them (TakeFitWindows, ApplyFits); without, they are
@@ -145,7 +154,7 @@ class Scheduler:
         self._epochs: dict[str, Number | None] = {}
         self.tables = Pools(
             models=models, roles=self.pools, discovery=self.discovery, bookings=self.bookings,
-            clock=clock, timing=self.timings.timing,
+            clock=clock, timing=self.timings.timing, peers=self.peers,
         )
         # Where a selection goes: its pool, its rank (and the round-robin positions, the objective counters).
         self.chooser = Chooser(mode=mode, role=role, models=models, pools=self.tables, discovery=self.discovery,
@@ -342,7 +351,10 @@ class Scheduler:
             case RequestDone():
                 booking = self.bookings.free(cmd.request_id)
                 if booking is not None:
-                    self.tables.returns.finished(booking.key, booking.hashes, self.clock())
+                    now = self.clock()
+                    self.tables.returns.finished(booking.key, booking.hashes, now)
+                    if self.peer_sync and booking.hashes:
+                        self.outbox.finish(booking.key, booking.hashes[-1], now)
                     self.tables.refresh_slot(booking.model, booking.key)
                 self._retime(self.timings.done(cmd.request_id, cmd.itl_ms, cmd.decode_tokens))
                 return None
@@ -351,6 +363,11 @@ class Scheduler:
             case ApplyFits():
                 for wid in self.timings.apply(cmd.results):
                     self._retime(wid)
+                return None
+            case TakeBookings():
+                return self.outbox.take(self.bookings, cmd.since, self.clock())
+            case ApplyPeerLoad():
+                self._apply_peer(cmd)
                 return None
             case ReportCached():
                 self._cache_outcome(cmd)
@@ -429,6 +446,9 @@ class Scheduler:
             event, now=self.clock(), wall_now=self.wall(), received_at=received_at, live=live
         )
         wid = event.worker.instance_id
+        if event.load and change is Change.UPDATED:
+            # The worker's report counts what peers had booked there until now (router.peers).
+            self.peers.supersede(wid)  # its slots are re-read below (rebuild_worker)
         if change is Change.LEFT:
             self._forget(wid, "left")
         elif change is Change.JOINED:
@@ -449,6 +469,7 @@ class Scheduler:
         self.index.remove_worker(wid)
         self.outcomes.forget(wid)
         self.timing_outcomes.forget(wid)
+        self.peers.forget_worker(wid)
         dropped = self.bookings.drop_worker(wid)
         self.tables.forget(wid)
         self.timings.forget(wid, (b.request_id for b in dropped))
@@ -462,6 +483,10 @@ class Scheduler:
             self._forget(wid, "expired (no heartbeat within the TTL)")
         if self.approximate:
             self.index.expire(now)
+        forgotten, changed = self.peers.expire(now)
+        if forgotten:
+            log.info("peer routers %s forgotten: no bookings from them for %.1fs", forgotten, self.peers.stale_s)
+            self._refresh_keys(changed)
         self.tables.refresh_health(now)
         if self._live_counts(now) != self.view.live_workers:
             self._publish_view()
@@ -546,6 +571,24 @@ class Scheduler:
                         self.timing_outcomes.ratio(wid) or 0.0)
             self._calibrate(wid)
             self._retime(wid)
+
+    # -- router replicas (router.peers) ------------------------------------------------------
+
+    def _apply_peer(self, cmd: ApplyPeerLoad) -> None:
+        """A peer's snapshot: its bookings, and the expected returns it opened and closed, so every
+        replica expects each session back where its cache is, whichever replica routed its last
+        turn (router.peers)."""
+        now = self.clock()
+        changed = self.peers.apply(cmd.router_id, boot=cmd.boot, seq=cmd.number, ranks=cmd.ranks, now=now)
+        if changed is not None:  # else an older snapshot of that peer: its events were applied (or lost)
+            self._refresh_keys(changed | apply_returns(self.tables.returns, cmd.finished, cmd.returned, now))
+
+    def _refresh_keys(self, keys: Iterable[WorkerKey]) -> None:
+        """Re-read the slots of these ranks (their peers' bookings changed)."""
+        for key in keys:
+            state = self.discovery.get(key[0])
+            if state is not None:
+                self.tables.refresh_slot(state.record.model, key, state)
 
     def _retime(self, wid: int | None) -> None:
         """A worker's timing model changed: its slots score with the new one."""
@@ -657,8 +700,13 @@ class Scheduler:
         (router.returns), the rank that held it expects it no more. Matched here rather than at
         selection, off the selection's path (the request's own entry counts for its holder in the
         meantime: its wait term there is about λ·D², a D of tens of ms for a cached turn)."""
-        back = self.tables.returns.arrived(booking.hashes, booking.booked_at)
-        if back is not None and back != booking.key:
+        entry = self.tables.returns.arrived_entry(booking.hashes, booking.booked_at)
+        if entry is None:
+            return
+        back, h = entry
+        if self.peer_sync:
+            self.outbox.close(h)
+        if back != booking.key:
             self.tables.refresh_slot(booking.model, back)
 
     # -- the view the HTTP side reads -----------------------------------------------------------

@@ -179,6 +179,16 @@ class RouterSettings(BusSettings):
     kv_event_burst_bytes: int = Field(default=4 * 1024 * 1024, ge=1024 * 1024)
     kvdump_min_interval_s: float = Field(default=1.0, ge=0)
 
+    # Router replicas share their bookings (router.peers, router.peersync): each publishes what it
+    # booked per worker rank at most every peer_sync_interval_s (only when it changed; at least
+    # every peer_stale_s / 3 while it has bookings) and counts its peers' until their last
+    # snapshot is peer_stale_s old. Off: each replica counts only its own and the load reports.
+    peer_sync: bool = True
+    peer_sync_interval_s: float = Field(default=0.025, gt=0, le=1.0)
+    peer_stale_s: float = Field(default=1.5, gt=0)
+    # Snapshots a peer may send per second (burst: twice that); past it they are dropped.
+    peer_sync_rate_per_s: float = Field(default=100.0, gt=0)
+
     # Client credential headers (Authorization, Cookie, X-Api-Key, Api-Key) are never relayed to a
     # worker unless named here (comma-separated, e.g. "authorization"); Proxy-Authorization never is.
     forward_credential_headers: str = ""
@@ -224,6 +234,9 @@ class RouterSettings(BusSettings):
             raise ValueError("models: at least one model must be served (RUDDER_MODELS='[\"m\"]')")
         if self.worker_stale_s >= self.worker_ttl_s:
             self.worker_stale_s = self.worker_ttl_s / 2
+        if self.peer_sync and self.peer_sync_interval_s * 3 > self.peer_stale_s:
+            raise ValueError(f"peer_stale_s ({self.peer_stale_s}) must be at least 3 x peer_sync_interval_s "
+                             f"({self.peer_sync_interval_s}): a peer re-sends every peer_stale_s / 3")
         return self
 
     @property

@@ -25,6 +25,7 @@ from controlplane.protocol.subjects import (
     membership_subject,
     policy_subject,
     restore_subject,
+    router_load_subject,
     router_status_key,
 )
 
@@ -472,6 +473,39 @@ def decode_decision_reply(data: bytes | str | dict[str, Any]) -> DecisionReply:
 
 
 # ---------------------------------------------------------------------------------------------
+# Router replicas' bookings (router.peers)
+
+InstanceId = Annotated[int, Field(gt=0, le=U64_MAX)]
+#: One rank's bookings: (instance_id, dp_rank, requests, prefill_tokens, blocks).
+RankBooked = tuple[InstanceId, Rank, Count, Count, Count]
+#: A request finished there: (instance_id, dp_rank, its prompt's last full block hash, seconds ago).
+FinishedThere = tuple[InstanceId, Rank, Hash64, Annotated[float, Field(ge=0, le=86_400)]]
+
+
+class RouterLoad(_Event):
+    """What a router has booked on each worker rank and not yet seen finish (router.bookings), on
+    ``rudder.routerload.<router_id>`` for its peers: a whole snapshot each time (only the ranks
+    with bookings), so a lost message is made good by the next; and its expected-returns events.
+    ``boot`` names the publishing process and ``seq`` counts its snapshots: a receiver keeps the
+    newest of each boot. Core NATS, never stored."""
+
+    schema_version: Literal[1] = 1
+    router_id: RouterId
+    boot: str = Field(min_length=1, max_length=32)
+    seq: int = Field(ge=0, le=U64_MAX)
+    ranks: list[RankBooked] = Field(default_factory=list, max_length=L.MAX_ROUTER_LOAD_RANKS)
+    # The expected returns (router.returns) since the previous snapshot: requests that finished
+    # here, and entries a return seen here closed (their hashes). Sent once: a lost message loses them.
+    finished: list[FinishedThere] = Field(default_factory=list, max_length=L.MAX_ROUTER_LOAD_EVENTS)
+    returned: list[Hash64] = Field(default_factory=list, max_length=L.MAX_ROUTER_LOAD_EVENTS)
+
+
+def decode_router_load(data: bytes | str | dict[str, Any]) -> RouterLoad:
+    load: RouterLoad = _decode(RouterLoad, data)
+    return load
+
+
+# ---------------------------------------------------------------------------------------------
 # A payload speaks only for its subject (DESIGN §9). One pure check per message kind; each raises
 # SubjectMismatch naming the payload field, the subject and both ids. The subject (or KV key) is
 # what NATS permissions bind to an identity, so it is the id that counts.
@@ -510,6 +544,12 @@ def check_ack_subject(subject: str, ack: ApplyAck) -> None:
     """``rudder.acks.<router_id>`` must name the ACK's router."""
     if subject != acks_subject(ack.router_id):
         raise _mismatch("ACK", "router_id", subject, ack.router_id, subject)
+
+
+def check_router_load_subject(subject: str, load: RouterLoad) -> None:
+    """``rudder.routerload.<router_id>`` must name the snapshot's router."""
+    if subject != router_load_subject(load.router_id):
+        raise _mismatch("router load", "router_id", subject, load.router_id, subject)
 
 
 def check_router_status_key(key: str, status: RouterStatus) -> None:

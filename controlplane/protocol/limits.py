@@ -37,3 +37,7 @@ MAX_ROUTER_MODELS = 4096  # a router may serve a large catalogue (issue 10: 1000
 MAX_ID_CHARS = 256  # actor, request id
 MAX_DETAIL_CHARS = 4096  # an ACK's or NACK's detail
 MAX_DOCUMENT_KEYS = 64  # parameters in a policy document or in its changes
+# A router's bookings shared with its peers (router.peers): ranks with bookings in one message.
+MAX_ROUTER_LOAD_RANKS = 8192
+MAX_ROUTER_LOAD_EVENTS = 4096  # expected-returns events of each kind in one message
+MAX_ROUTER_LOAD_BYTES = 512 * 1024  # refused before decoding past it

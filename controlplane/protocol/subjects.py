@@ -39,6 +39,9 @@ RESTORE_PREFIX = "rudder.restore"
 #: ``rudder.manifests.<instance_id>``: the signed manifest of one worker (last one wins).
 MANIFESTS_PREFIX = "rudder.manifests"
 MANIFESTS_SUBJECTS = f"{MANIFESTS_PREFIX}.>"
+#: ``rudder.routerload.<router_id>``: a router's bookings per worker rank, for its peers (core NATS,
+#: nothing stored: a lost message costs a moment's accuracy, router.peers).
+ROUTERLOAD_PREFIX = "rudder.routerload"
 
 POLICY_SUBJECTS = f"{POLICY_PREFIX}.>"
 MEMBERSHIP_SUBJECTS = f"{MEMBERSHIP_PREFIX}.>"
@@ -160,6 +163,10 @@ def restore_subject(router_id: str) -> str:
 
 def decisions_subject(router_id: str) -> str:
     return f"{DECISIONS_PREFIX}.{router_id}"
+
+
+def router_load_subject(router_id: str) -> str:
+    return f"{ROUTERLOAD_PREFIX}.{router_id}"
 
 
 def acks_subject(router_id: str) -> str:
