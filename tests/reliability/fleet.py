@@ -415,6 +415,10 @@ class Traffic:
             body = {}
         error = body.get("error", {}) if isinstance(body, dict) else {}
         code = error.get("code")
+        if r.status_code == 200 and body.get("changed") is False:
+            # A threshold write that changed nothing published nothing (the head stays).
+            self.attempts.append(Attempt(client, d, expected, Answer.REFUSED, t0, t1))
+            return int(body["revision"])
         if r.status_code == 200:
             self.attempts.append(Attempt(client, d, expected, Answer.ACCEPTED, t0, t1,
                                          new_revision=body["revision"], event_id=body["event_id"]))
@@ -473,7 +477,7 @@ class Traffic:
     async def _threshold_writer(self, name: str) -> None:
         async def request(http: httpx.AsyncClient, url: str, expected: int, i: int) -> httpx.Response:
             # Partial: one threshold per write, the other keeps its value.
-            value: dict[str, float] = ({"active_decode_blocks_threshold": round(0.5 + i % 40 / 100, 2)} if i % 2
+            value: dict[str, float] = ({"active_decode_blocks_threshold": 0.5 + i % 100_000 / 1e6} if i % 2
                                        else {"active_prefill_tokens_threshold": 1000 + i})
             return await http.post(f"{url}/router_policy/busy_threshold", json={
                 "model": MODEL, "expected_revision": expected, **value})

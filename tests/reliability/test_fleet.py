@@ -1,11 +1,12 @@
 """The fleet harness (tests/reliability/fleet.py) with a short schedule: the production shape as
 real processes (3-node NATS cluster, PostgreSQL, two control planes, three routers, four mock
-workers) under CAS writers, threshold writers, rollbacks and chats, while a NATS node (the stream
-leader), a control plane, a router and PostgreSQL are killed and restarted, a router and
-PostgreSQL are paused, one router's link to NATS is cut and a worker's KV events flood the routers.
-The history checker then finds the CAS histories linearizable, every router apply in order,
-every live router on the head within 2 s, no acknowledged write lost or unaudited, the audit
-true, every chat answered (or refused for overload), and reconcile and verify clean."""
+workers) under CAS writers, threshold writers, rollbacks and chats, while the stream leader's NATS
+node and a control plane are killed and restarted, PostgreSQL and a router are paused (SIGSTOP),
+one router's link to NATS is cut and a worker's KV events flood the routers (about 55 s; the other
+faults run in ``python bench/reliability.py``). The history checker then finds the CAS histories
+linearizable, every router apply in order, every live router on the head within 2 s, no
+acknowledged write lost or unaudited, the audit true, every chat answered (or refused for
+overload), and reconcile and verify clean."""
 
 from __future__ import annotations
 
@@ -20,8 +21,8 @@ from tests.reliability.history import Answer, check
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
 
 #: (fault, seconds): each short, ~2 s apart; the whole test stays under 90 s on 2 loaded cores.
-SCHEDULE = [("nats_node_kill", 0.5), ("controlplane_kill", 0.3), ("partition_drop", 1.5),
-            ("postgres_stop", 1.5), ("router_kill", 0.3), ("router_stop", 1.5), ("kv_burst", 1.0)]
+SCHEDULE = [("nats_node_kill", 0.5), ("controlplane_kill", 0.3), ("partition_drop", 1.0),
+            ("postgres_stop", 1.0), ("router_stop", 1.0), ("kv_burst", 0.5)]
 
 
 async def test_the_fleet_keeps_its_promises_through_a_short_fault_schedule(tmp_path: Path) -> None:
@@ -29,7 +30,7 @@ async def test_the_fleet_keeps_its_promises_through_a_short_fault_schedule(tmp_p
     fleet = Fleet(tmp_path / "fleet")
     try:
         await fleet.start()
-        result = await run(fleet, SCHEDULE, gap_s=1.5, tail_s=2.0)
+        result = await run(fleet, SCHEDULE, gap_s=1.0, tail_s=2.0)
     finally:
         await fleet.stop()
     h = result.history
