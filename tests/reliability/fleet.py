@@ -308,8 +308,14 @@ class Fleet:
 
     async def kill_postgres(self, *, down_s: float = 0.5) -> FaultRecord:
         began = mono()
+        pids = self._postgres_pids()
         self._signal_postgres(signal.SIGKILL)
         await asyncio.sleep(down_s)
+        # Until the killed processes are gone (not even zombies): a new postmaster refuses to start
+        # while the pid in postmaster.pid still exists.
+        while any(_exists(pid) for pid in pids):
+            assert mono() - began < 30, f"postgres processes {pids} outlived SIGKILL"
+            await asyncio.sleep(0.05)
         await asyncio.to_thread(self.postgres.start)
         return FaultRecord("postgres_kill", "postgres", began, mono())
 
@@ -351,6 +357,11 @@ class Fleet:
         finally:
             await nc.close()
         return FaultRecord("kv_burst", f"{worker} ({sent} events)", began, mono())
+
+
+def _exists(pid: int) -> bool:
+    """Whether ``pid`` is still taken (a zombie, not yet reaped, holds it too)."""
+    return Path(f"/proc/{pid}").exists()
 
 
 #: Fault injectors by name: each takes the fleet and how long the fault lasts.
