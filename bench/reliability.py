@@ -209,6 +209,8 @@ async def run_fleet_scenario(name: str, faults: list[tuple[str, float]], *, repe
         "leader_election_s": percentiles(elections) if elections else None,
         "per_fault": per_fault,
         "reconcile_ok": bool(result.reconcile.get("ok")), "verify_ok": bool(result.verify.get("ok")),
+        "reconcile": {k: v for k, v in result.reconcile.items() if v or k in ("ok", "status")},
+        "verify": {k: result.verify.get(k) for k in ("status", "ok", "checked", "chain", "first_broken_id", "reason")},
         "verdict": str(verdict) if not result.unexpected
         else f"{verdict}; unexpected answers: {len(result.unexpected)}",
     }
