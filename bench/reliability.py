@@ -53,8 +53,9 @@ from migrations import upgrade_async  # noqa: E402
 from tests import buskit  # noqa: E402
 from tests.conftest import TEST_APP, TEST_OWNER  # noqa: E402
 from tests.integration.cp_support import client, controlplane, make_tokens  # noqa: E402
-from tests.reliability.fleet import Fleet, convergence_s, percentiles, run, writes_refused_s  # noqa: E402
+from tests.reliability.fleet import Fleet  # noqa: E402
 from tests.reliability.fleet_history import cas_writer, mono, read_back  # noqa: E402
+from tests.reliability.fleet_traffic import convergence_s, percentiles, run, writes_refused_s  # noqa: E402
 from tests.reliability.history import Answer, Attempt, check  # noqa: E402
 from tests.support_router.workers import InProcessRouter, router_settings  # noqa: E402
 

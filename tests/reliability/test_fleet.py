@@ -15,7 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.reliability.fleet import Fleet, run
+from tests.reliability.fleet import Fleet
+from tests.reliability.fleet_traffic import run
 from tests.reliability.history import Answer, check
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
