@@ -203,6 +203,7 @@ async def run_fleet_scenario(name: str, faults: list[tuple[str, float]], *, repe
         "attempts": len(h.attempts), **counts,
         "lost": sum(p.kind == "lost_write" for p in verdict.problems),
         "no_definite_answer": dict(result.unknown_why), "unexpected_answers": result.unexpected[:10],
+        "kv_events_dropped_by_routers": result.kv_dropped,
         "chats": len(h.chats), "chats_failed": sum(not c.ok for c in h.chats), "chats_failed_why": dict(failed),
         "chats_passed_over": dict(Counter(f"{r}: {why}" for r, why in result.passed_over)),
         "writes_refused_s": percentiles([f["writes_refused_s"] for f in per_fault]),
@@ -245,6 +246,9 @@ def _fleet_markdown(results: list[dict[str, Any]]) -> list[str]:
             lines.append(f"| {r['scenario']} | error: {r['error']} |" + " |" * 13)
             continue
         why = ", ".join(f"{k}: {v}" for k, v in r["chats_failed_why"].items()) or "-"
+        if r["kv_events_dropped_by_routers"]:
+            r["fault_kinds"] = [*r["fault_kinds"], f"{r['kv_events_dropped_by_routers']} KV events dropped by the "
+                                                   "routers' rate limit"]
         lines.append(
             f"| {r['scenario']} | {r['faults']} ({', '.join(r['fault_kinds'])}) | {r['attempts']} | {r['accepted']} | "
             f"{r['conflict']} | {r['refused']} | {r['unknown']} | {r['lost']} | {_pct(r['writes_refused_s'])} | "

@@ -344,6 +344,18 @@ class Fleet:
             await nc.close()
         return FaultRecord("kv_burst", f"{worker} ({sent} events)", began, mono())
 
+    async def dropped_kv(self) -> int:
+        """KV events the routers dropped at the edge for the rate limit (their metrics, summed)."""
+        total = 0.0
+        async with httpx.AsyncClient(timeout=5) as http:
+            for url in self.urls("router"):
+                with contextlib.suppress(httpx.HTTPError):
+                    for line in (await http.get(f"{url}/metrics")).text.splitlines():
+                        if (line.startswith("rudder_router_bus_dropped_total") and 'kind="kv"' in line
+                                and 'reason="rate_limited"' in line):
+                            total += float(line.rsplit(" ", 1)[1])
+        return int(total)
+
 
 def _exists(pid: int) -> bool:
     """Whether ``pid`` is still taken (a zombie, not yet reaped, holds it too)."""

@@ -212,6 +212,7 @@ class RunResult:
     unexpected: list[str] = field(default_factory=list)
     passed_over: list[tuple[str, str]] = field(default_factory=list)
     unknown_why: dict[str, int] = field(default_factory=dict)
+    kv_dropped: int = 0  # KV events the routers dropped for the rate limit (their metrics)
 
 
 async def run(fleet: Fleet, schedule: list[tuple[str, float]], *, gap_s: float = 2.0, tail_s: float = 2.0,
@@ -244,9 +245,10 @@ async def run(fleet: Fleet, schedule: list[tuple[str, float]], *, gap_s: float =
     history.live_routers = {_incarnation(name, faults, math.inf) for name in fleet.names("router")}
     await asyncio.sleep(1.5)  # past the reconciler's grace
     reconcile, verify = await _audit_checks(fleet)
+    kv_dropped = await fleet.dropped_kv()
     return RunResult(history, faults, reconcile, verify, started_at, ended_at,
                      unexpected=traffic.unexpected, passed_over=traffic.passed_over,
-                     unknown_why=dict(traffic.unknown_why))
+                     unknown_why=dict(traffic.unknown_why), kv_dropped=kv_dropped)
 
 
 def _on_heads(history: History, heads: dict[str, int]) -> bool:
