@@ -194,7 +194,9 @@ def start_controlplane(bus: LocalBus, db: str, extra_env: dict[str, str], *,
     # RUDDER_BENCH_CP_SCRIPT: run the control plane through another script (e.g. a profiler wrapper)
     script = os.environ.get("RUDDER_BENCH_CP_SCRIPT")
     cmd = [script] if script else ["-m", "cli.main", "serve", "controlplane"]
-    proc = subprocess.Popen([sys.executable, *cmd], env=env)
+    # cwd: `-m cli.main` resolves from the working directory first, so a bench run from another
+    # tree (an A/B against an older commit) must run that tree's control plane, not this one.
+    proc = subprocess.Popen([sys.executable, *cmd], env=env, cwd=ROOT)
     url = f"http://127.0.0.1:{port}"
     for _ in range(400):
         try:

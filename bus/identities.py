@@ -6,11 +6,11 @@ out.
 
 - **admin** (one-shot jobs: ``rudder bus init``, tests that stand in for an attacker with full
   rights): everything, including stream create/update/delete. No long-running service holds it.
-- **controlplane**: publishes policy (CAS) and audit checkpoints; reads every stream (info, direct
+- **controlplane**: publishes policy (CAS), audit checkpoints and worker manifests; reads every stream (info, direct
   get, its own consumers, the ACK stream's durable consumer); asks routers for their decision
   records (``rudder.decisions.*``); never creates, updates, purges or deletes a stream.
 - **router ``<router_id>``**: publishes only its own ACKs and its own status key, kvdump requests;
-  creates consumers on the policy and membership streams; subscribes to KV events; answers
+  creates consumers on the policy, membership and manifest streams; subscribes to KV events; answers
   requests on its own decisions subject (``rudder.decisions.<router_id>``).
 - **worker ``<model>/<instance_id>``**: publishes only its own membership and KV subjects, and
   answers requests on its own kvdump subject.
@@ -33,10 +33,12 @@ from controlplane.protocol.subjects import (
     DECISIONS_PREFIX,
     KV_PREFIX,
     KVDUMP_PREFIX,
+    MANIFESTS_PREFIX,
     POLICY_PREFIX,
     RESTORE_PREFIX,
     STREAM_ACKS,
     STREAM_AUDIT_CHECKPOINTS,
+    STREAM_MANIFESTS,
     STREAM_MEMBERSHIP,
     STREAM_POLICY,
     decisions_subject,
@@ -117,6 +119,9 @@ def permissions(identity: Identity) -> Permissions:
         for stream in (STREAM_POLICY, STREAM_AUDIT_CHECKPOINTS):
             pub += _js_read(stream, consumers=False)
         pub += [f"$JS.API.CONSUMER.DURABLE.CREATE.{STREAM_ACKS}.*"]
+        # Worker manifests: it alone publishes them (signed); it lists them by direct get.
+        pub += [f"{MANIFESTS_PREFIX}.>", f"$JS.API.STREAM.INFO.{STREAM_MANIFESTS}",
+                f"$JS.API.DIRECT.GET.{STREAM_MANIFESTS}"]
         # Answers to routers' restore questions go to their inboxes (NATS allow_responses).
         return Permissions(publish=tuple(pub), subscribe=(inbox, f"{ACKS_PREFIX}.>", f"{RESTORE_PREFIX}.*"),
                            responses=True)
@@ -131,6 +136,7 @@ def permissions(identity: Identity) -> Permissions:
             f"$JS.API.STREAM.INFO.{STREAM_ACKS}",
             *_js_read(STREAM_POLICY, consumers=True),
             *_js_read(STREAM_MEMBERSHIP, consumers=True),
+            *_js_read(STREAM_MANIFESTS, consumers=True),
             f"$JS.API.STREAM.INFO.{KV_STREAM_ROUTERS}",
             f"$JS.API.DIRECT.GET.{KV_STREAM_ROUTERS}.$KV.{BUCKET_ROUTERS}.{identity.router_id}",
         ]

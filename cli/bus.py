@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import enum
+import os
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -138,6 +139,19 @@ def parse_identity(text: str) -> Any:
         param_hint="--identity")
 
 
+def check_writable(out: Path) -> None:
+    """Refuse (exit 2, naming ``--out``) a folder this user cannot create or write: compose's
+    bus-setup runs as the image's user (10001), never root, so ./.secrets must be its."""
+    probe = out
+    while not probe.exists() and probe != probe.parent:
+        probe = probe.parent
+    if not probe.is_dir() or not os.access(probe, os.W_OK | os.X_OK):
+        uid = os.getuid()
+        raise CliError(ExitCode.USAGE, f"--out {out}: {probe} is not a folder this user (uid {uid}) may write; "
+                                       f"create it for this user first, e.g. `install -d -o {uid} {out}` "
+                                       "(compose: `install -d -o 10001 .secrets`)")
+
+
 @app.command("setup")
 def setup(
     out: Annotated[Path, typer.Option("--out", help="Folder for authority, TLS and credentials.")],
@@ -146,7 +160,8 @@ def setup(
     tls_host: Annotated[list[str] | None, typer.Option(
         "--tls-host", help="NATS host name or IP for the server certificate (repeatable).")] = None,
     uid: Annotated[int | None, typer.Option(
-        "--uid", help="Give the credentials files to this user id (the image runs as 10001).")] = None,
+        "--uid", help="Give the credentials files to this user id (needs root; compose runs this job as "
+                      "the image's user instead, whose files they are).")] = None,
 ) -> None:
     """Create (or reuse) the authority under OUT and issue credentials for every identity."""
     import shutil
@@ -155,6 +170,7 @@ def setup(
     from bus.tls import make_server_tls
 
     identities = [parse_identity(text) for text in identity]
+    check_writable(out)
     authority = BusAuthority.open(out / "authority", create=True)
     shutil.copyfile(authority.server_config, out / "nats-auth.conf")
     tls = make_server_tls(out / "tls", hosts=tuple(tls_host)) if tls_host else None

@@ -51,6 +51,9 @@ class AdminClient:
     def patch(self, path: str, body: dict[str, Any]) -> Any:
         return self.request("PATCH", path, json=body)
 
+    def put(self, path: str, body: dict[str, Any]) -> Any:
+        return self.request("PUT", path, json=body)
+
     def request(
         self,
         method: str,

@@ -2,15 +2,17 @@
 
 from __future__ import annotations
 
+import json
 from typing import Annotated, Any
 
 import typer
 
 from cli import app as shared
+from cli.errors import CliError, ExitCode
 from cli.output import escape, fmt_time, fmt_value, print_json, say, show, table
 
 routers_app = shared.new_app("Router replicas: applied vs head revision, NACKs.")
-workers_app = shared.new_app("Workers announced on the membership stream.")
+workers_app = shared.new_app("Workers announced on the membership stream, and their issued manifests.")
 
 
 def _applied(router: dict[str, Any], key: str) -> int:
@@ -153,11 +155,21 @@ def _load(load: Any) -> str:
     return "; ".join(parts) or "-"
 
 
+def _quarantined(entries: Any) -> str:
+    """Which claims of a worker which routers no longer believe: "cache, timing by router-1"."""
+    if not isinstance(entries, list) or not entries:
+        return "-"
+    parts = [f"{', '.join(str(c) for c in e.get('claims') or [])} by {e.get('router_id')}"
+             for e in entries if isinstance(e, dict)]
+    return "; ".join(parts) or "-"
+
+
 @workers_app.command("list")
 def workers_list(
     model: Annotated[str | None, typer.Option("--model", "-m", help="Only this model.")] = None,
 ) -> None:
-    """Workers with their model, role, URL, capacity and last reported load."""
+    """Workers with their model, role, URL, capacity, last reported load, and which routers no
+    longer believe which of their claims (cache, timing)."""
     with shared.client() as api:
         body = api.get("/workers")
     workers = [w for w in (body or {}).get("workers") or [] if isinstance(w, dict)]
@@ -171,8 +183,73 @@ def workers_list(
         return
     show(table(
         ["instance", "model", "role", "engine", "url", "dp", "block", "kv blocks", "last seen",
-         "load"],
+         "load", "quarantined"],
         [(str(w.get("instance_id")), w.get("model"), w.get("role"), w.get("engine"),
           w.get("url"), w.get("dp_size"), w.get("block_size"), w.get("kv_total_blocks"),
-          fmt_time(w.get("last_seen")), _load(w.get("load"))) for w in workers],
+          fmt_time(w.get("last_seen")), _load(w.get("load")), _quarantined(w.get("quarantined")))
+         for w in workers],
     ))
+
+
+def manifest_body(*, model: str, role: str, dp_size: int, block_size: int, kv_blocks: int, engine: str,
+                  url_allow: str, timing_json: str | None = None) -> dict[str, Any]:
+    """The body of ``PUT /workers/{id}/manifest`` (the control plane checks every field)."""
+    body: dict[str, Any] = {"model": model, "role": role, "max_dp_size": dp_size, "block_size": block_size,
+                            "max_kv_blocks": kv_blocks, "engine": engine, "url_allow": url_allow}
+    if timing_json is not None:
+        try:
+            body["timing"] = json.loads(timing_json)
+        except json.JSONDecodeError as exc:
+            raise CliError(ExitCode.USAGE, f"--timing is not JSON: {exc}") from exc
+    return body
+
+
+@workers_app.command("issue")
+def workers_issue(
+    instance_id: Annotated[int, typer.Argument(help="The worker's instance id (its credential's).")],
+    model: Annotated[str, typer.Option("--model", "-m", help="The model it serves.")],
+    url_allow: Annotated[str, typer.Option(
+        "--url-allow", help="Where it may be reached (RUDDER_WORKER_URL_ALLOW syntax: host:port, CIDR, *.suffix).")],
+    block_size: Annotated[int, typer.Option(
+        "--block-size", help="Tokens per KV block: the worker's own (another is refused).")],
+    dp_size: Annotated[int, typer.Option("--dp-size", help="Most data-parallel ranks.")] = 1,
+    kv_blocks: Annotated[int, typer.Option("--kv-blocks", help="Most KV blocks (all ranks).")] = 16384,
+    role: Annotated[str, typer.Option("--role", help="aggregated, prefill or decode.")] = "aggregated",
+    engine: Annotated[str, typer.Option("--engine", help="mock or vllm.")] = "mock",
+    timing: Annotated[str | None, typer.Option(
+        "--timing", help='Its timing prior as JSON: {"prefill_ms": [p0,p1,p2], "decode_ms": [d0,d1,d2]}.')] = None,
+) -> None:
+    """Issue (or replace) a worker's manifest: what it may claim. Routers cap its membership
+    record by it (admin role; signed by the control plane, audited)."""
+    body = manifest_body(model=model, role=role, dp_size=dp_size, block_size=block_size, kv_blocks=kv_blocks,
+                         engine=engine, url_allow=url_allow, timing_json=timing)
+    with shared.client() as api:
+        result = api.put(f"/workers/{instance_id}/manifest", body)
+    if shared.json_mode():
+        print_json(result)
+        return
+    say(f"worker {instance_id}: manifest issued at revision {result.get('revision')}")
+
+
+@workers_app.command("manifests")
+def workers_manifests() -> None:
+    """The manifest issued to each worker, and whether its signature verifies."""
+    with shared.client() as api:
+        body = api.get("/workers/manifests")
+    manifests = [m for m in (body or {}).get("manifests") or [] if isinstance(m, dict)]
+    if shared.json_mode():
+        print_json(manifests)
+        return
+    if not manifests:
+        say("no manifests issued")
+        return
+    rows = []
+    for m in manifests:
+        spec = m.get("spec") or {}
+        rows.append((str(m.get("instance_id") or m.get("subject")), spec.get("model"), spec.get("role"),
+                     spec.get("engine"), spec.get("max_dp_size"), spec.get("block_size"),
+                     spec.get("max_kv_blocks"), spec.get("url_allow"), "yes" if spec.get("timing") else "-",
+                     m.get("issued_by"), fmt_time(m.get("issued_at")),
+                     "yes" if m.get("verified") else f"NO: {m.get('problem')}"))
+    show(table(["instance", "model", "role", "engine", "max dp", "block", "max kv blocks", "url allow",
+                "timing", "issued by", "issued at", "verified"], rows))

@@ -33,6 +33,7 @@ from cli import admin
 from cli.config import CREDENTIALS_FILE, read_credentials, write_credentials
 from cli.embedded import free_port
 from cli.errors import CliError, ExitCode
+from cli.fleet import manifest_body
 from cli.keys import ensure_keys
 from cli.loader import available
 from cli.output import note, report_error, say, show, table
@@ -54,7 +55,17 @@ class _StopRequested(Exception):
     """Raised from the SIGINT/SIGTERM handler to unwind into the cleanup."""
 
 
+def _ignore(signum: int, frame: FrameType | None) -> None:
+    """Later stop signals while stopping. (A Python handler, not SIG_IGN: a signal already pending
+    when its handler becomes SIG_IGN raises OSError "ignored due to race condition".)"""
+
+
 def _on_signal(signum: int, frame: FrameType | None) -> None:
+    # The first signal starts the cleanup; later ones are ignored from here on (the handler is
+    # replaced before anything else runs), so a second Ctrl-C cannot escape as a traceback from
+    # the "stopping" line or interrupt the cleanup. `up` restores the previous handlers after it.
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, _ignore)
     raise _StopRequested(signal.Signals(signum).name)
 
 
@@ -64,6 +75,26 @@ def _token_works(server: str, token: str) -> bool:
                          headers={"authorization": f"Bearer {token}"}, timeout=5)
         return resp.status_code != 401
     return False
+
+
+def issue_mock_manifest(server: str, token: str, *, instance_id: int, model: str, url: str) -> None:
+    """Issue the manifest of a mock worker this stack starts (through the admin API, so it is
+    signed and audited like any other): exactly the capacity its settings give it, at exactly
+    its address. Raises CliError when the control plane refuses it."""
+    from worker.settings import WorkerSettings  # the worker package is present (checked by the caller)
+
+    s = WorkerSettings(model=model, instance_id=instance_id)
+    host_port = url.removeprefix("http://")
+    body = manifest_body(model=model, role=s.role.value, dp_size=s.dp_size, block_size=s.mock.block_size,
+                         kv_blocks=s.mock.num_blocks, engine="mock", url_allow=host_port)
+    try:
+        resp = httpx.put(f"{server}/workers/{instance_id}/manifest", json=body,
+                         headers={"authorization": f"Bearer {token}"}, timeout=10)
+    except httpx.HTTPError as exc:
+        raise CliError(ExitCode.UNAVAILABLE, f"manifest of worker {instance_id} not issued: {exc}") from exc
+    if resp.status_code != 200:
+        raise CliError(ExitCode.ERROR, f"manifest of worker {instance_id} refused: HTTP {resp.status_code} "
+                                       f"{resp.text[:300]}")
 
 
 def up(
@@ -128,7 +159,7 @@ def up(
         code = err.exit_code
     finally:
         for sig in previous:  # a second Ctrl-C must not interrupt the cleanup
-            signal.signal(sig, signal.SIG_IGN)
+            signal.signal(sig, _ignore)
         try:
             stack.stop()
             note("stopped" if code == ExitCode.OK else "stopped after an error")
@@ -245,6 +276,8 @@ def _start(
     for i, port in enumerate(worker_ports):
         instance_id = secrets.randbelow(2**63) + 1  # bound to its credentials below
         url = f"http://127.0.0.1:{port}"
+        if engine is Engine.MOCK:  # what it may claim is issued before it announces itself
+            issue_mock_manifest(server, token, instance_id=instance_id, model=model, url=url)
         stack.start_child(Child(
             name=f"worker-{i + 1}", kind="worker", url=url, health_url=f"{url}/health",
             args=["serve", "worker", "--engine", engine.value, "--model", model,

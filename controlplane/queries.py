@@ -103,11 +103,19 @@ class Queries:
         }
 
     def workers(self, model: str | None = None) -> list[dict[str, Any]]:
+        """Live workers; ``quarantined``: per live router that no longer believes a worker's
+        claims, which (``cache``, ``timing``)."""
+        quarantined: dict[int, list[dict[str, Any]]] = {}
+        for router in self.fleet.live_routers(model):
+            for q in router.quarantined:
+                kinds = [k for k, on in (("cache", q.cache), ("timing", q.timing)) if on]
+                quarantined.setdefault(q.instance_id, []).append({"router_id": router.router_id, "claims": kinds})
         return [
             {
                 **w.worker.model_dump(mode="json"),
                 "last_seen": _iso(self.fleet.last_seen(w.worker.instance_id) or w.at), "state": w.op.value,
                 "load": [load.model_dump() for load in w.load],
+                "quarantined": quarantined.get(w.worker.instance_id, []),
             }
             for w in self.fleet.live_workers(model)
         ]

@@ -28,6 +28,7 @@ from controlplane.decisions import DecisionQueries
 from controlplane.eventlog import PolicyLog
 from controlplane.failpoints import Failpoints
 from controlplane.fleet import FleetView
+from controlplane.manifests import ManifestStore
 from controlplane.protocol.errors import ConfigurationError, KeyFileInvalid, RudderError
 from controlplane.protocol.signing import Keyring, Purpose
 from controlplane.protocol.subjects import PROBE_CONTROLPLANE
@@ -91,6 +92,8 @@ class ControlPlane:
         self.writes = WritePath(self.log, self.audit, self.fleet,
                                 busy_threshold_retries=s.busy_threshold_retries, failpoints=self.failpoints)
         self.queries = Queries(self.log, self.fleet)
+        self.manifests = ManifestStore(self.bus, signer=lambda: self.signing_key.key,
+                                       keyring=lambda: self.log.keyring)
         self.decisions = DecisionQueries(self.bus, self.fleet)
         self.reconciler = Reconciler(self.log, self.audit, grace_s=s.reconcile_grace_s)
         self.tasks.spawn(self.reconciler.run_periodically(s.reconcile_interval_s), name="reconciler")

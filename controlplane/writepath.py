@@ -249,6 +249,11 @@ class WritePath:
         self.retries = busy_threshold_retries
         self.failpoints = failpoints or Failpoints()
         self.clock = clock
+        # Per document, the last head known audited: (revision, event id) of an event whose
+        # accepted decision names that revision (written here, or looked up once). An audit
+        # record is never changed, so what was verified stays true: a write on an unchanged head
+        # needs no audit query (a head another replica wrote is looked up once).
+        self._audited: dict[tuple[str, PolicyKind], tuple[int, uuid.UUID]] = {}
 
     # ---- audit records -------------------------------------------------------------------
 
@@ -349,6 +354,8 @@ class WritePath:
                 f"published as revision {result.revision}, but its decision could not be recorded "
                 "(the change is live; the reconciler will record it)", retry_after=exc.retry_after,
                 new_revision=result.revision, event_id=str(a.event_id)) from exc
+        assert a.model is not None and a.kind is not None
+        self._audited[(a.model, a.kind)] = (result.revision, a.event_id)
         log.info("accepted request_id=%s event_id=%s model=%s kind=%s revision=%d actor=%s",
                  ctx.request_id, a.event_id, a.model, a.kind, result.revision, ctx.actor,
                  extra={"revision": result.revision, "model": a.model})
@@ -377,10 +384,13 @@ class WritePath:
         a.head_revision = head.revision if head else 0
         if head is None:
             return {}
+        key = (a.model, a.kind)
         if head.event is None:
             intruder: str | None = head.error or "not a valid policy event"
+        elif self._audited.get(key) == (head.revision, head.event.event_id):
+            intruder = None
         else:
-            intruder = await self._unaudited(head.revision, head.event)
+            intruder = await self._unaudited(key, head.revision, head.event)
         if intruder is None:
             assert head.event is not None
             return dict(head.event.document)
@@ -398,7 +408,7 @@ class WritePath:
             malformed_head=True,
         )
 
-    async def _unaudited(self, revision: int, event: PolicyEvent) -> str | None:
+    async def _unaudited(self, key: tuple[str, PolicyKind], revision: int, event: PolicyEvent) -> str | None:
         """Why a signed head at ``revision`` is not one this control plane wrote there, or None.
 
         Its event is ours at that revision when its accepted decision names the revision, or when
@@ -410,6 +420,7 @@ class WritePath:
                     if r.stage is AuditStage.DECISION and r.decision is Decision.ACCEPTED
                     and r.new_revision is not None]
         if revision in accepted:
+            self._audited[key] = (revision, event.event_id)
             return None
         if accepted:
             return (f"replayed: event {event.event_id} was written as revision "

@@ -47,6 +47,7 @@ from router.consumers import (
 from router.decisions import DecisionLog
 from router.fitting import Fitter
 from router.ingress import IngressLimits, protocol_class
+from router.manifests import ManifestBook, ManifestConsumer
 from router.metrics import RouterMetrics
 from router.policy_state import ApplyResult, Outcome
 from router.proxy import Proxy
@@ -101,6 +102,8 @@ class RouterRuntime:
         self.status: StatusPublisher | None = None
         self.policy: PolicyConsumer | None = None
         self.membership: MembershipConsumer | None = None
+        self.manifest_book = ManifestBook()
+        self.manifests: ManifestConsumer | None = None
         self.kv: KvEventSubscriber | None = None
         self._decision_sub: Subscription | None = None
 
@@ -125,9 +128,13 @@ class RouterRuntime:
                                         drops=self.drops,
                                         limits=RateLimits(s.kv_event_bytes_per_s, s.kv_event_burst_bytes))
             await self.kv.start()
+        # Manifests first: the first membership records are bounded by what was issued.
+        self.manifests = ManifestConsumer(bus, self.manifest_book, keyring=lambda: self.verify_keys.keyring,
+                                          drops=self.drops)
+        await self.manifests.start()
         self.membership = MembershipConsumer(bus, self.scheduler, dumper, models=list(s.models),
                                              allow=s.url_allow_list, drops=self.drops,
-                                             caps=s.claim_caps,
+                                             caps=s.claim_caps, manifests=self.manifest_book,
                                              limits=RateLimits(s.membership_rate_per_s, s.membership_burst))
         await self.membership.start()
         self.policy = PolicyConsumer(
@@ -251,7 +258,7 @@ class RouterRuntime:
         if self._decision_sub is not None:
             with contextlib.suppress(RudderError):
                 await self._decision_sub.stop()
-        for part in (self.policy, self.membership, self.kv):
+        for part in (self.policy, self.membership, self.kv, self.manifests):
             if part is not None:
                 await part.stop()
         if self.policy is not None:

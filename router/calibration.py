@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import math
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, replace
 from typing import Any, NamedTuple
 
@@ -66,6 +66,12 @@ class PrefillObservation:
     budget: int
     measured_ms: float
     predicted_ms: float
+
+    def ttft_ms(self, timing: Timing) -> float:
+        """What ``timing`` predicts for this request's first token (the fit's linear model)."""
+        steps, tokens, squares, decode_steps = self.features()
+        return (timing.p0 * steps + timing.p1 * tokens + timing.p2 * squares
+                + decode_steps * timing.decode_step_ms(self.kv_usage))
 
     def features(self) -> tuple[float, float, float, float]:
         """(steps, tokens, Σ step tokens², steps with a decode pass)."""
@@ -426,6 +432,26 @@ class Calibrations:
 
     def expect(self, booking_id: str, pending: Pending) -> None:
         self._pending[booking_id] = pending
+
+    def _observation(self, booking_id: str, ttft_ms: float) -> tuple[Pending, PrefillObservation] | None:
+        pending = self._pending.get(booking_id)
+        if pending is None:
+            return None
+        pred = pending.prediction
+        return pending, PrefillObservation(
+            queued_tokens=pred.queued_tokens, uncached_tokens=pred.uncached_tokens, running=pred.running,
+            kv_usage=pred.kv_usage, budget=pending.budget, measured_ms=ttft_ms, predicted_ms=pred.ttft_ms,
+        )
+
+    def prior_ttft(self, booking_id: str, prior: Callable[[int], Timing | None]) -> tuple[int, float] | None:
+        """(worker, what ``prior(worker)`` predicts for the first token of ``booking_id``), or
+        None when the request or the prior is unknown."""
+        found = self._observation(booking_id, 0.0)
+        if found is None:
+            return None
+        pending, obs = found
+        timing = prior(pending.instance_id)
+        return None if timing is None else (pending.instance_id, obs.ttft_ms(timing))
 
     def first_token(self, booking_id: str, ttft_ms: float) -> int | None:
         pending = self._pending.get(booking_id)

@@ -25,6 +25,13 @@ A worker whose predicted hits persistently exceed what it delivers (decayed sums
 ``min_predicted`` tokens predicted, less than ``min_ratio`` of them delivered) is quarantined: its
 blocks leave the prefix index and its further claims are not indexed (it keeps serving, with no
 cache credit), until it leaves or expires.
+
+:class:`TimingOutcomes` does the same for a worker's timing prior: each answer's measured time to
+first token against what the prior the worker claimed predicts for it (decayed sums). A worker
+whose measured TTFT persistently exceeds ``max_ratio`` times the claimed prediction plus
+``slack_ms`` a request loses its claimed prior: the router uses its own prior and, once it has
+``calibration_min_samples`` answers, the timing it fitted from what it measured (the claimed prior
+no longer pulls the fit toward it), until the worker leaves or expires.
 """
 
 from __future__ import annotations
@@ -45,6 +52,13 @@ class ClaimCaps:
     max_dp_size: int = 8
     max_kv_blocks: int = 262_144
     max_prior_speedup: float = 256.0
+    # TimingOutcomes' bounds: measured TTFT above max_ratio x the claimed prior's prediction plus
+    # slack_ms (network, HTTP, a busy host) per request, persistently.
+    timing_max_ratio: float = 4.0
+    timing_slack_ms: float = 20.0
+
+    def timing_outcomes(self) -> TimingOutcomes:
+        return TimingOutcomes(max_ratio=self.timing_max_ratio, slack_ms=self.timing_slack_ms)
 
     def cap(self, event: MembershipEvent) -> tuple[MembershipEvent, list[str]]:
         """The event with its record cut to the caps, and the names of the fields that were cut."""
@@ -127,6 +141,41 @@ class CacheOutcomes:
         """Delivered over predicted so far (None before any prediction)."""
         p, d = self._sums.get(instance_id, (0.0, 0.0))
         return d / p if p > 0 else None
+
+    def forget(self, instance_id: int) -> None:
+        self._sums.pop(instance_id, None)
+        self.quarantined.discard(instance_id)
+
+
+class TimingOutcomes:
+    """Measured TTFT against the claimed prior's prediction, per worker (decayed sums)."""
+
+    def __init__(self, *, max_ratio: float = 4.0, slack_ms: float = 20.0, min_weight: float = 8.0,
+                 decay: float = 0.95) -> None:
+        self.max_ratio = max_ratio
+        self.slack_ms = slack_ms
+        self.min_weight = min_weight
+        self.decay = decay
+        self._sums: dict[int, tuple[float, float, float]] = {}  # instance id → (weight, predicted, measured)
+        self.quarantined: set[int] = set()
+
+    def report(self, instance_id: int, predicted_ms: float, measured_ms: float) -> bool:
+        """One answer's figures; True when this report takes the worker's claimed prior away."""
+        if instance_id in self.quarantined or not (measured_ms >= 0 and predicted_ms >= 0):
+            return False  # (NaN fails both comparisons)
+        w, p, m = self._sums.get(instance_id, (0.0, 0.0, 0.0))
+        d = self.decay
+        w, p, m = w * d + 1.0, p * d + predicted_ms, m * d + measured_ms
+        self._sums[instance_id] = (w, p, m)
+        if w >= self.min_weight and m > self.max_ratio * p + self.slack_ms * w:
+            self.quarantined.add(instance_id)
+            return True
+        return False
+
+    def ratio(self, instance_id: int) -> float | None:
+        """Measured over predicted so far (None before any prediction above 0)."""
+        _, p, m = self._sums.get(instance_id, (0.0, 0.0, 0.0))
+        return m / p if p > 0 else None
 
     def forget(self, instance_id: int) -> None:
         self._sums.pop(instance_id, None)

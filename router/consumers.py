@@ -23,9 +23,12 @@ Hostile but well-formed input is dropped here, before it reaches the scheduler (
 payload whose ids differ from its subject's, a worker URL outside ``RUDDER_WORKER_URL_ALLOW``,
 anything past the size bounds (refused at decode), membership messages and KV events past their
 worker's rate (:class:`~router.claims.RateLimits`, checked on the subject before decoding, so a
-flood costs a dictionary look-up a message). A record's claims past the router's caps
-(:class:`~router.claims.ClaimCaps`: ``dp_size``, ``kv_total_blocks``) are cut to them and reported
-the same way (reason ``claim_capped``). Each drop is logged once per source and counted
+flood costs a dictionary look-up a message). A record's claims past the worker's signed manifest
+(:mod:`router.manifests`) are cut to it (reason ``manifest_capped``), and a record outside it (model,
+role, block size, engine, URL) is dropped (``manifest_refused``) and the worker taken out of
+discovery as if it left; a worker without a manifest is
+cut to the router's caps (:class:`~router.claims.ClaimCaps`: ``dp_size``, ``kv_total_blocks``;
+reason ``claim_capped``). Each drop is logged once per source and counted
 (:class:`~controlplane.protocol.guard.Drops`). A policy stream whose sequence went backwards (it
 was deleted and created again) is noticed by :meth:`PolicyConsumer.check_stream`, which re-syncs.
 """
@@ -50,11 +53,13 @@ from controlplane.protocol.events import (
     AckStatus,
     ApplyAck,
     MembershipEvent,
+    MembershipOp,
     PolicyResync,
     RestoreRequest,
     RouterRole,
     RouterStatus,
     WorkerCalibration,
+    WorkerQuarantine,
     check_kv_dump,
     check_kv_subject,
     check_membership_subject,
@@ -65,6 +70,7 @@ from controlplane.protocol.events import (
     utcnow,
 )
 from controlplane.protocol.guard import Drops, UrlAllowList
+from controlplane.protocol.manifests import bound
 from controlplane.protocol.policy import CacheInput, Number, PolicyKind
 from controlplane.protocol.subjects import (
     HDR_MSG_ID,
@@ -94,6 +100,7 @@ from router.commands import (
     Tick,
 )
 from router.discovery import Change
+from router.manifests import ManifestBook
 from router.policy_state import ApplyResult, Outcome, stream_went_backwards
 from router.scheduler import Scheduler
 
@@ -143,19 +150,21 @@ class StatusPublisher:
         self._dirty = asyncio.Event()
         self.resync: PolicyResync | None = None  # set by the policy consumer when it re-syncs
         self._calibration: list[WorkerCalibration] = []
+        self._quarantined: list[WorkerQuarantine] = []
 
     def status(self) -> RouterStatus:
         return RouterStatus(
             **self._static, applied=self.scheduler.view.applied, heartbeat_at=utcnow(),
             policy_resync=self.resync,
-            calibration=self._calibration,
+            calibration=self._calibration, quarantined=self._quarantined,
         )
 
     async def put(self) -> None:
         async with self._lock:
             self._dirty.clear()
             with contextlib.suppress(RudderError):  # stopping: keep the last one
-                self._calibration = await self.scheduler.inspect(lambda s: s.calibration_status())
+                self._calibration, self._quarantined = await self.scheduler.inspect(
+                    lambda s: (s.calibration_status(), s.quarantine_status()))
             try:
                 await self.kv.put(router_status_key(self.router_id), self.status().to_bytes())
             except RudderError as exc:
@@ -489,8 +498,10 @@ class MembershipConsumer:
         self, bus: Bus, scheduler: Scheduler, dumper: KvDumper | None, *,
         models: list[str], allow: UrlAllowList, drops: Drops, ready_timeout_s: float = 3.0,
         caps: ClaimCaps | None = None, limits: RateLimits | None = None,
+        manifests: ManifestBook | None = None,
     ) -> None:
         self.caps = caps or ClaimCaps()
+        self.manifests = manifests
         self.limits = limits
         self.bus = bus
         self.scheduler = scheduler
@@ -543,6 +554,19 @@ class MembershipConsumer:
                 f"worker {event.worker.instance_id}: {exc.message}",
             )
             return None
+        manifest = self.manifests.get(event.worker.instance_id) if self.manifests is not None else None
+        if manifest is not None:
+            try:
+                bounded, cut = bound(event, manifest)
+            except ValidationFailed as exc:
+                self.drops.drop("membership", "manifest_refused", msg.subject, exc.message)
+                # Outside what was issued: the worker is no candidate (as if it left) until a
+                # record within its manifest arrives (its heartbeats would not age it out alone).
+                return event.model_copy(update={"op": MembershipOp.LEAVE, "load": []})
+            if cut:
+                self.drops.drop("membership", "manifest_capped", msg.subject,
+                                f"worker {event.worker.instance_id}: {', '.join(cut)} cut to its manifest")
+            return bounded
         capped, fields = self.caps.cap(event)
         if fields:
             self.drops.drop("membership", "claim_capped", msg.subject,

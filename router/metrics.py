@@ -84,6 +84,12 @@ class RouterMetrics:
             "Workers whose KV claims persistently exceeded the cached tokens they delivered: no cache "
             "credit (1 while quarantined)", ["model", "instance_id"], registry=r,
         )
+        self.timing_quarantined = Gauge(
+            "rudder_router_worker_timing_quarantined",
+            "Workers whose measured TTFT persistently exceeded what their claimed timing prior "
+            "predicts: the router's own prior and fit are used (1 while quarantined)",
+            ["model", "instance_id"], registry=r,
+        )
         self.bus_drops = Counter(
             "rudder_router_bus_dropped", "Bus messages dropped as hostile or malformed, by kind "
             "and reason", ["kind", "reason"], registry=r,
@@ -237,11 +243,14 @@ class RouterMetrics:
             child = self._counted[key] = counter.labels(*labels)
         child.inc()
 
-    def set_quarantined(self, workers: Iterable[tuple[str, int]]) -> None:
-        """The workers whose cache claims are not believed (router.claims.CacheOutcomes)."""
-        self.quarantined.clear()
-        for model, wid in workers:
-            self.quarantined.labels(model, str(wid)).set(1)
+    def set_quarantined(self, workers: Iterable[tuple[str, int]],
+                        timing: Iterable[tuple[str, int]] = ()) -> None:
+        """The workers whose cache claims (router.claims.CacheOutcomes) and whose timing priors
+        (router.claims.TimingOutcomes) are not believed."""
+        for gauge, listed in ((self.quarantined, workers), (self.timing_quarantined, timing)):
+            gauge.clear()
+            for model, wid in listed:
+                gauge.labels(model, str(wid)).set(1)
 
     def set_returns(self, status: Mapping[str, float]) -> None:
         self.returns.labels("open").set(status["open"])

@@ -24,6 +24,7 @@ import logging
 import random
 import time
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import replace
 from datetime import datetime
 from typing import Any, TypeVar
 
@@ -39,6 +40,7 @@ from controlplane.protocol.events import (
     MembershipEvent,
     RouterRole,
     WorkerCalibration,
+    WorkerQuarantine,
     WorkerRole,
     utcnow,
 )
@@ -76,7 +78,7 @@ from router.commands import (
     UseVerifyKeys,
 )
 from router.cost.common import SelectionParams
-from router.cost.time import Timing, predict_row, time_row
+from router.cost.time import DEFAULT_TIMING, Timing, predict_row, time_row
 from router.decisions import DecisionLog
 from router.discovery import Change, Discovery, Health
 from router.index import KvApplied, PrefixIndex, WorkerKey
@@ -107,6 +109,8 @@ class Scheduler:
         self.caps = caps or ClaimCaps()
         # KV claims checked against what each worker delivers (router.claims.CacheOutcomes).
         self.outcomes = CacheOutcomes()
+        # Timing priors checked against measured TTFT (router.claims.TimingOutcomes).
+        self.timing_outcomes = self.caps.timing_outcomes()
         # Selections waiting in the queue at most (None: unbounded); past it submit refuses.
         self.max_queued_selections = max_queued_selections
         self._queued_selections = 0
@@ -332,6 +336,7 @@ class Scheduler:
                     self._returned(booking)
                     self.tables.refresh_slot(booking.model, booking.key)
                     if cmd.ttft_ms is not None:
+                        self._timing_outcome(cmd.request_id, cmd.ttft_ms)
                         self._retime(self.timings.first_token(cmd.request_id, cmd.ttft_ms))
                 return None
             case RequestDone():
@@ -443,6 +448,7 @@ class Scheduler:
     def _forget(self, wid: int, why: str) -> None:
         self.index.remove_worker(wid)
         self.outcomes.forget(wid)
+        self.timing_outcomes.forget(wid)
         dropped = self.bookings.drop_worker(wid)
         self.tables.forget(wid)
         self.timings.forget(wid, (b.request_id for b in dropped))
@@ -476,7 +482,8 @@ class Scheduler:
         state = self.discovery.get(wid)
         if state is not None:
             params = self._params[state.record.model]
-            prior = self.caps.prior(Timing.from_engine(state.record.timing))
+            prior = (DEFAULT_TIMING if wid in self.timing_outcomes.quarantined
+                     else self.caps.prior(Timing.from_engine(state.record.timing)))
             self.timings.join(wid, state.record.model, prior,
                               window=params.calibration_window, min_samples=params.calibration_min_samples)
 
@@ -505,6 +512,40 @@ class Scheduler:
                         100 * (self.outcomes.ratio(cmd.instance_id) or 0.0))
             self.index.clear_worker(cmd.instance_id)
             self._bound_index(cmd.instance_id)
+
+    def quarantine_status(self) -> list[WorkerQuarantine]:
+        """Every worker whose cache claims or timing prior this router does not believe (its
+        status, so ``rudder workers list`` shows it)."""
+        cache, timing = self.outcomes.quarantined, self.timing_outcomes.quarantined
+        return [WorkerQuarantine(model=st.record.model, instance_id=wid, cache=wid in cache, timing=wid in timing)
+                for wid in sorted(cache | timing) if (st := self.discovery.get(wid)) is not None]
+
+    def timing_quarantined(self) -> list[tuple[str, int]]:
+        """(model, instance id) of each worker whose claimed timing prior is not believed."""
+        return [(st.record.model, wid) for wid in sorted(self.timing_outcomes.quarantined)
+                if (st := self.discovery.get(wid)) is not None]
+
+    def _claimed_prior(self, wid: int) -> Timing | None:
+        """The prior ``wid`` claimed and the router believes, or None (its own prior is in use)."""
+        cal = self.timings.workers.get(wid)
+        if cal is None or wid in self.timing_outcomes.quarantined:
+            return None
+        prior = cal.prior
+        return None if replace(prior, source=DEFAULT_TIMING.source) == DEFAULT_TIMING else prior
+
+    def _timing_outcome(self, booking_id: str, ttft_ms: float) -> None:
+        """A claimed prior against the TTFT measured: persistently slower than it predicts, and the
+        worker loses it (the router's own prior, then the fit of what it measured)."""
+        found = self.timings.prior_ttft(booking_id, self._claimed_prior)
+        if found is None:
+            return
+        wid, predicted = found
+        if self.timing_outcomes.report(wid, predicted, ttft_ms):
+            log.warning("worker %s: its claimed timing prior is not believed (measured TTFT %.1fx what it "
+                        "predicts); the router's own prior and fit are used", wid,
+                        self.timing_outcomes.ratio(wid) or 0.0)
+            self._calibrate(wid)
+            self._retime(wid)
 
     def _retime(self, wid: int | None) -> None:
         """A worker's timing model changed: its slots score with the new one."""

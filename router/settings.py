@@ -165,6 +165,10 @@ class RouterSettings(BusSettings):
     claim_max_dp_size: int = Field(default=8, ge=1, le=1024)
     claim_max_kv_blocks: int = Field(default=262_144, ge=1)
     claim_max_prior_speedup: float = Field(default=256.0, ge=1.0)
+    # A claimed timing prior is taken away when the measured TTFT persistently exceeds this many
+    # times its prediction plus this slack per request (router.claims.TimingOutcomes).
+    claim_timing_max_ratio: float = Field(default=4.0, ge=1.0)
+    claim_timing_slack_ms: float = Field(default=20.0, ge=0.0)
     # Per worker (per subject): membership messages and KV event bytes past these rates are dropped at
     # the edge (counted as rudder_router_bus_dropped_total{reason="rate_limited"}); a worker's
     # full KV dump is asked for at most once per kvdump_min_interval_s.
@@ -190,7 +194,8 @@ class RouterSettings(BusSettings):
     @property
     def claim_caps(self) -> ClaimCaps:
         return ClaimCaps(max_dp_size=self.claim_max_dp_size, max_kv_blocks=self.claim_max_kv_blocks,
-                         max_prior_speedup=self.claim_max_prior_speedup)
+                         max_prior_speedup=self.claim_max_prior_speedup,
+                         timing_max_ratio=self.claim_timing_max_ratio, timing_slack_ms=self.claim_timing_slack_ms)
 
     @field_validator("overload_status")
     @classmethod

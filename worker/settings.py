@@ -60,6 +60,9 @@ class MockEngineSettings(BaseModel):
     decode_min_ms: float = Field(default=1.0, ge=0)
     speedup_ratio: float = Field(default=1.0, gt=0)
     advertise_timing: AdvertisedTiming = AdvertisedTiming.TRUE  # RUDDER_MOCK__ADVERTISE_TIMING
+    # Advertise its own formula at this speed-up ratio instead of its real one: a worker claiming
+    # to be faster than it is (tests of router.claims.TimingOutcomes). RUDDER_MOCK__ADVERTISE_SPEEDUP_RATIO
+    advertise_speedup_ratio: float | None = Field(default=None, gt=0)
     # Disaggregated decode: KV transfer of the prompt's uncached blocks from the prefill worker.
     kv_transfer_base_ms: float = Field(default=2.0, ge=0)
     kv_transfer_ms_per_block: float = Field(default=0.05, ge=0)

@@ -19,7 +19,7 @@ from pydantic.json_schema import models_json_schema
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.routing import Match
 
-from controlplane.api import audit, decisions, fleet, health, policy, thresholds, tokens, ui
+from controlplane.api import audit, decisions, fleet, health, policy, thresholds, tokens, ui, workers
 from controlplane.api.deps import Gate, Services, clean_query
 from controlplane.api.models import DECLARED_ONLY, REF
 from controlplane.api.observe import BusDropsCollector, Metrics, ObserveMiddleware
@@ -45,8 +45,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-ROUTERS = (policy.router, thresholds.router, fleet.router, audit.router, decisions.router, tokens.router,
-           health.router, ui.router)
+ROUTERS = (policy.router, thresholds.router, fleet.router, workers.router, audit.router, decisions.router,
+           tokens.router, health.router, ui.router)
 
 #: The error class of each status Starlette's own HTTPException can carry.
 BY_STATUS: dict[int, type[RudderError]] = {cls.status_code: cls for cls in (

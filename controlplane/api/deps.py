@@ -199,6 +199,12 @@ async def read_body(request: Request, ctx: Writer, svc: Svc) -> Body:
 WriteBody = Annotated[Body, Depends(read_body)]
 
 
+async def json_body(request: Request, limit: int) -> Any:
+    """A JSON body within ``limit`` bytes. Raises UnsupportedMediaType, PayloadTooLarge,
+    InvalidRequest."""
+    return await _json(request, limit)
+
+
 async def _json(request: Request, limit: int) -> Any:
     ctype = request.headers.get("content-type", "").split(";")[0].strip().lower()
     if ctype != "application/json":

@@ -18,6 +18,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field
 
 from controlplane.auth import Action
+from controlplane.protocol.manifests import ManifestSpec
 from controlplane.protocol.policy import PolicyKind, PolicyOp
 from controlplane.protocol.requests import WriteRequest
 
@@ -198,6 +199,7 @@ class RouterView(Open):
     started_at: str | None = None
     policy_resync: dict[str, Any] | None = None
     calibration: list[dict[str, Any]] | None = None
+    quarantined: list[dict[str, Any]] | None = None
 
 
 class Routers(Open):
@@ -226,6 +228,8 @@ class WorkerView(Open):
     last_seen: str | None = None
     state: str | None = Field(default=None, description="The last membership op (join, heartbeat)")
     load: list[dict[str, Any]] | None = None
+    quarantined: list[dict[str, Any]] | None = Field(default=None, description=(
+        'Routers that no longer believe its claims: [{"router_id", "claims": ["cache", "timing"]}]'))
 
 
 class Workers(Open):
@@ -395,6 +399,31 @@ class TokenRevoked(Exact):
     revoked: bool
 
 
+class ManifestIssued(Exact):
+    instance_id: int
+    revision: int = Field(description="The manifest's sequence on the RUDDER_MANIFESTS stream.")
+    manifest: dict[str, Any] = Field(description="The manifest as signed: instance_id, spec, issued_by, issued_at.")
+
+
+class ManifestView(Open):
+    """The last manifest of one worker as the stream holds it."""
+
+    subject: str | None = None
+    revision: int | None = None
+    verified: bool | None = Field(default=None, description=(
+        "Its signature checks against the control plane's keys (routers ignore it otherwise)."))
+    problem: str | None = None
+    instance_id: int | None = None
+    spec: dict[str, Any] | None = None
+    issued_by: str | None = None
+    issued_at: str | None = None
+    signed_by: str | None = None
+
+
+class ManifestList(Open):
+    manifests: list[ManifestView] | None = None
+
+
 class Ignored(Open):
     """Any JSON object, or none: the body is not read."""
 
@@ -413,4 +442,4 @@ class Readiness(Exact):
 
 
 #: Models only a route's ``operation`` names (FastAPI does not see them): /openapi.json adds them.
-DECLARED_ONLY: tuple[type[BaseModel], ...] = (Ignored,)
+DECLARED_ONLY: tuple[type[BaseModel], ...] = (Ignored, ManifestSpec)

@@ -210,6 +210,17 @@ class WorkerCalibration(BaseModel):
     ttft_p90_error_ms: float | None = None
 
 
+class WorkerQuarantine(BaseModel):
+    """A worker whose claims a router no longer believes (issue 17), in its status: ``cache``, its
+    KV claims (no cache credit); ``timing``, its claimed timing prior (the router's own is used)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+    model: str
+    instance_id: int
+    cache: bool = False
+    timing: bool = False
+
+
 class RouterStatus(_Event):
     """A router's status in the ``RUDDER_ROUTERS`` bucket, refreshed every heartbeat."""
 
@@ -230,6 +241,8 @@ class RouterStatus(_Event):
     policy_resync: PolicyResync | None = None
     # Per-worker timing fits of the router's time cost (optional; absent from older routers).
     calibration: list[WorkerCalibration] = Field(default_factory=list, max_length=L.MAX_ROUTER_MODELS)
+    # Workers whose claims it no longer believes (optional; absent from older routers).
+    quarantined: list[WorkerQuarantine] = Field(default_factory=list, max_length=L.MAX_ROUTER_MODELS)
 
 
 def doc_key(model: str, kind: PolicyKind | str) -> str:

@@ -1,15 +1,18 @@
 """Rudder's one Ed25519 signature scheme (DESIGN §9), for every signed message on the bus.
 
-Two :class:`Purpose` s use it: **policy** events (the control plane signs every event it
-publishes; routers, and the control plane itself when it reads the stream back, verify) and
-audit **checkpoints** (the control plane signs each checkpoint of the audit and ACK chains;
-``rudder audit verify`` checks them). Each purpose has its own key and its own domain prefix, so
-a signature of one purpose never verifies as the other. Verification uses a :class:`Keyring` of
+Three :class:`Purpose` s use it: **policy** events (the control plane signs every event it
+publishes; routers, and the control plane itself when it reads the stream back, verify), audit
+**checkpoints** (the control plane signs each checkpoint of the audit and ACK chains; ``rudder
+audit verify`` checks them) and worker **manifests** (what a worker may claim; signed with the
+policy key, verified by routers with the policy verify keys). Each purpose has its own domain
+prefix (policy and checkpoints their own key too), so a signature of one purpose never verifies
+as another. Verification uses a :class:`Keyring` of
 every public key that is currently valid for the purpose, so two keys can be valid at once while
 a key rotates.
 
 - **Signed bytes**: ``domain + subject + b"\\0" + payload``, the domain being
-  ``b"rudder-policy-v1\\0"`` or ``b"rudder-audit-checkpoint-v1\\0"``. The subject is signed so a
+  ``b"rudder-policy-v1\\0"``, ``b"rudder-audit-checkpoint-v1\\0"`` or
+  ``b"rudder-worker-manifest-v1\\0"``. The subject is signed so a
   message cannot be replayed onto another subject.
 - **Headers**: ``Rudder-Key-Id`` (the key id) and ``Rudder-Signature`` (base64 of the 64-byte
   signature); names in :mod:`controlplane.protocol.subjects`.
@@ -56,13 +59,18 @@ class Purpose(enum.StrEnum):
 
     POLICY = "policy"
     CHECKPOINT = "checkpoint"
+    #: Worker manifests (what a worker may claim). Signed with the policy key under its own
+    #: domain: the same holder (the control plane), the same rotation, the same verify keys on
+    #: routers, and a manifest signature never verifies as a policy event or the reverse.
+    MANIFEST = "manifest"
 
     @property
     def domain(self) -> bytes:
         return _DOMAINS[self]
 
 
-_DOMAINS = {Purpose.POLICY: b"rudder-policy-v1\0", Purpose.CHECKPOINT: b"rudder-audit-checkpoint-v1\0"}
+_DOMAINS = {Purpose.POLICY: b"rudder-policy-v1\0", Purpose.CHECKPOINT: b"rudder-audit-checkpoint-v1\0",
+            Purpose.MANIFEST: b"rudder-worker-manifest-v1\0"}
 
 SIGNATURE_MISSING = "signature_missing"
 SIGNATURE_UNKNOWN_KEY = "signature_unknown_key"
@@ -112,6 +120,10 @@ class SigningKey:
     def generate(cls, purpose: Purpose = Purpose.POLICY) -> SigningKey:
         return cls(bytes(nacl.signing.SigningKey.generate()), purpose)
 
+    def for_purpose(self, purpose: Purpose) -> SigningKey:
+        """The same key signing under another purpose's domain (the policy key signs manifests)."""
+        return SigningKey(bytes(self._key), purpose)
+
     def __repr__(self) -> str:
         return f"SigningKey(key_id={self.key_id!r}, purpose={self.purpose.value!r})"
 
@@ -149,6 +161,10 @@ class Keyring:
     @property
     def key_ids(self) -> list[str]:
         return sorted(self.keys)
+
+    def for_purpose(self, purpose: Purpose) -> Keyring:
+        """The same keys verifying another purpose's signatures."""
+        return Keyring(self.keys, purpose)
 
     def union(self, other: Keyring) -> Keyring:
         return Keyring({**self.keys, **other.keys}, self.purpose)

@@ -12,11 +12,13 @@ from controlplane.protocol.subjects import (
     ACKS_SUBJECTS,
     AUDIT_CHECKPOINTS_SUBJECT,
     BUCKET_ROUTERS,
+    MANIFESTS_SUBJECTS,
     MEMBERSHIP_SUBJECTS,
     POLICY_SUBJECTS,
     PROBE_SUBJECTS,
     STREAM_ACKS,
     STREAM_AUDIT_CHECKPOINTS,
+    STREAM_MANIFESTS,
     STREAM_MEMBERSHIP,
     STREAM_POLICY,
     STREAM_PROBE,
@@ -83,6 +85,22 @@ def audit_checkpoints_stream(*, replicas: int = 1) -> dict[str, Any]:
     }
 
 
+def manifests_stream(*, replicas: int = 1) -> dict[str, Any]:
+    """Worker manifests (what each worker may claim), signed by the control plane: the last few
+    per worker, never deleted or purged (a manifest is replaced by issuing another)."""
+    return {
+        "name": STREAM_MANIFESTS,
+        "subjects": [MANIFESTS_SUBJECTS],
+        "storage": "file",
+        "retention": "limits",
+        "max_msgs_per_subject": 4,
+        "allow_direct": True,
+        "deny_delete": True,
+        "deny_purge": True,
+        "num_replicas": replicas,
+    }
+
+
 def routers_bucket(*, heartbeat_s: float = 1.0, replicas: int = 1) -> dict[str, Any]:
     return {"bucket": BUCKET_ROUTERS, "ttl": 3.0 * heartbeat_s, "history": 1, "replicas": replicas}
 
@@ -102,6 +120,7 @@ def probe_stream(*, replicas: int = 1) -> dict[str, Any]:
 
 
 def extra_streams(*, replicas: int = 1) -> list[dict[str, Any]]:
-    """Streams beyond the policy and membership ones: router ACKs, audit checkpoints, probes."""
+    """Streams beyond the policy and membership ones: router ACKs, audit checkpoints, probes,
+    worker manifests."""
     return [acks_stream(replicas=replicas), audit_checkpoints_stream(replicas=replicas),
-            probe_stream(replicas=replicas)]
+            probe_stream(replicas=replicas), manifests_stream(replicas=replicas)]

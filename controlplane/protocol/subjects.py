@@ -18,6 +18,9 @@ STREAM_MEMBERSHIP = "RUDDER_MEMBERSHIP"
 BUCKET_ROUTERS = "RUDDER_ROUTERS"
 STREAM_ACKS = "RUDDER_ACKS"
 STREAM_AUDIT_CHECKPOINTS = "RUDDER_AUDIT_CHECKPOINTS"
+#: Operator-issued worker manifests (issue 17): what each worker may claim, signed by the control
+#: plane; the control plane alone publishes there, routers read.
+STREAM_MANIFESTS = "RUDDER_MANIFESTS"
 #: Storage probes (B2): a process that must know whether the bus can store writes here.
 STREAM_PROBE = "RUDDER_PROBE"
 
@@ -33,6 +36,9 @@ AUDIT_PREFIX = "rudder.audit"
 #: ``rudder.restore.<router_id>``: a router without a valid signed head asks the control plane
 #: for the last document it wrote (request/reply; the answer is signed with the policy key).
 RESTORE_PREFIX = "rudder.restore"
+#: ``rudder.manifests.<instance_id>``: the signed manifest of one worker (last one wins).
+MANIFESTS_PREFIX = "rudder.manifests"
+MANIFESTS_SUBJECTS = f"{MANIFESTS_PREFIX}.>"
 
 POLICY_SUBJECTS = f"{POLICY_PREFIX}.>"
 MEMBERSHIP_SUBJECTS = f"{MEMBERSHIP_PREFIX}.>"
@@ -142,6 +148,10 @@ def kv_filter(model: str) -> str:
 
 def kvdump_subject(instance_id: int) -> str:
     return f"{KVDUMP_PREFIX}.{instance_id}"
+
+
+def manifest_subject(instance_id: int) -> str:
+    return f"{MANIFESTS_PREFIX}.{instance_id}"
 
 
 def restore_subject(router_id: str) -> str:

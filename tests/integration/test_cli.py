@@ -369,3 +369,24 @@ def test_policy_apply_a_folder_of_three_models(env: Env, tmp_path: Path) -> None
     assert env.ok("policy", "apply", "-f", str(exported), role="operator")["applied"] == []
     bad = env.run("policy", "apply", "-f", str(folder / "README.txt"), role="operator")
     assert bad.exit_code == ExitCode.USAGE
+
+
+def test_workers_issue_and_manifests(env: Env) -> None:
+    """Issue 17 item 1: ``rudder workers issue`` (admin) and ``rudder workers manifests``."""
+    wid = str(uuid.uuid4().int >> 65)
+    timing = '{"prefill_ms": [16.5, 0.015, 4e-7], "decode_ms": [5.7, 54, -25]}'
+    issued = env.ok("workers", "issue", wid, "--model", "cli/m", "--url-allow", "127.0.0.1:9", "--dp-size", "2",
+                    "--block-size", "16",
+                    "--kv-blocks", "512", "--timing", timing)
+    assert issued["instance_id"] == int(wid) and issued["manifest"]["spec"]["max_dp_size"] == 2
+    listed = {str(m["instance_id"]): m for m in env.ok("workers", "manifests", role="viewer")}
+    assert listed[wid]["verified"] is True and listed[wid]["spec"]["max_kv_blocks"] == 512
+    human = env.run("workers", "manifests", json_out=False)
+    assert human.exit_code == 0 and wid in human.stdout and "cli/m" in human.stdout
+    assert env.run("workers", "issue", wid, "--model", "m", "--url-allow", "127.0.0.1", "--block-size", "16",
+                   role="operator").exit_code == 4
+    bad = env.run("workers", "issue", wid, "--model", "m", "--url-allow", "127.0.0.1", "--block-size", "16",
+                  "--dp-size", "0")
+    assert bad.exit_code == 2 and "max_dp_size" in bad.stderr
+    assert env.run("workers", "issue", wid, "--model", "m", "--url-allow", "x", "--block-size", "16",
+                   "--timing", "{").exit_code == 2

@@ -97,8 +97,12 @@ class Up:
                 return
         raise AssertionError(f"{text!r} not printed; output:\n{''.join(self.output)}")
 
-    def stop(self) -> int:
+    def stop(self, *, twice: bool = False) -> int:
+        """SIGTERM, and with ``twice`` a SIGINT right after it (an impatient second Ctrl-C, both
+        pending at once: the second is handled while the first unwinds)."""
         self.proc.send_signal(signal.SIGTERM)
+        if twice:
+            self.proc.send_signal(signal.SIGINT)
         code = self.proc.wait(90)
         while not self.lines.empty():
             self.output.append(self.lines.get())
@@ -185,6 +189,13 @@ def test_up_serves_stops_everything_and_keeps_data(tmp_path: Path) -> None:
                 break
             time.sleep(0.2)
         assert routers and all(r["applied_revision"] == revision and not r["last_nack"] for r in routers), routers
+        # Issue 17: what each mock worker may claim was issued (signed, audited) before it started.
+        manifests = json.loads(rudder(tmp_path, "--json", "workers", "manifests").stdout)
+        workers = json.loads(rudder(tmp_path, "--json", "workers", "list").stdout)
+        assert len(manifests) == len(workers) >= 1 and all(m["verified"] for m in manifests), manifests
+        assert {m["instance_id"] for m in manifests} == {w["instance_id"] for w in workers}
+        assert all(m["spec"]["url_allow"] == w["url"].removeprefix("http://")
+                   for m in manifests for w in workers if w["instance_id"] == m["instance_id"])
     finally:
         code = up.stop()
     assert code == 0, "".join(up.output)
@@ -213,7 +224,9 @@ def test_up_serves_stops_everything_and_keeps_data(tmp_path: Path) -> None:
         assert audit.returncode == 0, audit.stderr
         assert {row["actor"] for row in json.loads(audit.stdout)} == {"rudder-up-admin"}
     finally:
-        assert again.stop() == 0, "".join(again.output)
+        # A second signal while it stops neither interrupts the cleanup nor ends in a traceback.
+        assert again.stop(twice=True) == 0, "".join(again.output)
+    assert "Traceback" not in "".join(again.output), "".join(again.output)
 
 
 def _chat(router_url: str, text: str) -> int:

@@ -255,3 +255,4 @@ async def test_a_worker_claiming_blocks_it_never_computed_is_quarantined(nats_ur
         assert seen[f.hostile] / len(docs) <= FAIR + 0.10, seen
         assert await sched.inspect(lambda s: f.hostile in s.outcomes.quarantined)
         assert f'rudder_router_worker_cache_quarantined{{instance_id="{f.hostile}",model="{f.model}"}} 1.0' in metrics
+

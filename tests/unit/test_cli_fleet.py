@@ -47,3 +47,11 @@ def test_calibration_rows_show_each_workers_fit_and_error() -> None:
     assert rows[0] == ("a", "m", 7, "fitted", "16.5 + 0.0152·N + 4.2e-07·N²", "40/30", "12.3", "30.0")
     assert rows[1][3] == "mock" and rows[1][6:] == ("", "")
     assert len(rows) == 2
+
+
+def test_workers_list_names_which_routers_quarantine_which_claims() -> None:
+    from cli.fleet import _quarantined
+
+    assert _quarantined([]) == _quarantined(None) == "-"
+    assert _quarantined([{"router_id": "r1", "claims": ["cache", "timing"]},
+                         {"router_id": "r2", "claims": ["timing"]}]) == "cache, timing by r1; timing by r2"

@@ -2,8 +2,8 @@
 
 - The NATS monitor (``/connz`` lists every client, ``/varz`` the configuration) binds loopback in
   compose and Kubernetes; no Service or NetworkPolicy exposes port 8222; probes ask it from inside.
-- No long-running compose service runs as root, and of the one-shot jobs only ``bus-setup`` does
-  (it writes the host's ./.secrets bind mount and gives each file to the image's user).
+- No compose service runs as root: every ``rudder:local`` service, the one-shot jobs too
+  (``bus-setup`` included: it writes ./.secrets as the image's user), runs as the image's user.
 """
 
 from __future__ import annotations
@@ -44,10 +44,15 @@ def test_no_kubernetes_object_exposes_the_monitor_port() -> None:
                 assert probe.group(1) not in ("monitor", "8222"), path
 
 
-def test_no_compose_service_runs_as_root_but_the_secrets_job() -> None:
+def test_no_compose_service_runs_as_root() -> None:
     services = yaml.safe_load((ROOT / "compose.yaml").read_text())["services"]
     as_root = {name for name, s in services.items() if str(s.get("user", "")).split(":")[0] in ("0", "root")}
-    assert as_root == {"bus-setup"}
+    assert as_root == set()
+    # The image's user (Dockerfile USER rudder, uid 10001) unless a service names another non-root one.
+    assert "USER rudder" in (ROOT / "Dockerfile").read_text()
+    ours = {name for name, s in services.items() if s.get("image") == "rudder:local"}
+    assert "bus-setup" in ours and all(str(services[n].get("user", "10001")) != "0" for n in ours)
+    assert "--uid" not in services["bus-setup"]["command"]  # (a chown needs root)
     assert services["bus-setup"]["restart"] == "no"
 
 
@@ -60,3 +65,15 @@ def test_each_compose_service_mounts_at_most_its_own_credential() -> None:
         assert len(held) <= 1, f"{name} mounts {held}"
         if held:
             assert service["environment"]["RUDDER_NATS_CREDS"] == f"/run/secrets/{held[0]}", name
+
+
+def test_bus_setup_refuses_a_folder_it_cannot_write_naming_it(tmp_path: Path) -> None:
+    from typer.testing import CliRunner
+
+    from cli.main import app
+
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    result = CliRunner().invoke(app, ["bus", "setup", "--out", str(blocker / "secrets"), "--identity", "admin"])
+    assert result.exit_code == 2, result.output
+    assert "--out" in result.output and "install -d -o" in result.output

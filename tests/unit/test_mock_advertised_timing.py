@@ -69,3 +69,10 @@ async def test_the_engine_advertises_it_in_its_record(mode: AdvertisedTiming) ->
         assert (info.timing.source == "vllm-default") is (mode is AdvertisedTiming.GENERIC)
     finally:
         await engine.stop()
+
+
+def test_a_mock_can_advertise_a_faster_prior_than_it_is() -> None:
+    s = MockEngineSettings(speedup_ratio=1.0, advertise_speedup_ratio=100.0)
+    assert advertised_timing(s).prefill_ms[1] == pytest.approx(s.prefill_b / 100)
+    assert TimingModel.from_settings(s).prefill_ms(512) == pytest.approx(
+        TimingModel.from_settings(MockEngineSettings()).prefill_ms(512))

@@ -19,7 +19,8 @@ from controlplane.protocol.events import (
     StoredBlock,
     WorkerRecord,
 )
-from router.claims import CacheOutcomes, ClaimCaps, RateLimits
+from router.calibration import PrefillObservation
+from router.claims import CacheOutcomes, ClaimCaps, RateLimits, TimingOutcomes
 from router.cost.time import DEFAULT_TIMING, Timing
 from router.index import KvApplied, PrefixIndex
 
@@ -107,3 +108,27 @@ def test_a_worker_delivering_less_than_half_its_predicted_hits_is_quarantined_on
     assert not outcomes.report(3, 2000, 5000) and outcomes.ratio(3) == 1.0  # over-delivery earns nothing
     outcomes.forget(2)
     assert outcomes.quarantined == set()
+
+
+def test_a_worker_persistently_slower_than_its_claimed_prior_loses_it_once() -> None:
+    outcomes = TimingOutcomes(max_ratio=4.0, slack_ms=20.0, min_weight=8.0, decay=1.0)
+    for _ in range(50):  # honest, with HTTP overhead: 3 ms predicted, 10 ms measured (inside the slack)
+        assert not outcomes.report(1, 3.0, 10.0)
+    assert 1 not in outcomes.quarantined
+    caught = [outcomes.report(2, 0.3, 30.0) for _ in range(10)]  # claims 100x faster than it is
+    assert caught == [False] * 7 + [True, False, False]  # judged from min_weight answers on, once
+    assert outcomes.quarantined == {2} and outcomes.ratio(2) == pytest.approx(100.0)
+    assert not outcomes.report(3, float("nan"), 5.0) and outcomes.ratio(3) is None
+    outcomes.forget(2)
+    assert outcomes.quarantined == set()
+
+
+def test_the_claimed_prior_predicts_the_first_token_as_the_fit_models_it() -> None:
+    obs = PrefillObservation(queued_tokens=0, uncached_tokens=512, running=0, kv_usage=0.5, budget=8192,
+                             measured_ms=0.0, predicted_ms=0.0)
+    assert obs.ttft_ms(DEFAULT_TIMING) == pytest.approx(DEFAULT_TIMING.prefill_step_ms(512))
+    busy = PrefillObservation(queued_tokens=8192, uncached_tokens=512, running=3, kv_usage=0.5, budget=8192,
+                              measured_ms=0.0, predicted_ms=0.0)
+    want = (DEFAULT_TIMING.prefill_step_ms(8192) + DEFAULT_TIMING.prefill_step_ms(512)
+            + 2 * DEFAULT_TIMING.decode_step_ms(0.5))
+    assert busy.ttft_ms(DEFAULT_TIMING) == pytest.approx(want)

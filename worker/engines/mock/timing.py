@@ -86,4 +86,6 @@ def advertised_timing(settings: MockEngineSettings) -> EngineTiming:
     """The timing model a mock worker's membership record advertises (``advertise_timing``)."""
     if settings.advertise_timing is AdvertisedTiming.GENERIC:
         return GENERIC_TIMING
+    if settings.advertise_speedup_ratio is not None:
+        settings = settings.model_copy(update={"speedup_ratio": settings.advertise_speedup_ratio})
     return TimingModel.from_settings(settings).advertised()
