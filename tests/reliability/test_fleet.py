@@ -2,7 +2,7 @@
 real processes (3-node NATS cluster, PostgreSQL, two control planes, three routers, four mock
 workers) under CAS writers, threshold writers, rollbacks and chats, while the stream leader's NATS
 node and a control plane are killed and restarted, PostgreSQL and a router are paused (SIGSTOP),
-one router's link to NATS is cut and a worker's KV events flood the routers (about 55 s; the other
+one router's link to NATS is cut and a worker's KV events flood the routers (55-80 s; the other
 faults run in ``python bench/reliability.py``). The history checker then finds the CAS histories
 linearizable, every router apply in order, every live router on the head within 2 s, no
 acknowledged write lost or unaudited, the audit true, every chat answered (or refused for
