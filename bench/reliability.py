@@ -212,7 +212,8 @@ async def run_fleet_scenario(name: str, faults: list[tuple[str, float]], *, repe
         "per_fault": per_fault,
         "reconcile_ok": bool(result.reconcile.get("ok")), "verify_ok": bool(result.verify.get("ok")),
         "reconcile": {k: v for k, v in result.reconcile.items() if v or k in ("ok", "status")},
-        "verify": {k: result.verify.get(k) for k in ("status", "ok", "checked", "chain", "first_broken_id", "reason")},
+        "verify": {k: result.verify.get(k) for k in ("status", "took_s", "ok", "checked", "chain", "first_broken_id",
+                                                     "reason")},
         "verdict": str(verdict) if not result.unexpected
         else f"{verdict}; unexpected answers: {len(result.unexpected)}",
     }
@@ -277,7 +278,9 @@ def _markdown(results: list[dict[str, Any]], meta: dict[str, Any]) -> str:
     results = [r for r in results if not r["scenario"].startswith("fleet_")]
     lines = ["# Reliability report", "", f"Run {meta['at']} on {meta['machine']} ({meta['cpus']} CPUs; "
              f"single scenarios {meta['seconds']} s each, fleet faults x{meta['repeat']} {meta['gap']} s apart; "
-             "`python bench/reliability.py`).", "", "## Single-process scenarios", "",
+             "`python bench/reliability.py`)" + (
+                 f"; {', '.join(meta['rerun'])} run again then, the others at {meta['others_at']}."
+                 if meta.get("rerun") else "."), "", "## Single-process scenarios", "",
              "| scenario | attempts | accepted | conflicts | refused | unknown | lost | writes refused (s) | "
              "router on a post-fault write after (s) | reconcile | checker |",
              "|---|---|---|---|---|---|---|---|---|---|---|"]
@@ -298,6 +301,8 @@ async def main() -> None:
     everything = sorted(SCENARIOS) + list(FLEET_SCENARIOS)
     parser.add_argument("--scenario", nargs="*", choices=everything, default=everything)
     parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "reliability")
+    parser.add_argument("--update", action="store_true",
+                        help="keep the other scenarios' results already in --out (run some again)")
     args = parser.parse_args()
     results = []
     with tempfile.TemporaryDirectory(prefix="rudder-reliability-") as tmp:
@@ -315,6 +320,14 @@ async def main() -> None:
             results.append(result)
     meta = {"at": datetime.now(UTC).isoformat(timespec="seconds"), "machine": platform.platform(),
             "cpus": os.cpu_count(), "seconds": args.seconds, "repeat": args.repeat, "gap": args.gap}
+    if args.update and args.out.with_suffix(".json").exists():
+        ran = {r["scenario"] for r in results}
+        before = json.loads(args.out.with_suffix(".json").read_text())
+        kept = [r for r in before["results"] if r["scenario"] not in ran]
+        order = sorted(SCENARIOS) + list(FLEET_SCENARIOS)
+        results = sorted(kept + results, key=lambda r: order.index(r["scenario"]))
+        meta["rerun"] = sorted(ran)
+        meta["others_at"] = before["meta"].get("others_at") or before["meta"]["at"]
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.with_suffix(".json").write_text(json.dumps({"meta": meta, "results": results}, indent=2) + "\n")
     args.out.with_suffix(".md").write_text(_markdown(results, meta))

@@ -308,19 +308,21 @@ async def read_back(fleet: Fleet) -> History:
 
 async def _audit_checks(fleet: Fleet) -> tuple[dict[str, Any], dict[str, Any]]:
     """``rudder audit reconcile`` and ``rudder audit verify`` as the API answers them (a 503 is
-    asked again, as an operator would, for up to 10 s; the last answer counts)."""
+    asked again, as an operator would, for up to 10 s; the last answer counts), each with the
+    seconds it took (``took_s``: reconcile settles every ambiguous write of the run)."""
     headers = {"authorization": f"Bearer {fleet.tokens['admin']}"}
     answers: list[dict[str, Any]] = []
-    async with httpx.AsyncClient(base_url=fleet.urls("controlplane")[0], headers=headers, timeout=60) as http:
+    async with httpx.AsyncClient(base_url=fleet.urls("controlplane")[0], headers=headers, timeout=600) as http:
         for method, path in (("POST", "/audit/reconcile"), ("GET", "/audit/verify")):
-            deadline = mono() + 10
+            began = mono()
+            deadline = began + 10
             while True:
                 r = await http.request(method, path)
                 if r.status_code != 503 or mono() > deadline:
                     break
                 await asyncio.sleep(0.5)
             body = r.json() if r.headers.get("content-type", "").startswith("application/json") else {}
-            answers.append({"status": r.status_code, **body})
+            answers.append({"status": r.status_code, "took_s": round(mono() - began, 2), **body})
     return answers[0], answers[1]
 
 
