@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import json
 import os
 import platform
@@ -176,7 +177,7 @@ async def run_scenario(name: str, fault: Fault, seconds: float, root: Path) -> d
 
 
 async def run_fleet_scenario(name: str, faults: list[tuple[str, float]], *, repeat: int, gap_s: float,
-                             root: Path) -> dict[str, Any]:
+                             root: Path, keep_dir: Path | None = None) -> dict[str, Any]:
     fleet = Fleet(root / name)
     began = mono()
     try:
@@ -187,6 +188,14 @@ async def run_fleet_scenario(name: str, faults: list[tuple[str, float]], *, repe
         await fleet.stop()
     h = result.history
     verdict = check(h)
+    if not verdict.ok:  # keep the evidence: every attempt and apply, for a look at what broke
+        evidence = root.parent / f"{name}-history.json" if keep_dir is None else keep_dir / f"{name}-history.json"
+        evidence.write_text(json.dumps({
+            "verdict": str(verdict), "started_at": result.started_at,
+            "faults": [dataclasses.asdict(f) for f in result.faults],
+            "attempts": [{**dataclasses.asdict(a), "answer": a.answer.value} for a in h.attempts],
+            "applies": [dataclasses.asdict(a) for a in h.applies], "stream": h.stream}, default=str))
+        print(f"{name}: history kept in {evidence}", flush=True)
     routers = fleet.names("router")
     per_fault = [{"fault": f.name, "target": f.target, "took_s": round(f.back - f.began, 3),
                   "election_s": None if f.election_s is None else round(f.election_s, 3),
@@ -311,7 +320,7 @@ async def main() -> None:
             if name in FLEET_SCENARIOS:
                 try:
                     result = await run_fleet_scenario(name, FLEET_SCENARIOS[name], repeat=args.repeat,
-                                                      gap_s=args.gap, root=Path(tmp))
+                                                      gap_s=args.gap, root=Path(tmp), keep_dir=args.out.parent)
                 except Exception as exc:  # one scenario's failure must not lose the others' results
                     result = {"scenario": name, "error": f"{type(exc).__name__}: {str(exc)[:300]}"}
             else:
