@@ -105,13 +105,15 @@ def nats_server_config(
     *, port: int, monitor_port: int, store_dir: Path, auth_include: Path | None,
     tls: TlsFiles | None = None, server_name: str | None = None, sync_always: bool = False,
     cluster: tuple[str, int, list[int]] | None = None, host: str = "127.0.0.1",
-    route_tls: TlsFiles | None = None,
+    route_tls: TlsFiles | None = None, no_advertise: bool = False,
 ) -> str:
     """A nats-server config: JetStream, our decentralised auth (``auth_include``) and TLS.
 
     ``cluster`` = (cluster name, this node's route port, every node's route port); ``route_tls``
     secures the routes between nodes with mutual TLS (NATS verifies route certificates both ways:
-    a node that cannot show a certificate of that CA does not join)."""
+    a node that cannot show a certificate of that CA does not join). ``no_advertise``: the nodes do
+    not tell clients the other nodes' addresses, so a client reaches only the URLs it was given (a
+    test puts a proxy in front of one client)."""
     lines = []
     if server_name:
         lines.append(f"server_name: {server_name}")
@@ -124,6 +126,8 @@ def nats_server_config(
         name, route_port, all_ports = cluster
         routes = ", ".join(f"nats-route://{host}:{p}" for p in all_ports)
         lines += ["cluster {", f"  name: {name}", f"  listen: {host}:{route_port}", f"  routes: [{routes}]"]
+        if no_advertise:
+            lines.append("  no_advertise: true")
         if route_tls is not None:
             lines += ["  tls {", f'    cert_file: "{route_tls.cert}"', f'    key_file: "{route_tls.key}"',
                       f'    ca_file: "{route_tls.ca}"', "    timeout: 2", "  }"]
@@ -168,6 +172,7 @@ class EmbeddedNats:
         self.server_name = server_name
         self.cluster = cluster
         self.sync_always = sync_always
+        self.no_advertise = False  # (a cluster node) see nats_server_config
         self.proc: subprocess.Popen[bytes] | None = None
         self.restarts = 0  # restarts by a supervisor (``rudder up``), shown by ``rudder status``
         self.last_exit: int | None = None
@@ -202,6 +207,7 @@ class EmbeddedNats:
             port=self.port, monitor_port=self.monitor_port, store_dir=self.data_dir,
             auth_include=self.auth, tls=self.tls, server_name=self.server_name,
             cluster=self.cluster, sync_always=self.sync_always, route_tls=self.route_tls,
+            no_advertise=self.no_advertise,
         ))
         self.proc = subprocess.Popen(
             [nats_server_binary(), "-c", str(config)],

@@ -105,7 +105,9 @@ class Reconciler:
                          "kind": row.kind, "expected_revision": row.expected_revision})
                 continue
             decision, code, reason, rev = outcome
-            await self.audit.append(AuditEntry(
+            # Once per event: another replica's reconciler (or a manual reconcile) may be settling
+            # the same row right now.
+            recorded = await self.audit.append_decision_once(AuditEntry(
                 event_id=row.event_id, stage=AuditStage.DECISION, decision=decision,
                 reason_code=code, reason=reason, actor=row.actor, roles=list(row.roles),
                 auth_method=row.auth_method, source_ip=row.source_ip, user_agent=row.user_agent,
@@ -114,6 +116,9 @@ class Reconciler:
                 new_revision=rev, changes=row.changes, before=row.before, after=row.after,
                 dry_run=row.dry_run, at=datetime.now(UTC),
             ))
+            if recorded is None:
+                log.info("event_id=%s: decided meanwhile by another reconciler", row.event_id)
+                continue
             log.info("reconciled event_id=%s decision=%s revision=%s", row.event_id, decision.value, rev)
             resolved += 1
         return resolved

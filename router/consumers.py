@@ -408,11 +408,15 @@ class AckPublisher:
     """ACK/NACKs to the ``RUDDER_ACKS`` stream, in order, from a queue: the policy consumer never
     waits for JetStream (a stream electing a leader takes seconds), and an ACK whose publish
     failed is retried until stored, so none is lost while a router runs. Each ACK has its own
-    ``Nats-Msg-Id``, so a retry whose first attempt was stored after all is not stored twice."""
+    ``Nats-Msg-Id``, so a retry whose first attempt was stored after all is not stored twice.
+    Retries back off to at most ``max_retry_s`` (0.5 s): an ACK is what tells the control plane
+    the router is on the head, so it must follow soon after the bus can store again (a failed
+    store is cheap: refused locally while disconnected, or bounded by the ack wait)."""
 
-    def __init__(self, bus: Bus, router_id: str, *, limit: int = 10_000) -> None:
+    def __init__(self, bus: Bus, router_id: str, *, limit: int = 10_000, max_retry_s: float = 0.5) -> None:
         self.bus = bus
         self.router_id = router_id
+        self.max_retry_s = max_retry_s
         self._queue: asyncio.Queue[tuple[str, ApplyAck]] = asyncio.Queue(maxsize=limit)
         self.dropped = 0
 
@@ -436,7 +440,7 @@ class AckPublisher:
                     log.warning("ACK for revision %d not stored yet (%s); retrying", ack.revision,
                                 exc.message)
                     await asyncio.sleep(delay)
-                    delay = min(delay * 2, 2.0)
+                    delay = min(delay * 2, self.max_retry_s)
 
     async def flush(self, timeout_s: float = 2.0) -> None:
         """Give queued ACKs a moment to be stored (graceful stop)."""

@@ -175,6 +175,25 @@ class AuditChain:
                 f"audit store unavailable (append): no commit within {self._db.timeout_s}s"
             ) from exc
 
+    async def append_decision_once(self, entry: AuditEntry) -> AuditRow | None:
+        """Record the decision ``entry`` unless its event has a decision row already; None then.
+        The check runs under the chain's lock, in the insert's transaction: two reconcilers (one
+        per control-plane replica, or a periodic pass and ``rudder audit reconcile``) settling the
+        same pending event cannot both record a decision."""
+        if self._closed:
+            raise AuditUnavailable("audit store is closed")
+        c = audit_log.c
+        async with self._db.bounded("append"), self._db.engine.connect() as conn, conn.begin():
+            last_id, last_hash = await lock_head(conn, audit_log, CHAIN_LOCK_KEY)
+            decided = await conn.execute(select(c.id).where(
+                c.stage == AuditStage.DECISION.value, c.event_id == entry.event_id).limit(1))
+            if decided.first() is not None:
+                return None
+            [row] = chain_rows([entry], last_id=last_id, last_hash=last_hash)
+            await conn.execute(insert(audit_log), [_params(row)])
+        self._on_commit(1)
+        return row
+
     async def _insert_chained(self, entries: list[AuditEntry]) -> list[AuditRow]:
         """One transaction on a pooled connection (the serialised mode)."""
         async with self._db.bounded("append"), self._db.engine.connect() as conn:

@@ -127,6 +127,10 @@ class AuditStore:
         """Record ``entries`` in order, in one transaction, as consecutive rows of the chain."""
         return await self.audit_log.append_many(entries)
 
+    async def append_decision_once(self, entry: AuditEntry) -> AuditRow | None:
+        """Record a decision unless its event has one already (``AuditChain.append_decision_once``)."""
+        return await self.audit_log.append_decision_once(entry)
+
     async def get(self, id: int) -> AuditRow | None:
         return await self.audit_log.get(id)
 

@@ -20,6 +20,9 @@ table and the audit log are read back. The checks:
 - **audit truth** (:func:`check_audit_truth`): no event that is on the stream, or that a router
   ACKed, is recorded as rejected (a false ``not_published``), and every accepted decision names
   the revision the stream gave the event.
+- **chats** (:func:`check_chats`): no chat that had not started streaming fails for a reason
+  other than overload while at least one worker and one router were healthy (a client fails over
+  to another router when one does not answer; it fails only when none does).
 """
 
 from __future__ import annotations
@@ -74,6 +77,22 @@ class Decision:
 
 
 @dataclass(frozen=True, slots=True)
+class Chat:
+    """One chat as a client saw it: ``tried`` routers in turn until one answered."""
+
+    invoked: float
+    completed: float
+    ok: bool
+    reason: str = ""  # why it failed: "<status> <code>" or the transport error's name
+    streamed: bool = False  # the failure came after the answer had started streaming
+    tried: tuple[str, ...] = ()
+
+
+#: Refusals a client must expect under load (429 rate_limited, 529 overloaded / queue_full).
+OVERLOAD_STATUSES = frozenset({429, 529})
+
+
+@dataclass(frozen=True, slots=True)
 class Problem:
     kind: str
     detail: str
@@ -106,7 +125,7 @@ class _Op:
     new_revision: int | None  # what it sets the head to if it takes effect (None: unknown)
 
 
-def _ops(attempts: Sequence[Attempt], stream_events: Mapping[str, int]) -> list[_Op]:
+def _ops(attempts: Sequence[Attempt], stream_events: Mapping[str, int], retained_from: int | None) -> list[_Op]:
     ops: list[_Op] = []
     for a in attempts:
         if a.answer is Answer.REFUSED:
@@ -115,6 +134,8 @@ def _ops(attempts: Sequence[Attempt], stream_events: Mapping[str, int]) -> list[
             found = stream_events.get(a.event_id) if a.event_id else None
             if found is not None:  # the stream says it took effect, at this revision
                 ops.append(_Op(a, a.invoked, math.inf, True, found))
+            elif a.event_id and retained_from is not None and retained_from <= a.expected + 1:
+                continue  # every revision after its expected one is retained, and none is it: never
             else:  # not (or no longer) on the stream: it may have taken effect, or never
                 ops.append(_Op(a, a.invoked, math.inf, False, None))
             continue
@@ -139,11 +160,14 @@ def _step(op: _Op, head: int | None) -> tuple[bool, int | None]:
 
 
 def linearize(attempts: Sequence[Attempt], *, initial: int = 0,
-              stream_events: Mapping[str, int] | None = None, budget: int = 200_000) -> bool | None:
+              stream_events: Mapping[str, int] | None = None, retained_from: int | None = None,
+              budget: int = 200_000) -> bool | None:
     """Whether one document's attempts are linearizable; None when the search ran out of
     ``budget`` states (then nothing is claimed). ``stream_events``: event id -> revision of the
-    events the stream holds for this document (to settle attempts without an answer)."""
-    ops = sorted(_ops(attempts, stream_events or {}), key=lambda op: op.invoked)
+    events the stream holds for this document, and ``retained_from``: every revision of it from
+    this one on is still held (to settle attempts without an answer: an event id the stream does
+    not hold, where it holds every revision after the attempt's expected one, never took effect)."""
+    ops = sorted(_ops(attempts, stream_events or {}, retained_from), key=lambda op: op.invoked)
     n = len(ops)
     required = sum(1 << i for i, op in enumerate(ops) if op.required)
     seen: set[tuple[int, int | None]] = set()
@@ -181,14 +205,15 @@ def linearize(attempts: Sequence[Attempt], *, initial: int = 0,
 
 
 def check_linearizable(attempts: Iterable[Attempt], *, stream: Mapping[str, Mapping[int, str]] | None = None,
-                       budget: int = 200_000) -> list[Problem]:
+                       retired_below: Mapping[str, int] | None = None, budget: int = 200_000) -> list[Problem]:
     by_doc: dict[str, list[Attempt]] = defaultdict(list)
     for a in attempts:
         by_doc[a.document].append(a)
     problems = []
     for doc, history in sorted(by_doc.items()):
         events = {eid: rev for rev, eid in (stream or {}).get(doc, {}).items()}
-        result = linearize(history, stream_events=events, budget=budget)
+        retained = (retired_below or {}).get(doc)
+        result = linearize(history, stream_events=events, retained_from=retained, budget=budget)
         if result is False:
             problems.append(Problem("not_linearizable",
                                     f"{doc}: no order of its {len(history)} attempts is a compare-and-set "
@@ -292,6 +317,27 @@ def check_audit_truth(audit: Iterable[Decision], *, stream: Mapping[str, Mapping
     return problems
 
 
+# -- chats ------------------------------------------------------------------------------------
+
+
+def check_chats(chats: Iterable[Chat], *,
+                unserved: Sequence[tuple[float, float]] = ()) -> list[Problem]:
+    """Every chat that failed before streaming failed for overload, or while no worker or no
+    router was healthy (``unserved``: those windows, as the fault schedule made them)."""
+    problems = []
+    for c in chats:
+        if c.ok or c.streamed:
+            continue
+        status = c.reason.split(" ", 1)[0]
+        if status.isdigit() and int(status) in OVERLOAD_STATUSES:
+            continue
+        if any(begin <= c.completed and c.invoked <= end for begin, end in unserved):
+            continue
+        problems.append(Problem("chat_failed", f"a chat through {'/'.join(c.tried) or '-'} failed with "
+                                               f"{c.reason} ({c.completed - c.invoked:.2f}s)"))
+    return problems
+
+
 @dataclass
 class History:
     """Everything one run recorded, and what was read back after it."""
@@ -303,13 +349,15 @@ class History:
     audit: list[Decision] = field(default_factory=list)
     acked_events: set[str] = field(default_factory=set)
     live_routers: set[str] = field(default_factory=set)
+    chats: list[Chat] = field(default_factory=list)
+    unserved: list[tuple[float, float]] = field(default_factory=list)
     last_fault_at: float | None = None
     converge_within_s: float = 2.0
 
 
 def check(h: History) -> Verdict:
     verdict = Verdict()
-    verdict.problems += check_linearizable(h.attempts, stream=h.stream)
+    verdict.problems += check_linearizable(h.attempts, stream=h.stream, retired_below=h.retired_below)
     verdict.problems += check_applies(h.applies, stream=h.stream, retired_below=h.retired_below)
     if h.last_fault_at is not None and h.stream:
         heads = {doc: max(held) for doc, held in h.stream.items() if held}
@@ -321,4 +369,5 @@ def check(h: History) -> Verdict:
     verdict.problems += check_acknowledged(h.attempts, stream=h.stream, audit=h.audit,
                                            retired_below=h.retired_below)
     verdict.problems += check_audit_truth(h.audit, stream=h.stream, acked_events=h.acked_events)
+    verdict.problems += check_chats(h.chats, unserved=h.unserved)
     return verdict

@@ -6,6 +6,7 @@ disk would), after its "received" row was stored and its event published."""
 
 from __future__ import annotations
 
+import asyncio
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -148,3 +149,32 @@ async def test_an_event_the_stream_rules_out_is_still_not_published(
         assert decision.decision == "rejected" and decision.reason_code == "not_published"
     finally:
         await store.close()
+
+
+async def test_two_reconcilers_settling_the_same_rows_record_one_decision_each(
+        nats_url: str, database_url: str, database_owner_url: str) -> None:
+    """Found by the fleet harness: each control-plane replica runs a reconciler, and an operator
+    may run ``rudder audit reconcile`` meanwhile; two of them settling the same pending rows
+    recorded two (or three) decisions of one event, and reconcile then reported
+    ``duplicate_decisions``."""
+    await upgrade_async(database_owner_url)
+    model = f"recon-race/{uuid.uuid4().hex[:6]}"
+    stores = [AuditStore.from_url(database_url) for _ in range(2)]
+    ghosts = [uuid.uuid4() for _ in range(20)]
+    nc = await buskit.connect_as(nats_url, Identity(IdentityKind.CONTROLPLANE))
+    try:
+        for ghost in ghosts:  # "received" rows whose publish never happened
+            await stores[0].append(AuditEntry(
+                event_id=ghost, stage=AuditStage.RECEIVED, decision=Decision.PENDING, actor="t",
+                roles=["operator"], model=model, kind="selection", op="patch", expected_revision=0,
+                at=datetime.now(UTC) - timedelta(minutes=1)))
+        reconcilers = [Reconciler(session_keys().policy_log(nc), s, grace_s=0.0) for s in stores]
+        resolved = await asyncio.gather(*(r.resolve_pending() for r in reconcilers))
+        assert sum(resolved) == len(ghosts), resolved
+        for ghost in ghosts:
+            [decision] = await stores[0].decisions_for_event(ghost)
+            assert decision.reason_code == "not_published"
+    finally:
+        await nc.close()
+        for s in stores:
+            await s.close()

@@ -11,10 +11,12 @@ from tests.reliability.history import (
     Answer,
     Apply,
     Attempt,
+    Chat,
     Decision,
     History,
     check,
     check_applies,
+    check_chats,
     check_convergence,
     check_linearizable,
     linearize,
@@ -72,6 +74,24 @@ def test_a_lost_answer_may_have_taken_effect_or_not() -> None:
     # Known to have taken effect at revision 1: whichever came first, the other found the head
     # away from 0.
     assert linearize(never, stream_events={"ea": 1}) is False
+
+
+def test_a_lost_answer_not_on_a_fully_retained_stream_never_took_effect() -> None:
+    """``a``'s event is not on the stream, which holds every revision after a's expected one:
+    it never took effect, so ``c``'s 409 naming head 1 (the head only ``a`` could have set) is
+    a lie the checker reports; with revisions retired it could have, and is not reported."""
+    history = [unknown("a", 0, 0.0, "ea"), conflict("c", 0, 1.0, 1.1, 1), ok("b", 0, 1, 2.0, 2.1)]
+    assert linearize(history) is True
+    assert linearize(history, stream_events={"eb": 1}, retained_from=0) is False
+    assert linearize(history, stream_events={"eb": 1}, retained_from=5) is True
+
+
+def test_many_lost_answers_ruled_out_by_the_stream_check_quickly() -> None:
+    """A leader election answers dozens of writes ``log_ambiguous`` at once: each one open in the
+    search doubles it, unless the stream (holding every revision) rules it out."""
+    history = [unknown(f"c{i % 3}", 1, 0.01 * i, f"lost{i}") for i in range(200)]
+    history += [ok("a", 0, 1, 0.0, 0.05), ok("a", 1, 2, 3.0, 3.1)]
+    assert linearize(history, stream_events={"e1": 1, "e2": 2}, retained_from=0) is True
 
 
 def test_a_long_sequential_history_checks_quickly() -> None:
@@ -165,3 +185,18 @@ def test_a_router_one_revision_behind_fails_the_verdict() -> None:
     h = _clean()
     h.applies = [ap for ap in h.applies if not (ap.router == "r2" and ap.revision == 2)]
     assert check(h).kinds() == {"not_converged"}
+
+
+# -- chats -------------------------------------------------------------------------------------
+
+
+def test_a_chat_refused_for_another_reason_than_overload_is_reported() -> None:
+    chats = [Chat(0.0, 0.1, True, tried=("r1",)), Chat(0.0, 0.1, False, "529 overloaded", tried=("r1",)),
+             Chat(0.0, 0.1, False, "429 rate_limited", tried=("r1",)),
+             Chat(0.0, 0.2, False, "ReadError", streamed=True, tried=("r2",)),
+             Chat(1.0, 1.2, False, "503 no_workers", tried=("r1", "r2", "r3"))]
+    [problem] = check_chats(chats)
+    assert problem.kind == "chat_failed" and "503 no_workers" in problem.detail
+    assert check_chats(chats, unserved=[(0.9, 1.5)]) == []  # no worker or no router was healthy then
+    h = History(chats=chats)
+    assert check(h).kinds() == {"chat_failed"}
