@@ -20,8 +20,21 @@ Both fits are robust and bounded: the last ``window`` observations only, Huber-w
 iteratively reweighted least squares (a slow outlier's pull is capped at 1.345 robust standard
 deviations), a light ridge toward the prior (columns scaled, so a narrow range of N or u leaves the
 unidentified coefficients at the prior instead of anywhere), and no negative prefill coefficient.
-Until ``min_samples`` observations are in, the prior is used. The error of each TTFT prediction the
-router made (with the model in use at the time) is kept over the same window: mean absolute and p90.
+
+Until ``min_samples`` observations are in, the prior is used **scaled** (issue 16): from
+``EARLY_SAMPLES`` observations on (the first), one coefficient per part, the median ratio of what
+was measured to what the prior predicts for the same features, clamped to ``SCALE_RANGE``,
+multiplies the prior's coefficients (source ``"scaled"``). A worker that advertises a generic prior
+(every vLLM worker does, whatever its GPU) is thus scored at its own speed from its first request
+on, not after ``min_samples`` of them. A ratio within ``SCALE_KEEP`` of 1 keeps the prior as it
+is: a few observations of a worker whose prior is its own timing scatter around 1 by up to ≈ 25 %
+(the model counts a queue ahead as not started), and scaling a true prior by that scatter only
+moves the first placements. While the decode part has fewer than ``EARLY_SAMPLES`` observations
+of its own, it is scaled with the prefill's ratio (a slower GPU is slower at both); once it has,
+the prefill's ratio is taken after its decode term.
+
+The error of each TTFT prediction the router made (with the model in use at the time) is kept over
+the same window: mean absolute and p90.
 
 A fit costs milliseconds (numpy medians and solves over the window), so a router never runs one on
 its scheduler actor (issue 16): recording an observation is O(1); :class:`router.fitting.Fitter`
@@ -33,6 +46,7 @@ inline instead, with the same code at the same observation counts (``inline=True
 from __future__ import annotations
 
 import math
+import statistics
 from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass, replace
@@ -53,6 +67,12 @@ REFIT_EVERY = 4  # observations between two refits (inline; off the actor, at mo
 # KV usage must span at least this much for the decode curve's shape to be fitted; below it only
 # its level is (the prior's curve, scaled).
 DECODE_SHAPE_SPAN = 0.25
+# Observations from which a part's prior is scaled to them (below min_samples); the bounds of
+# that scale (a ratio outside them is a broken measurement more likely than a GPU); and the band
+# around 1 within which the prior is kept as it is. Chosen on bench/routing_sim.py (decisions 42).
+EARLY_SAMPLES = 1
+SCALE_RANGE = (0.01, 100.0)
+SCALE_KEEP = 1.25
 
 
 @dataclass(frozen=True, slots=True)
@@ -138,6 +158,7 @@ class FitWindow:
     prefill_fitted: bool
     decode: tuple[tuple[float, float], ...] | None
     prefill: tuple[PrefillObservation, ...] | None
+    decode_samples: int = 0  # decode observations held (copied or not): has it data of its own?
 
 
 @dataclass(frozen=True, slots=True)
@@ -153,17 +174,46 @@ def fit(window: FitWindow) -> FitResult:
     """Refit what ``window`` holds: the decode curve first (the prefill fit subtracts its
     decode term), then the prefill coefficients. Pure; the numpy work is here and only here."""
     t, decode_fitted, prefill_fitted = window.timing, window.decode_fitted, window.prefill_fitted
+    early = early_samples(window.min_samples)
     if window.decode is not None:
         t, decode_fitted = _fit_decode(window.prior, t, window.decode, window.min_samples)
     if window.prefill is not None:
-        t, prefill_fitted = _fit_prefill(window.prior, t, window.prefill, window.min_samples, decode_fitted)
-    return FitResult(window.instance_id, window.generation, t, decode_fitted, prefill_fitted)
+        t, prefill_fitted = _fit_prefill(window.prior, t, window.prefill, window.min_samples,
+                                         decode_own=window.decode_samples >= early)
+    prior = window.prior
+    source = ("fitted" if decode_fitted or prefill_fitted
+              else prior.source if replace(t, source=prior.source) == prior else "scaled")
+    return FitResult(window.instance_id, window.generation, replace(t, source=source), decode_fitted, prefill_fitted)
+
+
+def early_samples(min_samples: int) -> int:
+    """Observations from which a part's prior is scaled (never more than ``min_samples``)."""
+    return min(EARLY_SAMPLES, min_samples)
+
+
+def scale_ratio(measured: Iterable[float], predicted: Iterable[float]) -> float:
+    """The median of measured / predicted over the pairs with a positive prediction, clamped to
+    ``SCALE_RANGE``; 1 when there is none or when it is within ``SCALE_KEEP`` of 1. Robust to a
+    slow outlier from three pairs on."""
+    ratios = [m / p for m, p in zip(measured, predicted, strict=True) if p > 0]
+    if not ratios:
+        return 1.0
+    lo, hi = SCALE_RANGE
+    k = min(max(statistics.median(ratios), lo), hi)
+    return 1.0 if 1.0 / SCALE_KEEP < k < SCALE_KEEP else k
+
+
+def _scaled_decode(prior: Timing, t: Timing, k: float) -> Timing:
+    return replace(t, d0=k * prior.d0, d1=k * prior.d1, d2=k * prior.d2, decode_min_ms=k * prior.decode_min_ms)
 
 
 def _fit_decode(prior: Timing, t: Timing, obs: tuple[tuple[float, float], ...], min_samples: int,
                 ) -> tuple[Timing, bool]:
     if len(obs) < min_samples:
-        return replace(t, d0=prior.d0, d1=prior.d1, d2=prior.d2), False
+        if len(obs) < early_samples(min_samples):
+            return replace(t, d0=prior.d0, d1=prior.d1, d2=prior.d2, decode_min_ms=prior.decode_min_ms), False
+        k = scale_ratio((y for _, y in obs), (prior.decode_step_ms(u) for u, _ in obs))
+        return _scaled_decode(prior, t, k), False
     data = np.array(obs, dtype=np.float64)
     u, y = data[:, 0], data[:, 1]
     coefs = np.array([prior.d0, prior.d1, prior.d2])
@@ -177,20 +227,38 @@ def _fit_decode(prior: Timing, t: Timing, obs: tuple[tuple[float, float], ...], 
         shape = np.maximum(coefs[0] + coefs[1] * u + coefs[2] * u * u, prior.decode_min_ms)
         k = float(robust_fit(shape[:, None], y, np.ones(1), nonnegative=True)[0])
         d0, d1, d2 = (float(v) for v in k * coefs)
-    return replace(t, d0=d0, d1=d1, d2=d2, source="fitted"), True
+    return replace(t, d0=d0, d1=d1, d2=d2, decode_min_ms=prior.decode_min_ms), True
 
 
-def _fit_prefill(prior: Timing, t: Timing, obs: tuple[PrefillObservation, ...], min_samples: int,
-                 decode_fitted: bool) -> tuple[Timing, bool]:
-    if len(obs) < min_samples:
-        return replace(t, p0=prior.p0, p1=prior.p1, p2=prior.p2,
-                       source=t.source if decode_fitted else prior.source), False
+def _prior_prefill_ms(prior: Timing, o: PrefillObservation) -> float:
+    steps, x, sq, _ = o.features()
+    return prior.p0 * steps + prior.p1 * x + prior.p2 * sq
+
+
+def _fit_prefill(prior: Timing, t: Timing, obs: tuple[PrefillObservation, ...], min_samples: int, *,
+                 decode_own: bool) -> tuple[Timing, bool]:
+    """``decode_own``: the decode part has observations of its own (fitted or scaled to them);
+    else it is the prior's, scaled here with the prefill's ratio once there are enough TTFTs."""
+    early = early_samples(min_samples)
+    if len(obs) < early:
+        t = t if decode_own else _scaled_decode(prior, t, 1.0)
+        return replace(t, p0=prior.p0, p1=prior.p1, p2=prior.p2), False
+    if not decode_own:
+        k = scale_ratio((o.measured_ms for o in obs), (
+            _prior_prefill_ms(prior, o) + o.features()[3] * prior.decode_step_ms(o.kv_usage) for o in obs))
+        t = _scaled_decode(prior, t, k)
+        if len(obs) < min_samples:
+            return replace(t, p0=k * prior.p0, p1=k * prior.p1, p2=k * prior.p2), False
+    elif len(obs) < min_samples:
+        k = scale_ratio((o.measured_ms - o.features()[3] * t.decode_step_ms(o.kv_usage) for o in obs),
+                        (_prior_prefill_ms(prior, o) for o in obs))
+        return replace(t, p0=k * prior.p0, p1=k * prior.p1, p2=k * prior.p2), False
     f = np.array([o.features() for o in obs], dtype=np.float64)
     decode = np.array([t.decode_step_ms(o.kv_usage) for o in obs])
     y = np.array([o.measured_ms for o in obs]) - f[:, 3] * decode
     coefs = np.array([prior.p0, prior.p1, prior.p2])
     p0, p1, p2 = (float(v) for v in robust_fit(f[:, :3], y, coefs, nonnegative=True))
-    return replace(t, p0=p0, p1=p1, p2=p2, source="fitted"), True
+    return replace(t, p0=p0, p1=p1, p2=p2), True
 
 
 class Calibration:
@@ -263,7 +331,7 @@ class Calibration:
         self._errors.append(abs(obs.predicted_ms - obs.measured_ms))
         self.observations += 1
         self._since_fit += 1
-        if self.inline and (self._since_fit >= REFIT_EVERY or len(self._prefill) == self.min_samples):
+        if self.inline and self._prefill_due():
             self._refit(decode=False, prefill=True)
 
     def observe_decode(self, kv_usage: float, itl_ms: float) -> None:
@@ -271,7 +339,7 @@ class Calibration:
             return
         self._decode.append((min(max(kv_usage, 0.0), 1.0), itl_ms))
         self._decode_since_fit += 1
-        if self.inline and (self._decode_since_fit >= REFIT_EVERY or len(self._decode) == self.min_samples):
+        if self.inline and self._decode_due():
             self._refit(decode=True, prefill=True)  # the prefill's decode term changed
 
     # -- fits ------------------------------------------------------------------------------------
@@ -284,20 +352,27 @@ class Calibration:
         (neither part has ``min_samples`` observations: both go back to the prior), else at the
         next :meth:`window`. A fit in flight is of the old settings: its result is dropped."""
         self.generation += 1
-        if self.inline or (len(self._decode) < self.min_samples and len(self._prefill) < self.min_samples):
+        early = early_samples(self.min_samples)
+        if self.inline or (len(self._decode) < early and len(self._prefill) < early):
             self._refit(decode=True, prefill=True)
         else:
             self._stale = True
 
+    def _decode_due(self) -> bool:
+        """New decode observations to refit: every ``REFIT_EVERY``, and each one from
+        ``EARLY_SAMPLES`` until the full fit (while scaled, every observation moves the scale)."""
+        return self._decode_since_fit > 0 and (self._decode_since_fit >= REFIT_EVERY or (
+            not self.decode_fitted and len(self._decode) >= early_samples(self.min_samples)))
+
+    def _prefill_due(self) -> bool:
+        return self._since_fit > 0 and (self._since_fit >= REFIT_EVERY or (
+            not self.prefill_fitted and len(self._prefill) >= early_samples(self.min_samples)))
+
     def due(self) -> tuple[bool, bool]:
         """(decode, prefill): the parts a background fit should refit now. A decode refit takes
         the prefill with it (its decode term changed), as inline."""
-        ready = self.min_samples
-        decode = self._stale or (self._decode_since_fit > 0 and (
-            self._decode_since_fit >= REFIT_EVERY or (not self.decode_fitted and len(self._decode) >= ready)))
-        prefill = decode or (self._since_fit > 0 and (
-            self._since_fit >= REFIT_EVERY or (not self.prefill_fitted and len(self._prefill) >= ready)))
-        return decode, prefill
+        decode = self._stale or self._decode_due()
+        return decode, decode or self._prefill_due()
 
     def window(self, instance_id: int = 0, *, decode: bool, prefill: bool) -> FitWindow:
         """Copy what a refit of these parts needs (O(window)); their observations since the last
@@ -312,6 +387,7 @@ class Calibration:
             instance_id=instance_id, generation=self.generation, prior=self.prior, timing=self.timing,
             min_samples=self.min_samples, decode_fitted=self.decode_fitted, prefill_fitted=self.prefill_fitted,
             decode=tuple(self._decode) if decode else None, prefill=tuple(self._prefill) if prefill else None,
+            decode_samples=len(self._decode),
         )
 
     def apply(self, result: FitResult) -> bool:
