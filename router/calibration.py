@@ -73,6 +73,7 @@ DECODE_SHAPE_SPAN = 0.25
 EARLY_SAMPLES = 1
 SCALE_RANGE = (0.01, 100.0)
 SCALE_KEEP = 1.25
+SCALE_REFERENCE_TOKENS = 2048.0  # a worker's scale, to lend to its pool: its step of this many tokens
 
 
 @dataclass(frozen=True, slots=True)
@@ -158,7 +159,9 @@ class FitWindow:
     prefill_fitted: bool
     decode: tuple[tuple[float, float], ...] | None
     prefill: tuple[PrefillObservation, ...] | None
-    decode_samples: int = 0  # decode observations held (copied or not): has it data of its own?
+    decode_samples: int = 0  # observations held (copied or not): has a part data of its own?
+    prefill_samples: int = 0
+    lent: float = 1.0  # the pool's scale, used while the prefill has no data of its own
 
 
 @dataclass(frozen=True, slots=True)
@@ -168,6 +171,7 @@ class FitResult:
     timing: Timing
     decode_fitted: bool
     prefill_fitted: bool
+    own: bool = False  # scored from observations of its own TTFTs (else the prior, or the pool's scale)
 
 
 def fit(window: FitWindow) -> FitResult:
@@ -179,11 +183,22 @@ def fit(window: FitWindow) -> FitResult:
         t, decode_fitted = _fit_decode(window.prior, t, window.decode, window.min_samples)
     if window.prefill is not None:
         t, prefill_fitted = _fit_prefill(window.prior, t, window.prefill, window.min_samples,
-                                         decode_own=window.decode_samples >= early)
-    prior = window.prior
-    source = ("fitted" if decode_fitted or prefill_fitted
-              else prior.source if replace(t, source=prior.source) == prior else "scaled")
-    return FitResult(window.instance_id, window.generation, replace(t, source=source), decode_fitted, prefill_fitted)
+                                         decode_own=window.decode_samples >= early, lent=window.lent)
+    own = window.prefill_samples >= early
+    source = _source(window.prior, t, fitted=decode_fitted or prefill_fitted,
+                     own=own or window.decode_samples >= early)
+    return FitResult(window.instance_id, window.generation, replace(t, source=source), decode_fitted,
+                     prefill_fitted, own)
+
+
+def _source(prior: Timing, t: Timing, *, fitted: bool, own: bool) -> str:
+    """"fitted" once a part is; else "scaled" (to its own observations) or "pooled" (the pool's
+    scale) when it differs from the prior; else the prior's."""
+    if fitted:
+        return "fitted"
+    if replace(t, source=prior.source) == prior:
+        return prior.source
+    return "scaled" if own else "pooled"
 
 
 def early_samples(min_samples: int) -> int:
@@ -196,11 +211,20 @@ def scale_ratio(measured: Iterable[float], predicted: Iterable[float]) -> float:
     ``SCALE_RANGE``; 1 when there is none or when it is within ``SCALE_KEEP`` of 1. Robust to a
     slow outlier from three pairs on."""
     ratios = [m / p for m, p in zip(measured, predicted, strict=True) if p > 0]
-    if not ratios:
-        return 1.0
+    return _bounded(statistics.median(ratios)) if ratios else 1.0
+
+
+def _bounded(k: float) -> float:
     lo, hi = SCALE_RANGE
-    k = min(max(statistics.median(ratios), lo), hi)
+    k = min(max(k, lo), hi)
     return 1.0 if 1.0 / SCALE_KEEP < k < SCALE_KEEP else k
+
+
+def pool_scale(scales: Iterable[float]) -> float:
+    """The scale lent to a pool's workers that have no TTFT of their own: the median of the
+    others' (bounded as :func:`scale_ratio`), 1 when none has one."""
+    values = list(scales)
+    return _bounded(statistics.median(values)) if values else 1.0
 
 
 def _scaled_decode(prior: Timing, t: Timing, k: float) -> Timing:
@@ -236,13 +260,14 @@ def _prior_prefill_ms(prior: Timing, o: PrefillObservation) -> float:
 
 
 def _fit_prefill(prior: Timing, t: Timing, obs: tuple[PrefillObservation, ...], min_samples: int, *,
-                 decode_own: bool) -> tuple[Timing, bool]:
+                 decode_own: bool, lent: float = 1.0) -> tuple[Timing, bool]:
     """``decode_own``: the decode part has observations of its own (fitted or scaled to them);
-    else it is the prior's, scaled here with the prefill's ratio once there are enough TTFTs."""
+    else it is the prior's, scaled here with the prefill's ratio once there are enough TTFTs, and
+    with the pool's (``lent``) before."""
     early = early_samples(min_samples)
     if len(obs) < early:
-        t = t if decode_own else _scaled_decode(prior, t, 1.0)
-        return replace(t, p0=prior.p0, p1=prior.p1, p2=prior.p2), False
+        t = t if decode_own else _scaled_decode(prior, t, lent)
+        return replace(t, p0=lent * prior.p0, p1=lent * prior.p1, p2=lent * prior.p2), False
     if not decode_own:
         k = scale_ratio((o.measured_ms for o in obs), (
             _prior_prefill_ms(prior, o) + o.features()[3] * prior.decode_step_ms(o.kv_usage) for o in obs))
@@ -288,6 +313,8 @@ class Calibration:
         self.timing = prior
         self.prefill_fitted = False
         self.decode_fitted = False
+        self.own = False  # scored from its own TTFTs (see FitResult.own)
+        self.lent = 1.0  # the pool's scale while not own (Calibrations)
         self.observations = 0
 
     # -- settings and reset ----------------------------------------------------------------------
@@ -316,7 +343,8 @@ class Calibration:
         self._decode.clear()
         self._errors.clear()
         self.timing = self.prior
-        self.prefill_fitted = self.decode_fitted = False
+        self.prefill_fitted = self.decode_fitted = self.own = False
+        self.lent = 1.0
         self._since_fit = self._decode_since_fit = 0
         self._stale = False
         self.generation += 1
@@ -387,7 +415,7 @@ class Calibration:
             instance_id=instance_id, generation=self.generation, prior=self.prior, timing=self.timing,
             min_samples=self.min_samples, decode_fitted=self.decode_fitted, prefill_fitted=self.prefill_fitted,
             decode=tuple(self._decode) if decode else None, prefill=tuple(self._prefill) if prefill else None,
-            decode_samples=len(self._decode),
+            decode_samples=len(self._decode), prefill_samples=len(self._prefill), lent=self.lent,
         )
 
     def apply(self, result: FitResult) -> bool:
@@ -398,7 +426,32 @@ class Calibration:
         self.timing = result.timing
         self.decode_fitted = result.decode_fitted
         self.prefill_fitted = result.prefill_fitted
+        self.own = result.own
         return True
+
+    # -- the pool's scale (Calibrations) ---------------------------------------------------------
+
+    def own_scale(self) -> float | None:
+        """How much slower than its prior this worker is, by its own TTFTs (the prefill step of
+        ``SCALE_REFERENCE_TOKENS`` tokens, fitted or scaled, over the prior's); None if not own."""
+        ref = self.prior.prefill_step_ms(SCALE_REFERENCE_TOKENS)
+        return self.timing.prefill_step_ms(SCALE_REFERENCE_TOKENS) / ref if self.own and ref > 0 else None
+
+    def lend(self, k: float) -> bool:
+        """Score a worker with no TTFT of its own with its prior times ``k``, the pool's scale
+        (its decode too, unless that has observations of its own). True if its model changed.
+        No fit: arithmetic on the prior only, so the actor may call it."""
+        if self.own or k == self.lent:
+            return False
+        self.lent = k
+        p = self.prior
+        t = replace(self.timing, p0=k * p.p0, p1=k * p.p1, p2=k * p.p2)
+        own_decode = len(self._decode) >= early_samples(self.min_samples)
+        if not own_decode:
+            t = _scaled_decode(p, t, k)
+        before, self.timing = self.timing, replace(
+            t, source=_source(p, t, fitted=self.decode_fitted, own=own_decode))
+        return self.timing != before
 
     # -- reporting -------------------------------------------------------------------------------
 
@@ -451,31 +504,40 @@ class Pending(NamedTuple):
 class Calibrations:
     """One router's calibrations: one per worker, the predictions awaiting their outcome, and each
     model's decode tokens per request. Methods that change a worker's timing model return its id,
-    so the caller can re-read the slots that score with it."""
+    so the caller can re-read the slots that score with it.
+
+    A worker with no TTFT of its own yet (just joined, or reset) is scored with its prior times
+    the pool's scale (:func:`pool_scale` of its model's other workers): in a pool that advertises a
+    generic prior, an unobserved worker would otherwise look ten times faster than its observed
+    peers and draw every request until its first token comes back."""
 
     def __init__(self, models: Iterable[str], *, inline: bool = True) -> None:
         self.inline = inline  # see Calibration: refit as observations come, or by windows()/apply()
         self.workers: dict[int, Calibration] = {}
         self._model: dict[int, str] = {}
         self._pending: dict[str, Pending] = {}
+        self._cold: set[int] = set()  # workers with no TTFT of their own (Calibration.own)
         self.decode_tokens = {m: RunningMean() for m in models}
 
     def timing(self, wid: int) -> Timing | None:
         cal = self.workers.get(wid)
         return cal.timing if cal is not None else None
 
-    def join(self, wid: int, model: str, prior: Timing, *, window: int, min_samples: int) -> None:
-        """A worker joined or re-announced itself: create its calibration or update its prior."""
+    def join(self, wid: int, model: str, prior: Timing, *, window: int, min_samples: int) -> list[int]:
+        """A worker joined or re-announced itself: create its calibration or update its prior.
+        Returns the other workers whose model changed (the pool's scale lent to them)."""
         cal = self.workers.get(wid)
         if cal is None:
             self.workers[wid] = Calibration(prior, window=window, min_samples=min_samples, inline=self.inline)
             self._model[wid] = model
         else:
             cal.set_prior(prior)
+        return [w for w in self._settle([wid]) if w != wid]
 
     def forget(self, wid: int, booking_ids: Iterable[str] = ()) -> None:
         self.workers.pop(wid, None)
         self._model.pop(wid, None)
+        self._cold.discard(wid)
         for b in booking_ids:
             self._pending.pop(b, None)
 
@@ -487,6 +549,7 @@ class Calibrations:
                 if reset:
                     cal.reset()
                 changed.append(wid)
+        self._settle(changed)
         return changed
 
     def reset(self, model: str | None = None) -> list[int]:
@@ -496,38 +559,67 @@ class Calibrations:
             if model is None or self._model.get(wid) == model:
                 cal.reset()
                 out.append(wid)
+        self._settle(out)
         return out
+
+    # -- the pool's scale ------------------------------------------------------------------------
+
+    def _settle(self, wids: Iterable[int]) -> list[int]:
+        """These workers' models changed: note which have TTFTs of their own, and lend their pool's
+        scale to its workers that have none. Returns the workers whose model the loan changed.
+        O(workers of the model) only while one of them has no TTFT of its own, else O(1)."""
+        models = set()
+        for wid in wids:
+            cal = self.workers.get(wid)
+            if cal is not None:
+                (self._cold.discard if cal.own else self._cold.add)(wid)
+                models.add(self._model[wid])
+        return [w for m in sorted(models) for w in self._lend(m)]
+
+    def _lend(self, model: str) -> list[int]:
+        cold = sorted(w for w in self._cold if self._model.get(w) == model)
+        if not cold:
+            return []
+        k = pool_scale(s for w, cal in self.workers.items()
+                       if self._model.get(w) == model and (s := cal.own_scale()) is not None)
+        return [w for w in cold if self.workers[w].lend(k)]
 
     # -- observations ----------------------------------------------------------------------------
 
     def expect(self, booking_id: str, pending: Pending) -> None:
         self._pending[booking_id] = pending
 
-    def first_token(self, booking_id: str, ttft_ms: float) -> int | None:
+    def first_token(self, booking_id: str, ttft_ms: float) -> list[int]:
         pending = self._pending.get(booking_id)
         cal = self.workers.get(pending.instance_id) if pending is not None else None
         if pending is None or cal is None:
-            return None
+            return []
         pred = pending.prediction
-        before = cal.timing
+        before, own = cal.timing, cal.own
         cal.observe_ttft(PrefillObservation(
             queued_tokens=pred.queued_tokens, uncached_tokens=pred.uncached_tokens, running=pred.running,
             kv_usage=pred.kv_usage, budget=pending.budget, measured_ms=ttft_ms, predicted_ms=pred.ttft_ms,
         ))
-        return pending.instance_id if cal.timing != before else None
+        return self._changed(pending.instance_id, cal, before, own)
 
-    def done(self, booking_id: str, itl_ms: float | None, decode_tokens: int | None) -> int | None:
+    def done(self, booking_id: str, itl_ms: float | None, decode_tokens: int | None) -> list[int]:
         pending = self._pending.pop(booking_id, None)
         if pending is None:
-            return None
+            return []
         if decode_tokens is not None and decode_tokens > 0 and pending.model in self.decode_tokens:
             self.decode_tokens[pending.model].add(float(decode_tokens))
         cal = self.workers.get(pending.instance_id)
         if cal is None or itl_ms is None:
-            return None
-        before = cal.timing
+            return []
+        before, own = cal.timing, cal.own
         cal.observe_decode(pending.prediction.kv_usage, itl_ms)
-        return pending.instance_id if cal.timing != before else None
+        return self._changed(pending.instance_id, cal, before, own)
+
+    def _changed(self, wid: int, cal: Calibration, before: Timing, own: bool) -> list[int]:
+        """The worker, if its model changed, and the workers its pool's scale was lent to."""
+        if cal.timing == before and cal.own == own:
+            return []
+        return ([wid] if cal.timing != before else []) + self._settle([wid])
 
     # -- fits off the caller (not inline) -----------------------------------------------------------
 
@@ -542,14 +634,14 @@ class Calibrations:
 
     def apply(self, results: Iterable[FitResult]) -> list[int]:
         """Take fits' results; returns the workers whose timing model changed."""
-        changed = []
+        changed: list[int] = []
         for r in results:
             cal = self.workers.get(r.instance_id)
             if cal is not None:
-                before = cal.timing
-                if cal.apply(r) and cal.timing != before:
-                    changed.append(r.instance_id)
-        return changed
+                before, own = cal.timing, cal.own
+                if cal.apply(r):
+                    changed += self._changed(r.instance_id, cal, before, own)
+        return list(dict.fromkeys(changed))
 
     def status(self) -> list[WorkerCalibration]:
         out: list[WorkerCalibration] = []

@@ -332,14 +332,16 @@ class Scheduler:
                     self._returned(booking)
                     self.tables.refresh_slot(booking.model, booking.key)
                     if cmd.ttft_ms is not None:
-                        self._retime(self.timings.first_token(cmd.request_id, cmd.ttft_ms))
+                        for wid in self.timings.first_token(cmd.request_id, cmd.ttft_ms):
+                            self._retime(wid)
                 return None
             case RequestDone():
                 booking = self.bookings.free(cmd.request_id)
                 if booking is not None:
                     self.tables.returns.finished(booking.key, booking.hashes, self.clock())
                     self.tables.refresh_slot(booking.model, booking.key)
-                self._retime(self.timings.done(cmd.request_id, cmd.itl_ms, cmd.decode_tokens))
+                for wid in self.timings.done(cmd.request_id, cmd.itl_ms, cmd.decode_tokens):
+                    self._retime(wid)
                 return None
             case TakeFitWindows():
                 return self.timings.windows()
@@ -477,8 +479,9 @@ class Scheduler:
         if state is not None:
             params = self._params[state.record.model]
             prior = self.caps.prior(Timing.from_engine(state.record.timing))
-            self.timings.join(wid, state.record.model, prior,
-                              window=params.calibration_window, min_samples=params.calibration_min_samples)
+            for other in self.timings.join(wid, state.record.model, prior, window=params.calibration_window,
+                                           min_samples=params.calibration_min_samples):
+                self._retime(other)
 
     def _bound_index(self, wid: int) -> None:
         """The prefix index holds at most the worker's (capped) KV capacity per rank."""
