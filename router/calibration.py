@@ -172,6 +172,7 @@ class FitResult:
     decode_fitted: bool
     prefill_fitted: bool
     own: bool = False  # scored from observations of its own TTFTs (else the prior, or the pool's scale)
+    lent: float = 1.0  # the pool's scale it was computed with (FitWindow.lent)
 
 
 def fit(window: FitWindow) -> FitResult:
@@ -185,20 +186,19 @@ def fit(window: FitWindow) -> FitResult:
         t, prefill_fitted = _fit_prefill(window.prior, t, window.prefill, window.min_samples,
                                          decode_own=window.decode_samples >= early, lent=window.lent)
     own = window.prefill_samples >= early
-    source = _source(window.prior, t, fitted=decode_fitted or prefill_fitted,
-                     own=own or window.decode_samples >= early)
+    source = _source(window.prior, t, fitted=decode_fitted or prefill_fitted, pooled=not own and window.lent != 1.0)
     return FitResult(window.instance_id, window.generation, replace(t, source=source), decode_fitted,
-                     prefill_fitted, own)
+                     prefill_fitted, own, window.lent)
 
 
-def _source(prior: Timing, t: Timing, *, fitted: bool, own: bool) -> str:
-    """"fitted" once a part is; else "scaled" (to its own observations) or "pooled" (the pool's
-    scale) when it differs from the prior; else the prior's."""
+def _source(prior: Timing, t: Timing, *, fitted: bool, pooled: bool) -> str:
+    """"fitted" once a part is; else, when it differs from the prior, "pooled" (its prefill at the
+    pool's scale) or "scaled" (to its own observations); else the prior's."""
     if fitted:
         return "fitted"
     if replace(t, source=prior.source) == prior:
         return prior.source
-    return "scaled" if own else "pooled"
+    return "pooled" if pooled else "scaled"
 
 
 def early_samples(min_samples: int) -> int:
@@ -427,6 +427,9 @@ class Calibration:
         self.decode_fitted = result.decode_fitted
         self.prefill_fitted = result.prefill_fitted
         self.own = result.own
+        if not self.own and result.lent != self.lent:  # lent another scale since its window was copied
+            lent, self.lent = self.lent, result.lent
+            self.lend(lent)
         return True
 
     # -- the pool's scale (Calibrations) ---------------------------------------------------------
@@ -450,7 +453,7 @@ class Calibration:
         if not own_decode:
             t = _scaled_decode(p, t, k)
         before, self.timing = self.timing, replace(
-            t, source=_source(p, t, fitted=self.decode_fitted, own=own_decode))
+            t, source=_source(p, t, fitted=self.decode_fitted, pooled=k != 1.0))
         return self.timing != before
 
     # -- reporting -------------------------------------------------------------------------------

@@ -217,6 +217,22 @@ def test_a_worker_with_no_ttft_of_its_own_is_scored_with_its_pools_scale(inline:
     assert all(cals.timing(w) == PRIOR for w in (1, 2, 3, 4, 5))
 
 
+def test_a_fit_copied_before_a_loan_keeps_the_loan() -> None:
+    """Off the actor: worker 2's window (a decode observation, no TTFT) is copied, then worker 1's
+    first fit lends its scale to worker 2, then worker 2's older result comes back: the loan stays."""
+    cals = Calibrations(["m"], inline=False)
+    for wid in (1, 2):
+        cals.join(wid, "m", PRIOR, window=64, min_samples=8)
+    cals.expect("d", pending(2, 100))
+    assert cals.done("d", itl_ms=PRIOR.decode_step_ms(0.1), decode_tokens=10) == []
+    older = cals.windows()
+    assert [w.instance_id for w in older] == [2]
+    first_token(cals, 1, "a", 10.0)
+    assert cals.apply(fit_all(cals.windows())) == [1, 2]
+    assert cals.apply(fit_all(older)) == []  # its result, then the loan again: no change
+    assert same(cals.timing(2), replace(scaled(PRIOR, 10.0, 1.0), source="pooled"))
+
+
 def test_a_pool_whose_priors_hold_lends_nothing() -> None:
     cals = Calibrations(["m"])
     for wid in (1, 2):
