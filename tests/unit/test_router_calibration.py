@@ -9,7 +9,7 @@ from dataclasses import replace
 
 import pytest
 
-from router.calibration import EARLY_SAMPLES, Calibration, PrefillObservation, RunningMean
+from router.calibration import Calibration, RunningMean
 from router.cost.common import NO_OVERLAP, Candidate, Overlap, SelectionParams, pick
 from router.cost.time import (
     DEFAULT_TIMING,
@@ -21,6 +21,7 @@ from router.cost.time import (
     vector_time_costs,
 )
 from router.loadvec import LoadTable
+from router.timing_fit import EARLY_SAMPLES, PrefillObservation
 
 TRUE = Timing(p0=33.0, p1=0.03, p2=8.4e-7, d0=11.5, d1=108.0, d2=-51.5, decode_min_ms=2.0)
 BUDGET = 8192

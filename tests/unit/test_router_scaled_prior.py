@@ -12,19 +12,11 @@ import pytest
 
 from bench.routing_quality import TraceConfig, build_trace
 from bench.routing_sim import Simulation, summarize
-from router.calibration import (
-    EARLY_SAMPLES,
-    SCALE_KEEP,
-    SCALE_RANGE,
-    Calibration,
-    Calibrations,
-    Pending,
-    PrefillObservation,
-    fit,
-)
+from router.calibration import Calibration, Calibrations, Pending
 from router.commands import ApplyFits, ApplyMembership, LoadKvDump, TakeFitWindows
 from router.cost.time import DEFAULT_TIMING, Prediction, Timing
 from router.fitting import fit_all
+from router.timing_fit import EARLY_SAMPLES, SCALE_KEEP, SCALE_RANGE, PrefillObservation, fit
 from tests.unit.test_router_fits import BUDGET, join_event, observe, sched
 
 pytestmark = pytest.mark.timeout(60)
