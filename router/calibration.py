@@ -325,7 +325,8 @@ class Calibrations:
     def _settle(self, wids: Iterable[int]) -> list[int]:
         """These workers' models changed: note which have TTFTs of their own, and lend their pool's
         scale to its workers that have none. Returns the workers whose model the loan changed.
-        O(workers of the model) only while one of them has no TTFT of its own, else O(1)."""
+        O(workers of the model) only while one of them has no TTFT of its own, else O(moved);
+        off the actor's request path: once per round of fits (apply), or at a join or reset."""
         models = set()
         for wid in wids:
             cal = self.workers.get(wid)
@@ -393,13 +394,17 @@ class Calibrations:
     def apply(self, results: Iterable[FitResult]) -> list[int]:
         """Take fits' results; returns the workers whose timing model changed."""
         changed: list[int] = []
+        moved: list[int] = []  # timing or own changed: the pool's scale is lent again, once a round
         for r in results:
             cal = self.workers.get(r.instance_id)
             if cal is not None:
                 before, own = cal.timing, cal.own
                 if cal.apply(r):
-                    changed += self._changed(r.instance_id, cal, before, own)
-        return list(dict.fromkeys(changed))
+                    if cal.timing != before:
+                        changed.append(r.instance_id)
+                    if cal.timing != before or cal.own != own:
+                        moved.append(r.instance_id)
+        return list(dict.fromkeys(changed + self._settle(moved)))
 
     def status(self) -> list[WorkerCalibration]:
         out: list[WorkerCalibration] = []
