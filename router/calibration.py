@@ -47,10 +47,12 @@ class Calibration:
     Two ways to keep it fitted, same fitting code (:func:`fit`) at the same observations:
 
     - ``inline`` (the default; the pure core's tests and ``bench/routing_sim.py``): ``observe_*``
-      record and refit when due, every ``REFIT_EVERY`` observations;
+      record and refit when due: at each observation until the full fit (the scaled prior),
+      then every ``REFIT_EVERY``;
     - not inline (a router process): ``observe_*`` only record (O(1)); :meth:`window` copies
       what is due, :func:`fit` runs elsewhere, :meth:`apply` takes the result back. Work with no
-      numpy in it (back to the prior below ``min_samples``) is still done at once.
+      fit in it (back to the prior with no observation; the pool's scale, :meth:`lend`) is done
+      at once.
     """
 
     def __init__(self, prior: Timing, *, window: int = 256, min_samples: int = 16, inline: bool = True) -> None:
