@@ -2,26 +2,12 @@
 
 Every worker starts from a prior (:class:`router.cost.time.Timing`: the timing model its membership
 record advertises, or the default) and the router fits it online from what it observes of that
-worker's finished requests:
+worker's finished requests (the model and its fits: :mod:`router.timing_fit`): a scaled prior
+from the first observation, the full fit from ``min_samples`` on. A worker with no TTFT of its
+own is scored with its pool's scale (:class:`Calibrations`).
 
-- **prefill**: for each request, the prefill tokens queued ahead of it at selection (``Q``), its
-  own uncached tokens (``N``), whether the rank was running requests, its KV usage, and the
-  measured time from sending the request to its first token. With ``x = Q + N`` run in steps of at
-  most ``M`` tokens (``k`` steps, ``Σn²`` over their sizes), the model is
-
-      TTFT ≈ p0·k + p1·x + p2·Σn² + k·decode_step(u)·[running]
-
-  linear in (p0, p1, p2) once the decode term (from the decode fit) is subtracted;
-- **decode**: each streamed request's mean inter-token time against the KV usage it ran at:
-  ``ITL ≈ d0 + d1·u + d2·u²`` when the observed usage spans ``DECODE_SHAPE_SPAN`` or more, else
-  ``ITL ≈ k·prior(u)`` (a narrow range tells the curve's level, not its shape).
-
-Both fits are robust and bounded: the last ``window`` observations only, Huber-weighted
-iteratively reweighted least squares (a slow outlier's pull is capped at 1.345 robust standard
-deviations), a light ridge toward the prior (columns scaled, so a narrow range of N or u leaves the
-unidentified coefficients at the prior instead of anywhere), and no negative prefill coefficient.
-Until ``min_samples`` observations are in, the prior is used. The error of each TTFT prediction the
-router made (with the model in use at the time) is kept over the same window: mean absolute and p90.
+The error of each TTFT prediction the router made (with the model in use at the time) is kept over
+the same window: mean absolute and p90.
 
 A fit costs milliseconds (numpy medians and solves over the window), so a router never runs one on
 its scheduler actor (issue 16): recording an observation is O(1); :class:`router.fitting.Fitter`
@@ -35,168 +21,24 @@ from __future__ import annotations
 import math
 from collections import deque
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import Any, NamedTuple
-
-import numpy as np
-import numpy.typing as npt
 
 from controlplane.protocol.events import WorkerCalibration
 from router.cost.time import DEFAULT_DECODE_TOKENS, Prediction, Timing
+from router.timing_fit import (
+    FitResult,
+    FitWindow,
+    PrefillObservation,
+    early_samples,
+    fit,
+    pool_scale,
+    scaled_decode,
+    source_of,
+)
 
-Floats = npt.NDArray[np.float64]
-
-_HUBER = 1.345
-_PRIOR_OBSERVATIONS = 0.01  # the ridge toward the prior weighs as much as this many observations
-_IRLS_ITERATIONS = 10
 REFIT_EVERY = 4  # observations between two refits (inline; off the actor, at most one per round)
-# KV usage must span at least this much for the decode curve's shape to be fitted; below it only
-# its level is (the prior's curve, scaled).
-DECODE_SHAPE_SPAN = 0.25
-
-
-@dataclass(frozen=True, slots=True)
-class PrefillObservation:
-    """One request's first token: what the router knew at selection and what it measured."""
-
-    queued_tokens: float
-    uncached_tokens: float
-    running: int
-    kv_usage: float
-    budget: int
-    measured_ms: float
-    predicted_ms: float
-
-    def ttft_ms(self, timing: Timing) -> float:
-        """What ``timing`` predicts for this request's first token (the fit's linear model)."""
-        steps, tokens, squares, decode_steps = self.features()
-        return (timing.p0 * steps + timing.p1 * tokens + timing.p2 * squares
-                + decode_steps * timing.decode_step_ms(self.kv_usage))
-
-    def features(self) -> tuple[float, float, float, float]:
-        """(steps, tokens, Σ step tokens², steps with a decode pass)."""
-        x = max(self.queued_tokens + self.uncached_tokens, 0.0)
-        if x <= 0:
-            return 0.0, 0.0, 0.0, 0.0
-        m = self.budget
-        full = int(x // m)
-        rem = x - full * m
-        steps = full + (1 if rem > 0 else 0)
-        return float(steps), x, full * float(m) * m + rem * rem, float(steps if self.running else 0)
-
-
-def robust_fit(x: Floats, y: Floats, prior: Floats, *, nonnegative: bool) -> Floats:
-    """Huber IRLS of ``y ≈ x·θ`` with a light ridge toward ``prior``; returns θ.
-
-    With ``nonnegative``, a coefficient that comes out negative is pinned at 0 and the others are
-    fitted again (an active set of at most as many rounds as columns)."""
-    n, k = x.shape
-    free = np.ones(k, dtype=bool)
-    theta = prior.astype(np.float64).copy()
-    for _ in range(k):
-        cols = np.flatnonzero(free)
-        if len(cols) == 0:
-            break
-        sub = x[:, cols]
-        scale = np.sqrt(np.mean(sub * sub, axis=0))
-        scale[scale <= 0] = 1.0
-        z = sub / scale
-        phi_prior = prior[cols] * scale
-        w = np.ones(n)
-        phi = phi_prior.copy()
-        for _ in range(_IRLS_ITERATIONS):
-            zw = z * w[:, None]
-            a = z.T @ zw
-            lam = _PRIOR_OBSERVATIONS * float(np.trace(a)) / (len(cols) * n) + 1e-12
-            a = a + lam * np.eye(len(cols))
-            b = zw.T @ y + lam * phi_prior
-            phi = np.linalg.solve(a, b)
-            r = y - z @ phi
-            mad = float(np.median(np.abs(r - np.median(r))))
-            s = max(1.4826 * mad, 1e-6 * (float(np.mean(np.abs(y))) + 1e-9))
-            a_r = np.abs(r)
-            w_new = np.where(a_r <= _HUBER * s, 1.0, _HUBER * s / np.maximum(a_r, 1e-300))
-            if np.allclose(w_new, w, rtol=0, atol=1e-6):
-                w = w_new
-                break
-            w = w_new
-        theta = np.zeros(k)
-        theta[cols] = phi / scale
-        theta[~free] = 0.0
-        if not nonnegative or (theta[cols] >= 0).all():
-            return theta
-        free[cols[theta[cols] < 0]] = False
-    return theta
-
-
-@dataclass(frozen=True, slots=True)
-class FitWindow:
-    """What one refit of a worker's timing model needs, copied out of its :class:`Calibration`
-    (immutable, so a fit can run anywhere: inline, or in a thread off the scheduler actor).
-    ``decode`` / ``prefill`` are None for a part not refitted this time."""
-
-    instance_id: int
-    generation: int  # the calibration's generation when copied: a result of an older one is dropped
-    prior: Timing
-    timing: Timing  # the model in use (a prefill-only refit subtracts its decode term)
-    min_samples: int
-    decode_fitted: bool
-    prefill_fitted: bool
-    decode: tuple[tuple[float, float], ...] | None
-    prefill: tuple[PrefillObservation, ...] | None
-
-
-@dataclass(frozen=True, slots=True)
-class FitResult:
-    instance_id: int
-    generation: int
-    timing: Timing
-    decode_fitted: bool
-    prefill_fitted: bool
-
-
-def fit(window: FitWindow) -> FitResult:
-    """Refit what ``window`` holds: the decode curve first (the prefill fit subtracts its
-    decode term), then the prefill coefficients. Pure; the numpy work is here and only here."""
-    t, decode_fitted, prefill_fitted = window.timing, window.decode_fitted, window.prefill_fitted
-    if window.decode is not None:
-        t, decode_fitted = _fit_decode(window.prior, t, window.decode, window.min_samples)
-    if window.prefill is not None:
-        t, prefill_fitted = _fit_prefill(window.prior, t, window.prefill, window.min_samples, decode_fitted)
-    return FitResult(window.instance_id, window.generation, t, decode_fitted, prefill_fitted)
-
-
-def _fit_decode(prior: Timing, t: Timing, obs: tuple[tuple[float, float], ...], min_samples: int,
-                ) -> tuple[Timing, bool]:
-    if len(obs) < min_samples:
-        return replace(t, d0=prior.d0, d1=prior.d1, d2=prior.d2), False
-    data = np.array(obs, dtype=np.float64)
-    u, y = data[:, 0], data[:, 1]
-    coefs = np.array([prior.d0, prior.d1, prior.d2])
-    if float(u.max() - u.min()) >= DECODE_SHAPE_SPAN:
-        x = np.column_stack([np.ones_like(u), u, u * u])
-        d0, d1, d2 = (float(v) for v in robust_fit(x, y, coefs, nonnegative=False))
-    else:
-        # A narrow range of KV usage identifies the level of the curve, not its shape: the
-        # prior's curve is scaled to the observations (one robust coefficient) instead of a
-        # quadratic that would extrapolate anywhere outside the range.
-        shape = np.maximum(coefs[0] + coefs[1] * u + coefs[2] * u * u, prior.decode_min_ms)
-        k = float(robust_fit(shape[:, None], y, np.ones(1), nonnegative=True)[0])
-        d0, d1, d2 = (float(v) for v in k * coefs)
-    return replace(t, d0=d0, d1=d1, d2=d2, source="fitted"), True
-
-
-def _fit_prefill(prior: Timing, t: Timing, obs: tuple[PrefillObservation, ...], min_samples: int,
-                 decode_fitted: bool) -> tuple[Timing, bool]:
-    if len(obs) < min_samples:
-        return replace(t, p0=prior.p0, p1=prior.p1, p2=prior.p2,
-                       source=t.source if decode_fitted else prior.source), False
-    f = np.array([o.features() for o in obs], dtype=np.float64)
-    decode = np.array([t.decode_step_ms(o.kv_usage) for o in obs])
-    y = np.array([o.measured_ms for o in obs]) - f[:, 3] * decode
-    coefs = np.array([prior.p0, prior.p1, prior.p2])
-    p0, p1, p2 = (float(v) for v in robust_fit(f[:, :3], y, coefs, nonnegative=True))
-    return replace(t, p0=p0, p1=p1, p2=p2, source="fitted"), True
+SCALE_REFERENCE_TOKENS = 2048.0  # a worker's scale, to lend to its pool: its step of this many tokens
 
 
 class Calibration:
@@ -205,10 +47,12 @@ class Calibration:
     Two ways to keep it fitted, same fitting code (:func:`fit`) at the same observations:
 
     - ``inline`` (the default; the pure core's tests and ``bench/routing_sim.py``): ``observe_*``
-      record and refit when due, every ``REFIT_EVERY`` observations;
+      record and refit when due: at each observation until the full fit (the scaled prior),
+      then every ``REFIT_EVERY``;
     - not inline (a router process): ``observe_*`` only record (O(1)); :meth:`window` copies
       what is due, :func:`fit` runs elsewhere, :meth:`apply` takes the result back. Work with no
-      numpy in it (back to the prior below ``min_samples``) is still done at once.
+      fit in it (back to the prior with no observation; the pool's scale, :meth:`lend`) is done
+      at once.
     """
 
     def __init__(self, prior: Timing, *, window: int = 256, min_samples: int = 16, inline: bool = True) -> None:
@@ -226,6 +70,8 @@ class Calibration:
         self.timing = prior
         self.prefill_fitted = False
         self.decode_fitted = False
+        self.own = False  # scored from its own TTFTs (see FitResult.own)
+        self.lent = 1.0  # the pool's scale while not own (Calibrations)
         self.observations = 0
 
     # -- settings and reset ----------------------------------------------------------------------
@@ -254,7 +100,8 @@ class Calibration:
         self._decode.clear()
         self._errors.clear()
         self.timing = self.prior
-        self.prefill_fitted = self.decode_fitted = False
+        self.prefill_fitted = self.decode_fitted = self.own = False
+        self.lent = 1.0
         self._since_fit = self._decode_since_fit = 0
         self._stale = False
         self.generation += 1
@@ -269,7 +116,7 @@ class Calibration:
         self._errors.append(abs(obs.predicted_ms - obs.measured_ms))
         self.observations += 1
         self._since_fit += 1
-        if self.inline and (self._since_fit >= REFIT_EVERY or len(self._prefill) == self.min_samples):
+        if self.inline and self._prefill_due():
             self._refit(decode=False, prefill=True)
 
     def observe_decode(self, kv_usage: float, itl_ms: float) -> None:
@@ -277,7 +124,7 @@ class Calibration:
             return
         self._decode.append((min(max(kv_usage, 0.0), 1.0), itl_ms))
         self._decode_since_fit += 1
-        if self.inline and (self._decode_since_fit >= REFIT_EVERY or len(self._decode) == self.min_samples):
+        if self.inline and self._decode_due():
             self._refit(decode=True, prefill=True)  # the prefill's decode term changed
 
     # -- fits ------------------------------------------------------------------------------------
@@ -290,20 +137,27 @@ class Calibration:
         (neither part has ``min_samples`` observations: both go back to the prior), else at the
         next :meth:`window`. A fit in flight is of the old settings: its result is dropped."""
         self.generation += 1
-        if self.inline or (len(self._decode) < self.min_samples and len(self._prefill) < self.min_samples):
+        early = early_samples(self.min_samples)
+        if self.inline or (len(self._decode) < early and len(self._prefill) < early):
             self._refit(decode=True, prefill=True)
         else:
             self._stale = True
 
+    def _decode_due(self) -> bool:
+        """New decode observations to refit: every ``REFIT_EVERY``, and each one from
+        ``EARLY_SAMPLES`` until the full fit (while scaled, every observation moves the scale)."""
+        return self._decode_since_fit > 0 and (self._decode_since_fit >= REFIT_EVERY or (
+            not self.decode_fitted and len(self._decode) >= early_samples(self.min_samples)))
+
+    def _prefill_due(self) -> bool:
+        return self._since_fit > 0 and (self._since_fit >= REFIT_EVERY or (
+            not self.prefill_fitted and len(self._prefill) >= early_samples(self.min_samples)))
+
     def due(self) -> tuple[bool, bool]:
         """(decode, prefill): the parts a background fit should refit now. A decode refit takes
         the prefill with it (its decode term changed), as inline."""
-        ready = self.min_samples
-        decode = self._stale or (self._decode_since_fit > 0 and (
-            self._decode_since_fit >= REFIT_EVERY or (not self.decode_fitted and len(self._decode) >= ready)))
-        prefill = decode or (self._since_fit > 0 and (
-            self._since_fit >= REFIT_EVERY or (not self.prefill_fitted and len(self._prefill) >= ready)))
-        return decode, prefill
+        decode = self._stale or self._decode_due()
+        return decode, decode or self._prefill_due()
 
     def window(self, instance_id: int = 0, *, decode: bool, prefill: bool) -> FitWindow:
         """Copy what a refit of these parts needs (O(window)); their observations since the last
@@ -318,6 +172,7 @@ class Calibration:
             instance_id=instance_id, generation=self.generation, prior=self.prior, timing=self.timing,
             min_samples=self.min_samples, decode_fitted=self.decode_fitted, prefill_fitted=self.prefill_fitted,
             decode=tuple(self._decode) if decode else None, prefill=tuple(self._prefill) if prefill else None,
+            decode_samples=len(self._decode), prefill_samples=len(self._prefill), lent=self.lent,
         )
 
     def apply(self, result: FitResult) -> bool:
@@ -328,7 +183,35 @@ class Calibration:
         self.timing = result.timing
         self.decode_fitted = result.decode_fitted
         self.prefill_fitted = result.prefill_fitted
+        self.own = result.own
+        if not self.own and result.lent != self.lent:  # lent another scale since its window was copied
+            lent, self.lent = self.lent, result.lent
+            self.lend(lent)
         return True
+
+    # -- the pool's scale (Calibrations) ---------------------------------------------------------
+
+    def own_scale(self) -> float | None:
+        """How much slower than its prior this worker is, by its own TTFTs (the prefill step of
+        ``SCALE_REFERENCE_TOKENS`` tokens, fitted or scaled, over the prior's); None if not own."""
+        ref = self.prior.prefill_step_ms(SCALE_REFERENCE_TOKENS)
+        return self.timing.prefill_step_ms(SCALE_REFERENCE_TOKENS) / ref if self.own and ref > 0 else None
+
+    def lend(self, k: float) -> bool:
+        """Score a worker with no TTFT of its own with its prior times ``k``, the pool's scale
+        (its decode too, unless that has observations of its own). True if its model changed.
+        No fit: arithmetic on the prior only, so the actor may call it."""
+        if self.own or k == self.lent:
+            return False
+        self.lent = k
+        p = self.prior
+        t = replace(self.timing, p0=k * p.p0, p1=k * p.p1, p2=k * p.p2)
+        own_decode = len(self._decode) >= early_samples(self.min_samples)
+        if not own_decode:
+            t = scaled_decode(p, t, k)
+        before, self.timing = self.timing, replace(
+            t, source=source_of(p, t, fitted=self.decode_fitted, pooled=k != 1.0))
+        return self.timing != before
 
     # -- reporting -------------------------------------------------------------------------------
 
@@ -381,31 +264,40 @@ class Pending(NamedTuple):
 class Calibrations:
     """One router's calibrations: one per worker, the predictions awaiting their outcome, and each
     model's decode tokens per request. Methods that change a worker's timing model return its id,
-    so the caller can re-read the slots that score with it."""
+    so the caller can re-read the slots that score with it.
+
+    A worker with no TTFT of its own yet (just joined, or reset) is scored with its prior times
+    the pool's scale (:func:`pool_scale` of its model's other workers): in a pool that advertises a
+    generic prior, an unobserved worker would otherwise look ten times faster than its observed
+    peers and draw every request until its first token comes back."""
 
     def __init__(self, models: Iterable[str], *, inline: bool = True) -> None:
         self.inline = inline  # see Calibration: refit as observations come, or by windows()/apply()
         self.workers: dict[int, Calibration] = {}
         self._model: dict[int, str] = {}
         self._pending: dict[str, Pending] = {}
+        self._cold: set[int] = set()  # workers with no TTFT of their own (Calibration.own)
         self.decode_tokens = {m: RunningMean() for m in models}
 
     def timing(self, wid: int) -> Timing | None:
         cal = self.workers.get(wid)
         return cal.timing if cal is not None else None
 
-    def join(self, wid: int, model: str, prior: Timing, *, window: int, min_samples: int) -> None:
-        """A worker joined or re-announced itself: create its calibration or update its prior."""
+    def join(self, wid: int, model: str, prior: Timing, *, window: int, min_samples: int) -> list[int]:
+        """A worker joined or re-announced itself: create its calibration or update its prior.
+        Returns the other workers whose model changed (the pool's scale lent to them)."""
         cal = self.workers.get(wid)
         if cal is None:
             self.workers[wid] = Calibration(prior, window=window, min_samples=min_samples, inline=self.inline)
             self._model[wid] = model
         else:
             cal.set_prior(prior)
+        return [w for w in self._settle([wid]) if w != wid]
 
     def forget(self, wid: int, booking_ids: Iterable[str] = ()) -> None:
         self.workers.pop(wid, None)
         self._model.pop(wid, None)
+        self._cold.discard(wid)
         for b in booking_ids:
             self._pending.pop(b, None)
 
@@ -417,6 +309,7 @@ class Calibrations:
                 if reset:
                     cal.reset()
                 changed.append(wid)
+        self._settle(changed)
         return changed
 
     def reset(self, model: str | None = None) -> list[int]:
@@ -426,7 +319,31 @@ class Calibrations:
             if model is None or self._model.get(wid) == model:
                 cal.reset()
                 out.append(wid)
+        self._settle(out)
         return out
+
+    # -- the pool's scale ------------------------------------------------------------------------
+
+    def _settle(self, wids: Iterable[int]) -> list[int]:
+        """These workers' models changed: note which have TTFTs of their own, and lend their pool's
+        scale to its workers that have none. Returns the workers whose model the loan changed.
+        O(workers of the model) only while one of them has no TTFT of its own, else O(moved);
+        off the actor's request path: once per round of fits (apply), or at a join or reset."""
+        models = set()
+        for wid in wids:
+            cal = self.workers.get(wid)
+            if cal is not None:
+                (self._cold.discard if cal.own else self._cold.add)(wid)
+                models.add(self._model[wid])
+        return [w for m in sorted(models) for w in self._lend(m)]
+
+    def _lend(self, model: str) -> list[int]:
+        cold = sorted(w for w in self._cold if self._model.get(w) == model)
+        if not cold:
+            return []
+        k = pool_scale(s for w, cal in self.workers.items()
+                       if self._model.get(w) == model and (s := cal.own_scale()) is not None)
+        return [w for w in cold if self.workers[w].lend(k)]
 
     # -- observations ----------------------------------------------------------------------------
 
@@ -453,31 +370,37 @@ class Calibrations:
         timing = prior(pending.instance_id)
         return None if timing is None else (pending.instance_id, obs.ttft_ms(timing))
 
-    def first_token(self, booking_id: str, ttft_ms: float) -> int | None:
+    def first_token(self, booking_id: str, ttft_ms: float) -> list[int]:
         pending = self._pending.get(booking_id)
         cal = self.workers.get(pending.instance_id) if pending is not None else None
         if pending is None or cal is None:
-            return None
+            return []
         pred = pending.prediction
-        before = cal.timing
+        before, own = cal.timing, cal.own
         cal.observe_ttft(PrefillObservation(
             queued_tokens=pred.queued_tokens, uncached_tokens=pred.uncached_tokens, running=pred.running,
             kv_usage=pred.kv_usage, budget=pending.budget, measured_ms=ttft_ms, predicted_ms=pred.ttft_ms,
         ))
-        return pending.instance_id if cal.timing != before else None
+        return self._changed(pending.instance_id, cal, before, own)
 
-    def done(self, booking_id: str, itl_ms: float | None, decode_tokens: int | None) -> int | None:
+    def done(self, booking_id: str, itl_ms: float | None, decode_tokens: int | None) -> list[int]:
         pending = self._pending.pop(booking_id, None)
         if pending is None:
-            return None
+            return []
         if decode_tokens is not None and decode_tokens > 0 and pending.model in self.decode_tokens:
             self.decode_tokens[pending.model].add(float(decode_tokens))
         cal = self.workers.get(pending.instance_id)
         if cal is None or itl_ms is None:
-            return None
-        before = cal.timing
+            return []
+        before, own = cal.timing, cal.own
         cal.observe_decode(pending.prediction.kv_usage, itl_ms)
-        return pending.instance_id if cal.timing != before else None
+        return self._changed(pending.instance_id, cal, before, own)
+
+    def _changed(self, wid: int, cal: Calibration, before: Timing, own: bool) -> list[int]:
+        """The worker, if its model changed, and the workers its pool's scale was lent to."""
+        if cal.timing == before and cal.own == own:
+            return []
+        return ([wid] if cal.timing != before else []) + self._settle([wid])
 
     # -- fits off the caller (not inline) -----------------------------------------------------------
 
@@ -492,14 +415,18 @@ class Calibrations:
 
     def apply(self, results: Iterable[FitResult]) -> list[int]:
         """Take fits' results; returns the workers whose timing model changed."""
-        changed = []
+        changed: list[int] = []
+        moved: list[int] = []  # timing or own changed: the pool's scale is lent again, once a round
         for r in results:
             cal = self.workers.get(r.instance_id)
             if cal is not None:
-                before = cal.timing
-                if cal.apply(r) and cal.timing != before:
-                    changed.append(r.instance_id)
-        return changed
+                before, own = cal.timing, cal.own
+                if cal.apply(r):
+                    if cal.timing != before:
+                        changed.append(r.instance_id)
+                    if cal.timing != before or cal.own != own:
+                        moved.append(r.instance_id)
+        return list(dict.fromkeys(changed + self._settle(moved)))
 
     def status(self) -> list[WorkerCalibration]:
         out: list[WorkerCalibration] = []

@@ -20,11 +20,11 @@ from controlplane.protocol.events import (
 )
 from controlplane.protocol.policy import PolicyKind
 from controlplane.protocol.signing import Keyring
-from router.calibration import FitResult, FitWindow
 from router.discovery import Change
 from router.peers import Figures, Finished, Snapshot, WorkerKey
 from router.policy_state import ApplyResult
 from router.targets import Pin, Targets
+from router.timing_fit import FitResult, FitWindow
 
 if TYPE_CHECKING:
     from router.scheduler import Scheduler

@@ -1,6 +1,6 @@
 """The workers' calibration fits, off the scheduler actor (issue 16).
 
-A fit (router.calibration.fit: numpy medians and solves over a worker's window) costs milliseconds;
+A fit (router.timing_fit.fit: numpy medians and solves over a worker's window) costs milliseconds;
 run on the actor at every first token and every finished request, it took most of a loaded
 router's CPU and every selection queued behind it waited. Here the actor only records
 observations (O(1)); one :class:`Fitter` task per router, in the router's ``Tasks``:
@@ -22,9 +22,9 @@ import asyncio
 import logging
 import time
 
-from router.calibration import FitResult, FitWindow, fit
 from router.commands import ApplyFits, TakeFitWindows
 from router.scheduler import Scheduler
+from router.timing_fit import FitResult, FitWindow, fit
 
 log = logging.getLogger(__name__)
 

@@ -346,7 +346,8 @@ class Scheduler:
                     self.tables.refresh_slot(booking.model, booking.key)
                     if cmd.ttft_ms is not None:
                         self._timing_outcome(cmd.request_id, cmd.ttft_ms)
-                        self._retime(self.timings.first_token(cmd.request_id, cmd.ttft_ms))
+                        for wid in self.timings.first_token(cmd.request_id, cmd.ttft_ms):
+                            self._retime(wid)
                 return None
             case RequestDone():
                 booking = self.bookings.free(cmd.request_id)
@@ -356,7 +357,8 @@ class Scheduler:
                     if self.peer_sync and booking.hashes:
                         self.outbox.finish(booking.key, booking.hashes[-1], now)
                     self.tables.refresh_slot(booking.model, booking.key)
-                self._retime(self.timings.done(cmd.request_id, cmd.itl_ms, cmd.decode_tokens))
+                for wid in self.timings.done(cmd.request_id, cmd.itl_ms, cmd.decode_tokens):
+                    self._retime(wid)
                 return None
             case TakeFitWindows():
                 return self.timings.windows()
@@ -509,8 +511,9 @@ class Scheduler:
             params = self._params[state.record.model]
             prior = (DEFAULT_TIMING if wid in self.timing_outcomes.quarantined
                      else self.caps.prior(Timing.from_engine(state.record.timing)))
-            self.timings.join(wid, state.record.model, prior,
-                              window=params.calibration_window, min_samples=params.calibration_min_samples)
+            for other in self.timings.join(wid, state.record.model, prior, window=params.calibration_window,
+                                           min_samples=params.calibration_min_samples):
+                self._retime(other)
 
     def _bound_index(self, wid: int) -> None:
         """The prefix index holds at most the worker's (capped) KV capacity per rank."""

@@ -200,7 +200,7 @@ class WorkerCalibration(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
     model: str
     instance_id: int
-    source: str  # "fitted", or the prior's source while too few samples are in
+    source: str  # "fitted"; "scaled" or "pooled" before (router.calibration); or the prior's source
     prefill_ms: tuple[float, float, float]
     decode_ms: tuple[float, float, float]
     prefill_fitted: bool = False

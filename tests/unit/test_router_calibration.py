@@ -5,10 +5,11 @@ from __future__ import annotations
 
 import math
 import random
+from dataclasses import replace
 
 import pytest
 
-from router.calibration import Calibration, PrefillObservation, RunningMean
+from router.calibration import Calibration, RunningMean
 from router.cost.common import NO_OVERLAP, Candidate, Overlap, SelectionParams, pick
 from router.cost.time import (
     DEFAULT_TIMING,
@@ -20,6 +21,7 @@ from router.cost.time import (
     vector_time_costs,
 )
 from router.loadvec import LoadTable
+from router.timing_fit import EARLY_SAMPLES, PrefillObservation
 
 TRUE = Timing(p0=33.0, p1=0.03, p2=8.4e-7, d0=11.5, d1=108.0, d2=-51.5, decode_min_ms=2.0)
 BUDGET = 8192
@@ -82,14 +84,24 @@ def test_one_slow_outlier_is_bounded() -> None:
 
 
 def test_prior_until_enough_samples_then_reset() -> None:
+    """The prior, then (issue 16) the prior scaled to the first observations, and the full fit
+    only from ``min_samples`` on."""
     rng = random.Random(3)
     prior = Timing(p0=16.5, p1=0.0152, p2=4.2e-7, d0=5.74, d1=54.01, d2=-25.74, decode_min_ms=1.0, source="mock")
     cal = Calibration(prior, window=64, min_samples=20)
-    for obs in observations(rng, TRUE, 19):
+    first = observations(rng, TRUE, 19)
+    for obs in first[:EARLY_SAMPLES - 1]:
         cal.observe_ttft(obs)
     assert cal.timing == prior and not cal.prefill_fitted
+    for obs in first[EARLY_SAMPLES - 1:]:
+        cal.observe_ttft(obs)
+    k = cal.timing.p1 / prior.p1  # one coefficient for the whole model, no fit of its shape
+    assert not cal.prefill_fitted and cal.timing.source == "scaled" and k > 1.5
+    assert cal.timing == replace(prior, p0=k * prior.p0, p1=k * prior.p1, p2=k * prior.p2, d0=k * prior.d0,
+                                 d1=k * prior.d1, d2=k * prior.d2, decode_min_ms=k * prior.decode_min_ms,
+                                 source="scaled")
     cal.observe_ttft(observations(rng, TRUE, 1)[0])
-    assert cal.prefill_fitted and cal.timing.p1 != prior.p1
+    assert cal.prefill_fitted and cal.timing.p1 != prior.p1 and cal.timing.p1 != k * prior.p1
     assert cal.snapshot()["prefill_samples"] == 20
     cal.reset()
     assert cal.timing == prior and cal.snapshot()["observations"] == 0 and cal.error() == (None, None)

@@ -22,7 +22,7 @@ from controlplane.protocol.events import (
     WorkerRecord,
 )
 from controlplane.protocol.policy import ALL_CACHE_INPUTS, PolicyKind, startup_values
-from router.calibration import REFIT_EVERY, Calibration, fit
+from router.calibration import REFIT_EVERY, Calibration
 from router.commands import (
     ApplyFits,
     ApplyMembership,
@@ -37,6 +37,7 @@ from router.cost.time import DEFAULT_TIMING
 from router.fitting import Fitter, fit_all, pause_after
 from router.scheduler import Scheduler
 from router.settings import RoutingMode
+from router.timing_fit import fit
 from tests.policy_keys import session_keys
 
 pytestmark = pytest.mark.timeout(60)

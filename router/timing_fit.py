@@ -1,0 +1,280 @@
+"""The timing model's fits (issue 9, issue 16): pure functions over a copied window of one
+worker's observations, so they can run anywhere (inline, or in a thread off the scheduler actor:
+router.fitting). Pure: no I/O, no clock; the numpy work of calibration is here and only here.
+:mod:`router.calibration` keeps each worker's observations and the model in use.
+
+Every worker starts from a prior (:class:`router.cost.time.Timing`: the timing model its membership
+record advertises, or the default) and the router fits it online from what it observes of that
+worker's finished requests:
+
+- **prefill**: for each request, the prefill tokens queued ahead of it at selection (``Q``), its
+  own uncached tokens (``N``), whether the rank was running requests, its KV usage, and the
+  measured time from sending the request to its first token. With ``x = Q + N`` run in steps of at
+  most ``M`` tokens (``k`` steps, ``Σn²`` over their sizes), the model is
+
+      TTFT ≈ p0·k + p1·x + p2·Σn² + k·decode_step(u)·[running]
+
+  linear in (p0, p1, p2) once the decode term (from the decode fit) is subtracted;
+- **decode**: each streamed request's mean inter-token time against the KV usage it ran at:
+  ``ITL ≈ d0 + d1·u + d2·u²`` when the observed usage spans ``DECODE_SHAPE_SPAN`` or more, else
+  ``ITL ≈ k·prior(u)`` (a narrow range tells the curve's level, not its shape).
+
+Both fits are robust and bounded: the last ``window`` observations only, Huber-weighted
+iteratively reweighted least squares (a slow outlier's pull is capped at 1.345 robust standard
+deviations), a light ridge toward the prior (columns scaled, so a narrow range of N or u leaves the
+unidentified coefficients at the prior instead of anywhere), and no negative prefill coefficient.
+
+Until ``min_samples`` observations are in, the prior is used **scaled** (issue 16): from
+``EARLY_SAMPLES`` observations on (the first), one coefficient per part, the median ratio of what
+was measured to what the prior predicts for the same features, clamped to ``SCALE_RANGE``,
+multiplies the prior's coefficients (source ``"scaled"``). A worker that advertises a generic prior
+(every vLLM worker does, whatever its GPU) is thus scored at its own speed from its first request
+on, not after ``min_samples`` of them. A ratio within ``SCALE_KEEP`` of 1 keeps the prior as it
+is: a few observations of a worker whose prior is its own timing scatter around 1 by up to ≈ 25 %
+(the model counts a queue ahead as not started), and scaling a true prior by that scatter only
+moves the first placements. While the decode part has fewer than ``EARLY_SAMPLES`` observations
+of its own, it is scaled with the prefill's ratio (a slower GPU is slower at both); once it has,
+the prefill's ratio is taken after its decode term.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Iterable
+from dataclasses import dataclass, replace
+
+import numpy as np
+import numpy.typing as npt
+
+from router.cost.time import Timing
+
+Floats = npt.NDArray[np.float64]
+
+_HUBER = 1.345
+_PRIOR_OBSERVATIONS = 0.01  # the ridge toward the prior weighs as much as this many observations
+_IRLS_ITERATIONS = 10
+# KV usage must span at least this much for the decode curve's shape to be fitted; below it only
+# its level is (the prior's curve, scaled).
+DECODE_SHAPE_SPAN = 0.25
+# Observations from which a part's prior is scaled to them (below min_samples); the bounds of
+# that scale (a ratio outside them is a broken measurement more likely than a GPU); and the band
+# around 1 within which the prior is kept as it is. Chosen on bench/routing_sim.py (decisions 81).
+EARLY_SAMPLES = 1
+SCALE_RANGE = (0.01, 100.0)
+SCALE_KEEP = 1.25
+
+
+@dataclass(frozen=True, slots=True)
+class PrefillObservation:
+    """One request's first token: what the router knew at selection and what it measured."""
+
+    queued_tokens: float
+    uncached_tokens: float
+    running: int
+    kv_usage: float
+    budget: int
+    measured_ms: float
+    predicted_ms: float
+
+    def ttft_ms(self, timing: Timing) -> float:
+        """What ``timing`` predicts for this request's first token (the fit's linear model)."""
+        steps, tokens, squares, decode_steps = self.features()
+        return (timing.p0 * steps + timing.p1 * tokens + timing.p2 * squares
+                + decode_steps * timing.decode_step_ms(self.kv_usage))
+
+    def features(self) -> tuple[float, float, float, float]:
+        """(steps, tokens, Σ step tokens², steps with a decode pass)."""
+        x = max(self.queued_tokens + self.uncached_tokens, 0.0)
+        if x <= 0:
+            return 0.0, 0.0, 0.0, 0.0
+        m = self.budget
+        full = int(x // m)
+        rem = x - full * m
+        steps = full + (1 if rem > 0 else 0)
+        return float(steps), x, full * float(m) * m + rem * rem, float(steps if self.running else 0)
+
+
+def robust_fit(x: Floats, y: Floats, prior: Floats, *, nonnegative: bool) -> Floats:
+    """Huber IRLS of ``y ≈ x·θ`` with a light ridge toward ``prior``; returns θ.
+
+    With ``nonnegative``, a coefficient that comes out negative is pinned at 0 and the others are
+    fitted again (an active set of at most as many rounds as columns)."""
+    n, k = x.shape
+    free = np.ones(k, dtype=bool)
+    theta = prior.astype(np.float64).copy()
+    for _ in range(k):
+        cols = np.flatnonzero(free)
+        if len(cols) == 0:
+            break
+        sub = x[:, cols]
+        scale = np.sqrt(np.mean(sub * sub, axis=0))
+        scale[scale <= 0] = 1.0
+        z = sub / scale
+        phi_prior = prior[cols] * scale
+        w = np.ones(n)
+        phi = phi_prior.copy()
+        for _ in range(_IRLS_ITERATIONS):
+            zw = z * w[:, None]
+            a = z.T @ zw
+            lam = _PRIOR_OBSERVATIONS * float(np.trace(a)) / (len(cols) * n) + 1e-12
+            a = a + lam * np.eye(len(cols))
+            b = zw.T @ y + lam * phi_prior
+            phi = np.linalg.solve(a, b)
+            r = y - z @ phi
+            mad = float(np.median(np.abs(r - np.median(r))))
+            s = max(1.4826 * mad, 1e-6 * (float(np.mean(np.abs(y))) + 1e-9))
+            a_r = np.abs(r)
+            w_new = np.where(a_r <= _HUBER * s, 1.0, _HUBER * s / np.maximum(a_r, 1e-300))
+            if np.allclose(w_new, w, rtol=0, atol=1e-6):
+                w = w_new
+                break
+            w = w_new
+        theta = np.zeros(k)
+        theta[cols] = phi / scale
+        theta[~free] = 0.0
+        if not nonnegative or (theta[cols] >= 0).all():
+            return theta
+        free[cols[theta[cols] < 0]] = False
+    return theta
+
+
+@dataclass(frozen=True, slots=True)
+class FitWindow:
+    """What one refit of a worker's timing model needs, copied out of its :class:`Calibration`
+    (immutable, so a fit can run anywhere: inline, or in a thread off the scheduler actor).
+    ``decode`` / ``prefill`` are None for a part not refitted this time."""
+
+    instance_id: int
+    generation: int  # the calibration's generation when copied: a result of an older one is dropped
+    prior: Timing
+    timing: Timing  # the model in use (a prefill-only refit subtracts its decode term)
+    min_samples: int
+    decode_fitted: bool
+    prefill_fitted: bool
+    decode: tuple[tuple[float, float], ...] | None
+    prefill: tuple[PrefillObservation, ...] | None
+    decode_samples: int = 0  # observations held (copied or not): has a part data of its own?
+    prefill_samples: int = 0
+    lent: float = 1.0  # the pool's scale, used while the prefill has no data of its own
+
+
+@dataclass(frozen=True, slots=True)
+class FitResult:
+    instance_id: int
+    generation: int
+    timing: Timing
+    decode_fitted: bool
+    prefill_fitted: bool
+    own: bool = False  # scored from observations of its own TTFTs (else the prior, or the pool's scale)
+    lent: float = 1.0  # the pool's scale it was computed with (FitWindow.lent)
+
+
+def fit(window: FitWindow) -> FitResult:
+    """Refit what ``window`` holds: the decode curve first (the prefill fit subtracts its
+    decode term), then the prefill coefficients. Pure; the numpy work is here and only here."""
+    t, decode_fitted, prefill_fitted = window.timing, window.decode_fitted, window.prefill_fitted
+    early = early_samples(window.min_samples)
+    if window.decode is not None:
+        t, decode_fitted = _fit_decode(window.prior, t, window.decode, window.min_samples)
+    if window.prefill is not None:
+        t, prefill_fitted = _fit_prefill(window.prior, t, window.prefill, window.min_samples,
+                                         decode_own=window.decode_samples >= early, lent=window.lent)
+    own = window.prefill_samples >= early
+    source = source_of(window.prior, t, fitted=decode_fitted or prefill_fitted, pooled=not own and window.lent != 1.0)
+    return FitResult(window.instance_id, window.generation, replace(t, source=source), decode_fitted,
+                     prefill_fitted, own, window.lent)
+
+
+def source_of(prior: Timing, t: Timing, *, fitted: bool, pooled: bool) -> str:
+    """"fitted" once a part is; else, when it differs from the prior, "pooled" (its prefill at the
+    pool's scale) or "scaled" (to its own observations); else the prior's."""
+    if fitted:
+        return "fitted"
+    if replace(t, source=prior.source) == prior:
+        return prior.source
+    return "pooled" if pooled else "scaled"
+
+
+def early_samples(min_samples: int) -> int:
+    """Observations from which a part's prior is scaled (never more than ``min_samples``)."""
+    return min(EARLY_SAMPLES, min_samples)
+
+
+def scale_ratio(measured: Iterable[float], predicted: Iterable[float]) -> float:
+    """The median of measured / predicted over the pairs with a positive prediction, clamped to
+    ``SCALE_RANGE``; 1 when there is none or when it is within ``SCALE_KEEP`` of 1. Robust to a
+    slow outlier from three pairs on."""
+    ratios = [m / p for m, p in zip(measured, predicted, strict=True) if p > 0]
+    return _bounded(statistics.median(ratios)) if ratios else 1.0
+
+
+def _bounded(k: float) -> float:
+    lo, hi = SCALE_RANGE
+    k = min(max(k, lo), hi)
+    return 1.0 if 1.0 / SCALE_KEEP < k < SCALE_KEEP else k
+
+
+def pool_scale(scales: Iterable[float]) -> float:
+    """The scale lent to a pool's workers that have no TTFT of their own: the median of the
+    others' (bounded as :func:`scale_ratio`), 1 when none has one."""
+    values = list(scales)
+    return _bounded(statistics.median(values)) if values else 1.0
+
+
+def scaled_decode(prior: Timing, t: Timing, k: float) -> Timing:
+    return replace(t, d0=k * prior.d0, d1=k * prior.d1, d2=k * prior.d2, decode_min_ms=k * prior.decode_min_ms)
+
+
+def _fit_decode(prior: Timing, t: Timing, obs: tuple[tuple[float, float], ...], min_samples: int,
+                ) -> tuple[Timing, bool]:
+    if len(obs) < min_samples:
+        if len(obs) < early_samples(min_samples):
+            return replace(t, d0=prior.d0, d1=prior.d1, d2=prior.d2, decode_min_ms=prior.decode_min_ms), False
+        k = scale_ratio((y for _, y in obs), (prior.decode_step_ms(u) for u, _ in obs))
+        return scaled_decode(prior, t, k), False
+    data = np.array(obs, dtype=np.float64)
+    u, y = data[:, 0], data[:, 1]
+    coefs = np.array([prior.d0, prior.d1, prior.d2])
+    if float(u.max() - u.min()) >= DECODE_SHAPE_SPAN:
+        x = np.column_stack([np.ones_like(u), u, u * u])
+        d0, d1, d2 = (float(v) for v in robust_fit(x, y, coefs, nonnegative=False))
+    else:
+        # A narrow range of KV usage identifies the level of the curve, not its shape: the
+        # prior's curve is scaled to the observations (one robust coefficient) instead of a
+        # quadratic that would extrapolate anywhere outside the range.
+        shape = np.maximum(coefs[0] + coefs[1] * u + coefs[2] * u * u, prior.decode_min_ms)
+        k = float(robust_fit(shape[:, None], y, np.ones(1), nonnegative=True)[0])
+        d0, d1, d2 = (float(v) for v in k * coefs)
+    return replace(t, d0=d0, d1=d1, d2=d2, decode_min_ms=prior.decode_min_ms), True
+
+
+def _prior_prefill_ms(prior: Timing, o: PrefillObservation) -> float:
+    steps, x, sq, _ = o.features()
+    return prior.p0 * steps + prior.p1 * x + prior.p2 * sq
+
+
+def _fit_prefill(prior: Timing, t: Timing, obs: tuple[PrefillObservation, ...], min_samples: int, *,
+                 decode_own: bool, lent: float = 1.0) -> tuple[Timing, bool]:
+    """``decode_own``: the decode part has observations of its own (fitted or scaled to them);
+    else it is the prior's, scaled here with the prefill's ratio once there are enough TTFTs, and
+    with the pool's (``lent``) before."""
+    early = early_samples(min_samples)
+    if len(obs) < early:
+        t = t if decode_own else scaled_decode(prior, t, lent)
+        return replace(t, p0=lent * prior.p0, p1=lent * prior.p1, p2=lent * prior.p2), False
+    if not decode_own:
+        k = scale_ratio((o.measured_ms for o in obs), (
+            _prior_prefill_ms(prior, o) + o.features()[3] * prior.decode_step_ms(o.kv_usage) for o in obs))
+        t = scaled_decode(prior, t, k)
+        if len(obs) < min_samples:
+            return replace(t, p0=k * prior.p0, p1=k * prior.p1, p2=k * prior.p2), False
+    elif len(obs) < min_samples:
+        k = scale_ratio((o.measured_ms - o.features()[3] * t.decode_step_ms(o.kv_usage) for o in obs),
+                        (_prior_prefill_ms(prior, o) for o in obs))
+        return replace(t, p0=k * prior.p0, p1=k * prior.p1, p2=k * prior.p2), False
+    f = np.array([o.features() for o in obs], dtype=np.float64)
+    decode = np.array([t.decode_step_ms(o.kv_usage) for o in obs])
+    y = np.array([o.measured_ms for o in obs]) - f[:, 3] * decode
+    coefs = np.array([prior.p0, prior.p1, prior.p2])
+    p0, p1, p2 = (float(v) for v in robust_fit(f[:, :3], y, coefs, nonnegative=True))
+    return replace(t, p0=p0, p1=p1, p2=p2), True
