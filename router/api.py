@@ -686,10 +686,11 @@ def build_api(rt: Runtime, app: RouterApp) -> None:
             rt.metrics.workers.labels(model).set(n)
         rt.metrics.queue_depth.set(rt.scheduler.queue_depth)
         with contextlib.suppress(RudderError):  # a stopping router still answers its metrics
-            calibration, returns, quarantined, slow = await rt.scheduler.inspect(
+            calibration, returns, quarantined, slow, held, refused = await rt.scheduler.inspect(
                 lambda s: (s.calibration_status(), s.tables.returns.status(), s.quarantined(),
-                           s.timing_quarantined()))
+                           s.timing_quarantined(), s.index_held(), s.index.refused))
             rt.metrics.set_calibration(calibration)
             rt.metrics.set_quarantined(quarantined, slow)
+            rt.metrics.set_index(held, refused)
             rt.metrics.set_returns(returns)
         return Response(rt.metrics.render(), media_type="text/plain; version=0.0.4")
