@@ -12,19 +12,22 @@ and publishes on its own subjects, which NATS lets through:
   blocks/s), each with a fresh event id (tests/support_router/hostile.py builds both, for the
   claims tests too).
 
-Phases, in one run: ``quiet`` (no flood), ``heartbeat`` and ``kv`` (the flood runs, is first seen
-dropped on the router's ``/metrics``, then chats are timed while it goes on; it is stopped when the
-phase ends, or after ``--max-flood-seconds`` in any case). In each phase a closed loop of
-``--concurrency`` clients sends non-streamed chats with distinct prompts for ``--seconds`` and at
-least ``--min-chats`` chats; latencies are split by the worker that answered (the router's debug
-header): the figure is the honest workers' p50/p99/max, and the ratio flood p99 / quiet p99.
-Alongside: the router's RSS (``/proc``, sampled every 100 ms: before, peak per phase), the blocks
-its prefix index holds of the hostile worker against its cap, the drops it counts
-(``rudder_router_bus_dropped_total``), the workers it lists, and nats-server's slow consumers.
+For each flood kind, one flooder process runs and is paused and resumed (SIGUSR1 / SIGUSR2):
+``--rounds`` times a quiet window, then a flood window (each starts once the router's
+``rate_limited`` drop count stands still, or grows again), so both kinds of window see the same
+machine (other sessions load it; a quiet phase a minute earlier is no baseline). In each window a
+closed loop of ``--concurrency`` clients sends non-streamed chats with distinct prompts for
+``--seconds`` (and, over the rounds, at least ``--min-chats``); latencies are split by the worker
+that answered (the router's debug header): the figure is the honest workers' p50/p99/max over the
+pooled windows, and the ratio flood p99 / quiet p99. Alongside: the router's RSS (``/proc``,
+sampled every 100 ms: before, peak), the blocks its prefix index holds of the hostile worker
+(``rudder_router_prefix_index_blocks``) against its cap, the drops it counts
+(``rudder_router_bus_dropped_total``), the fewest workers it listed, nats-server's slow consumers.
 
     python bench/flood.py                      # table on stdout, bench/results/flood.json
-    python bench/flood.py --seconds 3 --min-chats 50 --output flood_smoke   # a quick look
-    python bench/flood.py --profile /tmp/prof  # + a py-spy profile of the router in each flood
+    python bench/flood.py --seconds 2 --rounds 2 --min-chats 40 --output flood_smoke  # a quick look
+    python bench/flood.py --floods kv --router-env kv_event_bytes_per_s=1048576   # other limits
+    python bench/flood.py --profile /tmp/prof  # + py-spy profiles of the router (last flood window)
 """
 
 from __future__ import annotations
@@ -70,7 +73,8 @@ _REFUSED = re.compile(r"^rudder_router_prefix_index_refused_blocks_total (\S+)$"
 # -- the flooder (a process of its own, holding the hostile worker's credential) -----------------
 
 async def flood(args: argparse.Namespace, beat: bytes) -> dict[str, float]:
-    """Publish ``args.flooder`` messages until SIGTERM or ``--max-flood-seconds``; how many."""
+    """Publish ``args.flooder`` messages until SIGTERM or ``--max-flood-seconds`` (SIGUSR1 pauses,
+    SIGUSR2 resumes); how many, over how many seconds of flooding."""
     opts = BusOptions.from_settings(nats_url=os.environ["RUDDER_NATS_URL"],
                                     nats_creds=Path(os.environ["RUDDER_NATS_CREDS"]), nats_ca=None,
                                     name="bench-flooder")
@@ -78,6 +82,21 @@ async def flood(args: argparse.Namespace, beat: bytes) -> dict[str, float]:
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     loop.add_signal_handler(signal.SIGTERM, stop.set)
+    on = [True]
+    flooding = [0.0, time.monotonic()]  # seconds flooded before the last resume, last resume
+
+    def pause() -> None:
+        if on[0]:
+            flooding[0] += time.monotonic() - flooding[1]
+        on[0] = False
+
+    def resume() -> None:
+        if not on[0]:
+            flooding[1] = time.monotonic()
+        on[0] = True
+
+    loop.add_signal_handler(signal.SIGUSR1, pause)
+    loop.add_signal_handler(signal.SIGUSR2, resume)
     sent = 0
     if args.flooder == "heartbeat":
         inner = heartbeat_step(nc, MODEL, args.instance_id, beat, per_step=500)
@@ -88,19 +107,19 @@ async def flood(args: argparse.Namespace, beat: bytes) -> dict[str, float]:
 
     async def step() -> None:
         nonlocal sent
-        await inner()
-        sent += per
+        if on[0]:
+            await inner()
+            sent += per
 
-    t0 = time.monotonic()
     try:
         async with publishing(step):
             await asyncio.wait_for(stop.wait(), args.max_flood_seconds)
     except TimeoutError:
         pass
     finally:
-        wall = time.monotonic() - t0
+        pause()
         await nc.close()
-    return {"messages": sent, "seconds": wall}
+    return {"messages": sent, "seconds": flooding[0]}
 
 
 def run_flooder(args: argparse.Namespace) -> None:
@@ -230,61 +249,107 @@ def start_profiler(pid: int, path: Path, seconds: float) -> subprocess.Popen[byt
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
 
-async def phase(name: str, args: argparse.Namespace, *, router: Router, monitor: str, bus: LocalBus,
-                fleet: Fleet, pids: list[int], tmp: Path, beat: bytes) -> dict[str, Any]:
+async def window(args: argparse.Namespace, router: Router, cpu_pids: dict[str, list[int]],
+                 chats_min: int, profile: Path | None) -> dict[str, Any]:
+    """One window of chats (``--seconds``, at least ``chats_min``), with CPU per process."""
+    prof = start_profiler(router.proc.pid, profile, args.seconds) if profile is not None else None
+    sampler = CpuSampler(cpu_pids)
+    sampler.start()
+    by_worker, errors, wall = await chats(router.url, concurrency=args.concurrency, seconds=args.seconds,
+                                          min_chats=chats_min, max_tokens=args.max_tokens,
+                                          max_seconds=max(30.0, 4 * args.seconds))
+    cpu = sampler.stop()
+    if prof is not None:
+        prof.wait(args.seconds + 30)
+    return {"by_worker": by_worker, "errors": errors, "wall_s": wall, "cpu": cpu}
+
+
+async def settle(http: httpx.AsyncClient, router: Router, monitor: str, key: str, *, flooding: bool) -> float:
+    """Wait until the router's ``key`` drop count grows (``flooding``) or stands still for 0.5 s
+    (the flood paused and what was in flight drained); the seconds it took."""
+    t0 = time.monotonic()
+    last = (await scrape(http, router.url, monitor)).drops.get(key, 0)
+    still_since = time.monotonic()
+    while time.monotonic() - t0 < 30:
+        await asyncio.sleep(0.1)
+        now = (await scrape(http, router.url, monitor)).drops.get(key, 0)
+        if flooding and now > last:
+            return time.monotonic() - t0
+        if not flooding:
+            if now != last:
+                still_since = time.monotonic()
+            elif time.monotonic() - still_since >= 0.5:
+                return time.monotonic() - t0
+        last = now
+    raise RuntimeError(f"the router's {key} drops did not {'grow' if flooding else 'settle'} within 30 s")
+
+
+def summary(name: str, windows: list[dict[str, Any]], hostile: int) -> dict[str, Any]:
+    by_worker: dict[int, list[float]] = {}
+    errors: Counter[int] = Counter()
+    for w in windows:
+        for wid, v in w["by_worker"].items():
+            by_worker.setdefault(wid, []).extend(v)
+        errors.update(w["errors"])
+    honest = [t for wid, v in by_worker.items() if wid != hostile for t in v]
+    total = sum(len(v) for v in by_worker.values())
+    cores = [w["cpu"]["process_cores"] for w in windows]
+    return {
+        "phase": name, "windows": len(windows), "wall_s": sum(w["wall_s"] for w in windows), "chats": total,
+        "errors": {str(k): v for k, v in errors.items()},
+        "honest": latency(honest), "hostile": latency(by_worker.get(hostile, [])),
+        "hostile_share": len(by_worker.get(hostile, [])) / max(1, total),
+        "cpu_cores": {k: sum(c.get(k, 0.0) for c in cores) / len(cores) for k in cores[0]},
+        "machine_busy_pct": sum(w["cpu"]["machine_busy_pct"] for w in windows) / len(windows),
+    }
+
+
+async def campaign(kind: str, args: argparse.Namespace, *, router: Router, monitor: str, bus: LocalBus,
+                   fleet: Fleet, pids: list[int], tmp: Path) -> dict[str, Any]:
+    """One flood kind: the flooder starts, then ``--rounds`` times a quiet window (flood paused)
+    and a flood window, so both see the same machine (others share it); the pooled figures."""
     hostile = fleet.instance_ids[0]
-    flooder: subprocess.Popen[bytes] | None = None
-    report = tmp / f"flood-{name}.json"
+    report = tmp / f"flood-{kind}.json"
+    key = ("membership" if kind == "heartbeat" else "kv") + "/rate_limited"
+    per_window = -(-args.min_chats // args.rounds)
+    quiet: list[dict[str, Any]] = []
+    flooded: list[dict[str, Any]] = []
     async with httpx.AsyncClient() as http:
         before = await scrape(http, router.url, monitor)
         rss_before = rss_bytes(pids)
         watch = Watch(pids, router.url, rss_peak=rss_before)
+        cmd = [sys.executable, str(SCRIPT), "--flooder", kind, "--instance-id", str(hostile),
+               "--heartbeat-file", str(tmp / "beat"), "--report", str(report),
+               "--max-flood-seconds", str(args.max_flood_seconds)]
+        env = bus.env(Identity(IdentityKind.WORKER, model=MODEL, instance_id=hostile))
+        flooder = spawn(cmd, env, log=tmp / f"flooder-{kind}.log")
+        cpu_pids = {"router": pids, "workers": [p.pid for p in fleet.procs], "flooder": [flooder.pid]}
         watcher = asyncio.create_task(watch.run())
-        flood_seen_s = 0.0
+        seen = 0.0
         try:
-            if name in FLOODS:
-                (tmp / "beat").write_bytes(beat)
-                env = {**bus.env(Identity(IdentityKind.WORKER, model=MODEL, instance_id=hostile))}
-                cmd = [sys.executable, str(SCRIPT), "--flooder", name,
-                       "--instance-id", str(hostile), "--heartbeat-file", str(tmp / "beat"),
-                       "--report", str(report), "--max-flood-seconds", str(args.max_flood_seconds)]
-                t_flood = time.monotonic()
-                flooder = spawn(cmd, env, log=tmp / f"flooder-{name}.log")
-                kind = "membership" if name == "heartbeat" else "kv"
-                deadline = time.monotonic() + 30
-                while True:  # the flood is on once the router counts it dropped
-                    now = await scrape(http, router.url, monitor)
-                    if now.drops.get(f"{kind}/rate_limited", 0) > before.drops.get(f"{kind}/rate_limited", 0):
-                        break
-                    if time.monotonic() > deadline or flooder.poll() is not None:
-                        raise RuntimeError(f"{name} flood not seen dropped within 30 s (see {tmp})")
-                    await asyncio.sleep(0.1)
-                flood_seen_s = time.monotonic() - t_flood
-            prof = (start_profiler(router.proc.pid, Path(args.profile) / f"router-{name}.json", args.seconds)
-                    if args.profile else None)
-            sampler = CpuSampler({"router": pids, "workers": [p.pid for p in fleet.procs],
-                                  **({"flooder": [flooder.pid]} if flooder else {})})
-            sampler.start()
-            by_worker, errors, wall = await chats(
-                router.url, concurrency=args.concurrency, seconds=args.seconds, min_chats=args.min_chats,
-                max_tokens=args.max_tokens, max_seconds=args.max_flood_seconds - flood_seen_s - 5)
-            cpu = sampler.stop()
-            if prof is not None:
-                prof.wait(args.seconds + 30)
+            seen = await settle(http, router, monitor, key, flooding=True)
+            for rnd in range(args.rounds):
+                os.kill(flooder.pid, signal.SIGUSR1)
+                await settle(http, router, monitor, key, flooding=False)
+                quiet.append(await window(args, router, cpu_pids, per_window, None))
+                os.kill(flooder.pid, signal.SIGUSR2)
+                await settle(http, router, monitor, key, flooding=True)
+                profile = (Path(args.profile) / f"router-{kind}.json"
+                           if args.profile and rnd == args.rounds - 1 else None)
+                flooded.append(await window(args, router, cpu_pids, per_window, profile))
+                print(f"    {kind} round {rnd}: honest p99 quiet "
+                      f"{summary('', quiet[-1:], hostile)['honest']['p99_ms']:.1f} ms, flood "
+                      f"{summary('', flooded[-1:], hostile)['honest']['p99_ms']:.1f} ms", flush=True)
         finally:
-            if flooder is not None:
-                stop_all([flooder])
+            stop_all([flooder])
             watcher.cancel()
             await asyncio.gather(watcher, return_exceptions=True)
         after = await scrape(http, router.url, monitor)
-    honest = [t for w, v in by_worker.items() if w != hostile for t in v]
     sent = json.loads(report.read_text()) if report.exists() else None
     keys = sorted(set(before.drops) | set(after.drops))
+    q, f = summary("quiet", quiet, hostile), summary(kind, flooded, hostile)
     return {
-        "phase": name, "wall_s": wall, "chats": sum(len(v) for v in by_worker.values()),
-        "errors": {str(k): v for k, v in errors.items()},
-        "honest": latency(honest), "hostile": latency(by_worker.get(hostile, [])),
-        "hostile_share": len(by_worker.get(hostile, [])) / max(1, sum(len(v) for v in by_worker.values())),
+        "flood": kind, "quiet": q, "flooded": f, "p99_ratio": f["honest"]["p99_ms"] / q["honest"]["p99_ms"],
         "listed_workers_min": min(watch.listed, default=-1),
         "rss_before_mb": rss_before / 2**20, "rss_peak_mb": watch.rss_peak / 2**20,
         "rss_after_mb": rss_bytes(pids) / 2**20,
@@ -294,9 +359,8 @@ async def phase(name: str, args: argparse.Namespace, *, router: Router, monitor:
         "drops": {k: after.drops.get(k, 0) - before.drops.get(k, 0) for k in keys
                   if after.drops.get(k, 0) != before.drops.get(k, 0)},
         "nats_slow_consumers": after.slow_consumers - before.slow_consumers,
-        "flood": None if sent is None else {**sent, "per_s": sent["messages"] / max(sent["seconds"], 1e-9),
-                                            "seen_dropped_after_s": flood_seen_s},
-        "cpu": cpu,
+        "flooder": None if sent is None else {
+            **sent, "per_s": sent["messages"] / max(sent["seconds"], 1e-9), "seen_dropped_after_s": seen},
     }
 
 
@@ -304,7 +368,6 @@ async def main(args: argparse.Namespace) -> None:
     floods = [f for f in args.floods.split(",") if f]
     if not set(floods) <= set(FLOODS):
         raise SystemExit(f"--floods: each of {', '.join(FLOODS)}, not {args.floods!r}")
-    phases = ["quiet", *floods, *(["after"] if args.after else [])]
     router_env = {f"RUDDER_{k.upper()}": v for k, v in (kv.split("=", 1) for kv in args.router_env)}
     if args.kv_cap:
         router_env["RUDDER_CLAIM_MAX_KV_BLOCKS"] = str(args.kv_cap)
@@ -329,63 +392,72 @@ async def main(args: argparse.Namespace) -> None:
             except psutil.Error:
                 pass
             beat = await hostile_heartbeat(bus, fleet.instance_ids[0])
-            # warm up every path (connections, tokenizer, allocators) before the quiet figure
+            (tmp / "beat").write_bytes(beat)
+            # warm up every path (connections, tokenizer, allocators) before the first figure
             await chats(router.url, concurrency=args.concurrency, seconds=1, min_chats=50,
                         max_tokens=args.max_tokens, max_seconds=30)
             rss_start = rss_bytes(pids)
-            for name in phases:
-                res = await phase(name, args, router=router, monitor=monitor, bus=bus, fleet=fleet,
-                                  pids=pids, tmp=tmp, beat=beat)
+            for kind in floods:
+                res = await campaign(kind, args, router=router, monitor=monitor, bus=bus, fleet=fleet,
+                                     pids=pids, tmp=tmp)
                 results.append(res)
-                h = res["honest"]
-                print(f"  {name}: {res['chats']} chats, honest p99 {h['p99_ms']:.1f} ms, "
+                print(f"  {kind}: honest p99 {res['quiet']['honest']['p99_ms']:.1f} ms quiet, "
+                      f"{res['flooded']['honest']['p99_ms']:.1f} ms flooded (x{res['p99_ratio']:.2f}); "
                       f"RSS peak {res['rss_peak_mb']:.0f} MB", flush=True)
         finally:
             if router is not None:
                 router.stop()
             fleet.stop()
             bus.stop()
-    quiet = results[0]["honest"]["p99_ms"]
-    ratios = {r["phase"]: r["honest"]["p99_ms"] / quiet for r in results[1:]}
-    print_table(results, ratios, cap, rss_start)
+    print_table(results, cap, rss_start)
     out = {
         "benchmark": "flood", **machine(),
         "note": ("3 mock workers (rudder serve worker), one router (rudder serve router), one flooder "
-                 "process with worker 0's credential; chats: non-streamed, distinct prompts, closed loop; "
-                 "honest = answered by workers 1-2; ratio = flood p99 / quiet p99 of the honest chats"),
-        "settings": {"seconds": args.seconds, "min_chats": args.min_chats, "concurrency": args.concurrency,
-                     "max_tokens": args.max_tokens, "speedup_ratio": args.speedup, "router_env": router_env,
-                     "claim_max_kv_blocks": cap},
-        "rss_start_mb": rss_start / 2**20, "p99_ratio": ratios, "phases": results,
+                 "process with worker 0's credential, paused and resumed so quiet and flood windows "
+                 "alternate (the machine is shared); chats: non-streamed, distinct prompts, closed loop; "
+                 "honest = answered by workers 1-2; p99_ratio = flood p99 / quiet p99 of the honest chats"),
+        "settings": {"seconds": args.seconds, "rounds": args.rounds, "min_chats": args.min_chats,
+                     "concurrency": args.concurrency, "max_tokens": args.max_tokens,
+                     "speedup_ratio": args.speedup, "router_env": router_env, "claim_max_kv_blocks": cap},
+        "rss_start_mb": rss_start / 2**20, "p99_ratio": {r["flood"]: r["p99_ratio"] for r in results},
+        "floods": results,
     }
     path = write_result(args.output, out)
     print(f"wrote {path}")
 
 
-def print_table(results: list[dict[str, Any]], ratios: dict[str, float], cap: int, rss_start: int) -> None:
-    print(f"\nchats to the honest workers (ms), router RSS (MB; {rss_start / 2**20:.0f} before the "
-          f"phases), hostile worker's prefix-index blocks (cap {cap})")
-    head = (f"{'phase':<10}{'chats':>7}{'err':>5}{'p50':>8}{'p99':>8}{'max':>8}{'p99 x':>7}{'RSS peak':>10}"
-            f"{'held':>9}{'refused':>10}{'dropped':>10}{'listed':>7}{'slow':>6}{'flood/s':>10}")
+def print_table(results: list[dict[str, Any]], cap: int, rss_start: int) -> None:
+    print(f"\nchats to the honest workers (ms), quiet and flood windows alternating; router RSS (MB, "
+          f"{rss_start / 2**20:.0f} before the floods); the hostile worker's prefix-index blocks (cap {cap})")
+    head = (f"{'flood':<10}{'window':<8}{'chats':>7}{'err':>5}{'p50':>8}{'p99':>8}{'max':>8}{'p99 x':>7}"
+            f"{'router CPU':>11}{'RSS peak':>10}{'held':>9}{'refused':>10}{'dropped':>10}{'listed':>7}"
+            f"{'slow':>6}{'flood/s':>9}")
     print(head)
     print("-" * len(head))
     for r in results:
-        h = r["honest"]
         dropped = sum(v for k, v in r["drops"].items() if k.endswith("/rate_limited"))
-        rate = f"{r['flood']['per_s']:.0f}" if r["flood"] else "-"
-        ratio = f"{ratios[r['phase']]:.2f}" if r["phase"] in ratios else "-"
-        print(f"{r['phase']:<10}{r['chats']:>7}{sum(r['errors'].values()):>5}{h['p50_ms']:>8.1f}"
-              f"{h['p99_ms']:>8.1f}{h['max_ms']:>8.1f}{ratio:>7}{r['rss_peak_mb']:>10.0f}"
-              f"{r['hostile_index_blocks']:>9.0f}{r['index_refused_blocks']:>10.0f}{dropped:>10.0f}"
-              f"{r['listed_workers_min']:>7}{r['nats_slow_consumers']:>6}{rate:>10}")
-    print("p99 x = the phase's honest p99 / the quiet phase's; flood/s = messages the flooder published "
-          "(heartbeats, or KV events of 2,000 blocks)")
+        rate = f"{r['flooder']['per_s']:.0f}" if r["flooder"] else "-"
+        for label, s in (("quiet", r["quiet"]), ("flood", r["flooded"])):
+            h = s["honest"]
+            line = (f"{r['flood']:<10}{label:<8}{s['chats']:>7}{sum(s['errors'].values()):>5}{h['p50_ms']:>8.1f}"
+                    f"{h['p99_ms']:>8.1f}{h['max_ms']:>8.1f}")
+            cpu = f"{s['cpu_cores'].get('router', 0.0):>11.2f}"
+            if label == "quiet":
+                print(line + f"{'':>7}" + cpu)
+            else:
+                print(line + f"{r['p99_ratio']:>7.2f}" + cpu + f"{r['rss_peak_mb']:>10.0f}"
+                      f"{r['hostile_index_blocks']:>9.0f}{r['index_refused_blocks']:>10.0f}{dropped:>10.0f}"
+                      f"{r['listed_workers_min']:>7}{r['nats_slow_consumers']:>6}{rate:>9}")
+    print("p99 x = flood p99 / quiet p99 (honest chats); router CPU in cores; flood/s = messages the flooder "
+          "published while flooding (heartbeats, or KV events of 2,000 blocks)")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--seconds", type=float, default=15.0, help="length of each phase's chats")
-    p.add_argument("--min-chats", type=int, default=300, help="at least this many chats per phase")
+    p.add_argument("--seconds", type=float, default=5.0, help="length of one window of chats")
+    p.add_argument("--rounds", type=int, default=3, help="quiet + flood windows per flood kind")
+    p.add_argument("--min-chats", type=int, default=300,
+                   help="at least this many chats per flood kind and window kind (over its rounds)")
     p.add_argument("--concurrency", type=int, default=4, help="closed-loop clients")
     p.add_argument("--max-tokens", type=int, default=4)
     p.add_argument("--speedup", type=float, default=20.0, help="mock speedup_ratio")
@@ -394,7 +466,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--router-env", action="append", default=[], metavar="NAME=VALUE",
                    help="a further router setting, e.g. kv_event_bytes_per_s=2097152 (repeatable)")
     p.add_argument("--floods", default=",".join(FLOODS), help="the flood phases, in this order")
-    p.add_argument("--after", action="store_true", help="a further quiet phase after the floods")
     p.add_argument("--profile", default="", help="py-spy speedscope profiles of the router here")
     p.add_argument("--log-dir", default="", help="keep the processes' logs here")
     p.add_argument("--output", default="flood")
