@@ -429,7 +429,7 @@ async def main(args: argparse.Namespace) -> None:
 def print_table(results: list[dict[str, Any]], cap: int, rss_start: int) -> None:
     print(f"\nchats to the honest workers (ms), quiet and flood windows alternating; router RSS (MB, "
           f"{rss_start / 2**20:.0f} before the floods); the hostile worker's prefix-index blocks (cap {cap})")
-    head = (f"{'flood':<10}{'window':<8}{'chats':>7}{'err':>5}{'p50':>8}{'p99':>8}{'max':>8}{'p99 x':>7}"
+    head = (f"{'flood':<10}{'window':<8}{'chats':>7}{'err':>5}{'hostile':>8}{'p50':>8}{'p99':>8}{'max':>8}{'p99 x':>7}"
             f"{'router CPU':>11}{'RSS peak':>10}{'held':>9}{'refused':>10}{'dropped':>10}{'listed':>7}"
             f"{'slow':>6}{'flood/s':>9}")
     print(head)
@@ -439,7 +439,8 @@ def print_table(results: list[dict[str, Any]], cap: int, rss_start: int) -> None
         rate = f"{r['flooder']['per_s']:.0f}" if r["flooder"] else "-"
         for label, s in (("quiet", r["quiet"]), ("flood", r["flooded"])):
             h = s["honest"]
-            line = (f"{r['flood']:<10}{label:<8}{s['chats']:>7}{sum(s['errors'].values()):>5}{h['p50_ms']:>8.1f}"
+            line = (f"{r['flood']:<10}{label:<8}{s['chats']:>7}{sum(s['errors'].values()):>5}"
+                    f"{s['hostile_share'] * 100:>7.0f}%{h['p50_ms']:>8.1f}"
                     f"{h['p99_ms']:>8.1f}{h['max_ms']:>8.1f}")
             cpu = f"{s['cpu_cores'].get('router', 0.0):>11.2f}"
             if label == "quiet":
@@ -448,8 +449,9 @@ def print_table(results: list[dict[str, Any]], cap: int, rss_start: int) -> None
                 print(line + f"{r['p99_ratio']:>7.2f}" + cpu + f"{r['rss_peak_mb']:>10.0f}"
                       f"{r['hostile_index_blocks']:>9.0f}{r['index_refused_blocks']:>10.0f}{dropped:>10.0f}"
                       f"{r['listed_workers_min']:>7}{r['nats_slow_consumers']:>6}{rate:>9}")
-    print("p99 x = flood p99 / quiet p99 (honest chats); router CPU in cores; flood/s = messages the flooder "
-          "published while flooding (heartbeats, or KV events of 2,000 blocks)")
+    print("hostile = share of chats the hostile worker answered; p50/p99/max: the others' chats; p99 x = flood "
+          "p99 / quiet p99; router CPU in cores; flood/s = messages the flooder published while flooding "
+          "(heartbeats, or KV events of 2,000 blocks)")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
