@@ -187,11 +187,15 @@ class Watch:
 
 # -- the chats -----------------------------------------------------------------------------------
 
+timeline: list[tuple[float, float]] = []  # (sent, s after the window began; took, s) of the last window
+
+
 async def chats(router: str, *, concurrency: int, seconds: float, min_chats: int, max_tokens: int,
                 max_seconds: float) -> tuple[dict[int, list[float]], Counter[int], float]:
     """Closed loop: latencies (s) by the worker that answered, and errors by status (0 = no answer)."""
     by_worker: dict[int, list[float]] = {}
     errors: Counter[int] = Counter()
+    timeline.clear()
     t0 = time.perf_counter()
     stop_at, give_up = t0 + seconds, t0 + max_seconds
 
@@ -213,6 +217,7 @@ async def chats(router: str, *, concurrency: int, seconds: float, min_chats: int
                 errors[r.status_code] += 1
                 continue
             by_worker.setdefault(int(r.headers["x-worker-instance-id"]), []).append(took)
+            timeline.append((start - t0, took))
 
     limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
     async with httpx.AsyncClient(base_url=router, timeout=30, limits=limits) as http:
@@ -261,7 +266,9 @@ async def window(args: argparse.Namespace, router: Router, cpu_pids: dict[str, l
     cpu = sampler.stop()
     if prof is not None:
         prof.wait(args.seconds + 30)
-    return {"by_worker": by_worker, "errors": errors, "wall_s": wall, "cpu": cpu}
+    slow = sorted(timeline, key=lambda x: -x[1])[:5]  # when the slowest chats were sent
+    return {"by_worker": by_worker, "errors": errors, "wall_s": wall, "cpu": cpu,
+            "slowest": [(round(at, 3), round(took * 1e3, 1)) for at, took in slow]}
 
 
 async def settle(http: httpx.AsyncClient, router: Router, monitor: str, key: str, *, flooding: bool) -> float:
@@ -301,6 +308,7 @@ def summary(name: str, windows: list[dict[str, Any]], hostile: int) -> dict[str,
         "hostile_share": len(by_worker.get(hostile, [])) / max(1, total),
         "cpu_cores": {k: sum(c.get(k, 0.0) for c in cores) / len(cores) for k in cores[0]},
         "machine_busy_pct": sum(w["cpu"]["machine_busy_pct"] for w in windows) / len(windows),
+        "slowest_by_window": [w["slowest"] for w in windows],
     }
 
 
@@ -323,7 +331,8 @@ async def campaign(kind: str, args: argparse.Namespace, *, router: Router, monit
                "--max-flood-seconds", str(args.max_flood_seconds)]
         env = bus.env(Identity(IdentityKind.WORKER, model=MODEL, instance_id=hostile))
         flooder = spawn(cmd, env, log=tmp / f"flooder-{kind}.log")
-        cpu_pids = {"router": pids, "workers": [p.pid for p in fleet.procs], "flooder": [flooder.pid]}
+        cpu_pids = {"router": pids, "workers": [p.pid for p in fleet.procs], "flooder": [flooder.pid],
+                    "nats": [bus.server.proc.pid] if bus.server.proc else []}
         watcher = asyncio.create_task(watch.run())
         seen = 0.0
         try:
