@@ -27,6 +27,7 @@ sampled every 100 ms: before, peak), the blocks its prefix index holds of the ho
     python bench/flood.py                      # table on stdout, bench/results/flood.json
     python bench/flood.py --seconds 2 --rounds 2 --min-chats 40 --output flood_smoke  # a quick look
     python bench/flood.py --floods kv --router-env kv_event_bytes_per_s=1048576   # other limits
+    python bench/flood.py --router-src /work/main --output flood_before   # the router of another tree
     python bench/flood.py --profile /tmp/prof  # + py-spy profiles of the router (last flood window)
 """
 
@@ -393,7 +394,8 @@ async def main(args: argparse.Namespace) -> None:
         router: Router | None = None
         try:
             await fleet.start()
-            router = Router(bus, MODEL, log=log_dir / "router.log", env=router_env)
+            router = Router(bus, MODEL, log=log_dir / "router.log", env=router_env,
+                            src=Path(args.router_src) if args.router_src else None)
             await router.ready(3)
             pids = [router.proc.pid]
             try:
@@ -425,6 +427,7 @@ async def main(args: argparse.Namespace) -> None:
                  "process with worker 0's credential, paused and resumed so quiet and flood windows "
                  "alternate (the machine is shared); chats: non-streamed, distinct prompts, closed loop; "
                  "honest = answered by workers 1-2; p99_ratio = flood p99 / quiet p99 of the honest chats"),
+        "router_src": args.router_src or None,
         "settings": {"seconds": args.seconds, "rounds": args.rounds, "min_chats": args.min_chats,
                      "concurrency": args.concurrency, "max_tokens": args.max_tokens,
                      "speedup_ratio": args.speedup, "router_env": router_env, "claim_max_kv_blocks": cap},
@@ -477,6 +480,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--router-env", action="append", default=[], metavar="NAME=VALUE",
                    help="a further router setting, e.g. kv_event_bytes_per_s=2097152 (repeatable)")
     p.add_argument("--floods", default=",".join(FLOODS), help="the flood phases, in this order")
+    p.add_argument("--router-src", default="",
+                   help="run the router of another checkout (e.g. /work/main: the code before a change)")
     p.add_argument("--profile", default="", help="py-spy speedscope profiles of the router here")
     p.add_argument("--log-dir", default="", help="keep the processes' logs here")
     p.add_argument("--output", default="flood")
@@ -492,6 +497,8 @@ if __name__ == "__main__":
     arguments = parse_args()
     if arguments.profile:
         Path(arguments.profile).mkdir(parents=True, exist_ok=True)
+    if arguments.router_src:
+        arguments.router_src = str(Path(arguments.router_src).resolve())
     if arguments.flooder:
         run_flooder(arguments)
     else:
