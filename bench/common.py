@@ -136,9 +136,10 @@ def serve_command(kind: str, launcher: str) -> list[str]:
     raise ValueError(f"launcher must be 'module' or 'cli', not {launcher!r}")
 
 
-def worker_env(bus: LocalBus, model: str, port: int, **mock: Any) -> dict[str, str]:
+def worker_env(bus: LocalBus, model: str, port: int, *, instance_id: int | None = None,
+               **mock: Any) -> dict[str, str]:
     """A mock worker's settings, with its own identity (credentials bound to its instance id)."""
-    instance_id = secrets.randbelow(2**63) + 1
+    instance_id = instance_id or secrets.randbelow(2**63) + 1
     env = {
         **bus.env(Identity(IdentityKind.WORKER, model=model, instance_id=instance_id)),
         "RUDDER_INSTANCE_ID": str(instance_id), "RUDDER_MODEL": model, "RUDDER_PORT": str(port),
@@ -199,6 +200,7 @@ class Fleet:
     # Per-worker overrides of ``mock`` (a heterogeneous pool), by worker index; shorter = no override.
     per_worker: list[dict[str, Any]] = field(default_factory=list)
     ports: list[int] = field(default_factory=list)
+    instance_ids: list[int] = field(default_factory=list)
     procs: list[subprocess.Popen[bytes]] = field(default_factory=list)
 
     @property
@@ -207,11 +209,12 @@ class Fleet:
 
     async def start(self) -> None:
         self.ports = [free_port() for _ in range(self.n)]
+        self.instance_ids = [secrets.randbelow(2**63) + 1 for _ in range(self.n)]
         for i, port in enumerate(self.ports):
             log = self.log_dir / f"worker{i}.log" if self.log_dir else None
             mock = {**self.mock, **(self.per_worker[i] if i < len(self.per_worker) else {})}
-            self.procs.append(spawn(serve_command("worker", self.launcher),
-                                    worker_env(self.bus, self.model, port, **mock), log=log))
+            env = worker_env(self.bus, self.model, port, instance_id=self.instance_ids[i], **mock)
+            self.procs.append(spawn(serve_command("worker", self.launcher), env, log=log))
         for url in self.urls:
             await wait_until(url + "/health")
 
@@ -234,7 +237,8 @@ class Fleet:
 
 
 class Router:
-    """One ``python -m router`` process; ready when it sees ``workers`` workers of the model."""
+    """One ``python -m router`` process; ready when it sees ``workers`` workers of the model.
+    ``env``: further RUDDER_* settings (they win over the defaults here)."""
 
     def __init__(self, bus: LocalBus, model: str, *, mode: str = "kv",
                  selection: dict[str, float] | None = None, kv_events: bool = True,

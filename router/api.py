@@ -686,11 +686,12 @@ def build_api(rt: Runtime, app: RouterApp) -> None:
             rt.metrics.workers.labels(model).set(n)
         rt.metrics.queue_depth.set(rt.scheduler.queue_depth)
         with contextlib.suppress(RudderError):  # a stopping router still answers its metrics
-            calibration, returns, quarantined, slow, peers = await rt.scheduler.inspect(
+            calibration, returns, quarantined, slow, peers, held, refused = await rt.scheduler.inspect(
                 lambda s: (s.calibration_status(), s.tables.returns.status(), s.quarantined(),
-                           s.timing_quarantined(), len(s.peers)))
+                           s.timing_quarantined(), len(s.peers), s.index_held(), s.index.refused))
             rt.metrics.set_calibration(calibration)
             rt.metrics.set_quarantined(quarantined, slow)
+            rt.metrics.set_index(held, refused)
             rt.metrics.set_returns(returns)
             rt.metrics.peers.set(peers)
         return Response(rt.metrics.render(), media_type="text/plain; version=0.0.4")

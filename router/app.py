@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import logging
 import random
 import signal
@@ -389,4 +390,11 @@ def run(settings: RouterSettings | None = None) -> None:
     settings = settings or RouterSettings()
     configure_logging(settings.log_level)
     traces.setup_tracing("rudder-router")
+    # What is loaded by now (modules, pydantic schemas: most of the process's objects) lives as long
+    # as the process: moved out of the collector's sight, a full collection no longer walks it. Such
+    # collections come with KV-event churn (each decoded event is thousands of objects) and held the
+    # event loop 200-500 ms under a KV flood on a loaded box: chats to other workers waited behind
+    # them (bench/flood.py; docs/decisions.md 84).
+    gc.collect()
+    gc.freeze()
     asyncio.run(serve(settings))

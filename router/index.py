@@ -137,6 +137,13 @@ class PrefixIndex:
     def blocks_of(self, key: WorkerKey) -> int:
         return len(self._by_key.get(key, ()))
 
+    def held(self) -> dict[int, int]:
+        """Blocks indexed per worker (all its ranks): what its claims hold of the router's memory."""
+        out: dict[int, int] = {}
+        for (wid, _), mine in self._by_key.items():
+            out[wid] = out.get(wid, 0) + len(mine)
+        return out
+
     def __len__(self) -> int:
         return len(self._holders)
 

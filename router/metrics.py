@@ -94,6 +94,17 @@ class RouterMetrics:
             "rudder_router_bus_dropped", "Bus messages dropped as hostile or malformed, by kind "
             "and reason", ["kind", "reason"], registry=r,
         )
+        # What each worker's KV claims hold of this router's memory (refreshed at each scrape):
+        # at most its capped KV blocks per rank (docs/security.md, "A stolen worker credential").
+        self.index_blocks = Gauge(
+            "rudder_router_prefix_index_blocks", "Blocks the prefix index holds per worker (all its ranks)",
+            ["model", "instance_id"], registry=r,
+        )
+        self.index_refused = Counter(
+            "rudder_router_prefix_index_refused_blocks",
+            "Blocks claimed in KV events past the worker's capped capacity (not indexed)", registry=r,
+        )
+        self._refused_seen = 0
         self.policy_resyncs = Counter(
             "rudder_router_policy_resyncs",
             "Re-syncs of the policy stream after its sequence went backwards (stream recreated)",
@@ -258,6 +269,15 @@ class RouterMetrics:
             gauge.clear()
             for model, wid in listed:
                 gauge.labels(model, str(wid)).set(1)
+
+    def set_index(self, held: Iterable[tuple[str, int, int]], refused: int) -> None:
+        """Blocks held per worker, and the index's count of refused blocks (monotonic)."""
+        self.index_blocks.clear()
+        for model, wid, n in held:
+            self.index_blocks.labels(model, str(wid)).set(n)
+        if refused > self._refused_seen:
+            self.index_refused.inc(refused - self._refused_seen)
+            self._refused_seen = refused
 
     def set_returns(self, status: Mapping[str, float]) -> None:
         self.returns.labels("open").set(status["open"])

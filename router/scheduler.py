@@ -548,6 +548,11 @@ class Scheduler:
         return [WorkerQuarantine(model=st.record.model, instance_id=wid, cache=wid in cache, timing=wid in timing)
                 for wid in sorted(cache | timing) if (st := self.discovery.get(wid)) is not None]
 
+    def index_held(self) -> list[tuple[str, int, int]]:
+        """(model, instance id, blocks the prefix index holds of it) of each known worker."""
+        return [(st.record.model, wid, n) for wid, n in sorted(self.index.held().items())
+                if (st := self.discovery.get(wid)) is not None]
+
     def timing_quarantined(self) -> list[tuple[str, int]]:
         """(model, instance id) of each worker whose claimed timing prior is not believed."""
         return [(st.record.model, wid) for wid in sorted(self.timing_outcomes.quarantined)

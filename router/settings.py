@@ -174,9 +174,13 @@ class RouterSettings(BusSettings):
     # full KV dump is asked for at most once per kvdump_min_interval_s.
     membership_rate_per_s: float = Field(default=20.0, gt=0)
     membership_burst: int = Field(default=100, ge=1)
-    # KV events are limited by their bytes (about 60 a claimed block): 1 MiB/s is ~17k blocks/s.
-    kv_event_bytes_per_s: float = Field(default=1024 * 1024, gt=0)
-    kv_event_burst_bytes: int = Field(default=4 * 1024 * 1024, ge=1024 * 1024)
+    # KV events are limited by their bytes (about 70 a block with real 64-bit hashes): 512 KiB/s is
+    # ~7.5k blocks/s sustained, and a 1 MiB burst (one largest NATS message) ~15k at once. What is
+    # let through is decoded on the event loop that also selects workers (~0.1-0.2 ms a KiB): with
+    # 1 MiB/s and a 4 MiB burst a flooding worker took the most of that loop (bench/flood.py,
+    # docs/decisions.md 82); raise these for workers that store and evict more.
+    kv_event_bytes_per_s: float = Field(default=512 * 1024, gt=0)
+    kv_event_burst_bytes: int = Field(default=1024 * 1024, ge=1024 * 1024)
     kvdump_min_interval_s: float = Field(default=1.0, ge=0)
 
     # Router replicas share their bookings (router.peers, router.peersync): each publishes what it

@@ -26,7 +26,6 @@ import uuid
 from collections import Counter
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
-from datetime import UTC, datetime
 from typing import Any
 
 import httpx
@@ -37,8 +36,6 @@ from controlplane.protocol.events import (
     EngineTiming,
     KvEvent,
     KvStored,
-    MembershipEvent,
-    MembershipOp,
     StoredBlock,
     WorkerRecord,
 )
@@ -46,6 +43,7 @@ from controlplane.protocol.hashing import chain_hashes
 from controlplane.protocol.subjects import kv_subject, membership_subject
 from controlplane.protocol.tokenizer import encode_chat
 from tests import buskit
+from tests.support_router.hostile import KvFlood, forged_heartbeat, kv_step, publishing
 from tests.support_router.workers import InProcessRouter, router_settings, wait_for
 from worker import agent
 from worker.settings import MockEngineSettings
@@ -101,25 +99,15 @@ async def fleet(nats_url: str, **router_kw: Any) -> AsyncIterator[Fleet]:
 async def hostile_publisher(nats_url: str, f: Fleet, publish: Callable[[Any], Any]) -> AsyncIterator[None]:
     """Run ``publish(nc)`` in a loop on the hostile worker's own credential until the block ends."""
     nc = await buskit.connect_as(nats_url, Identity(IdentityKind.WORKER, model=f.model, instance_id=f.hostile))
-
-    async def loop() -> None:
-        while True:
-            await publish(nc)
-            await asyncio.sleep(0.05)
-
-    task = asyncio.create_task(loop())
     try:
-        yield
+        async with publishing(lambda: publish(nc)):
+            yield
     finally:
-        task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await task
         await nc.close()
 
 
 def _forged(f: Fleet, **update: Any) -> bytes:
-    rec = f.record.model_copy(update=update)
-    return MembershipEvent(op=MembershipOp.HEARTBEAT, worker=rec, at=datetime.now(UTC)).to_bytes()
+    return forged_heartbeat(f.record, **update)
 
 
 async def _shares(f: Fleet, n: int) -> tuple[Counter[int], list[float]]:
@@ -206,22 +194,23 @@ async def test_a_kv_flood_is_bounded_and_chats_to_the_others_stay_fast(nats_url:
         _, quiet = await _shares(f, 40)
         # Three events of 2,000 blocks each (more than the cap together), sent again and again
         # with fresh event ids: built once, so the test's own CPU goes to publishing.
-        templates = [KvEvent(instance_id=f.hostile, event_id=0, data=KvStored(blocks=[
-            StoredBlock(block_hash=k * 2000 + i + 1, tokens_hash=i) for i in range(2000)])).to_bytes()
-            for k in range(3)]
-        next_id = iter(range(1_000_000, 10**9))
+        claims = KvFlood(f.hostile, blocks=2000, templates=3)
 
-        async def publish(nc: Any) -> None:
-            for k in range(20):  # 20 events of 2,000 claimed blocks each, per 50 ms
-                data = templates[k % 3].replace(b'"event_id":0,', f'"event_id":{next(next_id)},'.encode(), 1)
-                await nc.publish(kv_subject(f.model, f.hostile), data)
+        async def publish(nc: Any) -> None:  # 20 events of 2,000 claimed blocks each, per 50 ms
+            await kv_step(nc, f.model, f.hostile, claims, per_step=20)()
 
         async with hostile_publisher(nats_url, f, publish):
             await wait_for(lambda: sched.inspect(lambda s: s.index.refused > 0), within=30)
             await wait_for(lambda: f.drops("kv", "rate_limited") > 100, within=30)
             _, flood = await _shares(f, 40)
             held = await sched.inspect(lambda s: s.index.blocks_of((f.hostile, 0)))
+            async with httpx.AsyncClient(base_url=f.router.url, timeout=10) as http:
+                metrics = (await http.get("/metrics")).text
         assert held <= cap
+        # what an operator (and bench/flood.py) sees of it
+        shown = f'rudder_router_prefix_index_blocks{{instance_id="{f.hostile}",model="{f.model}"}} '
+        assert 0 < float(metrics.split(shown, 1)[1].split("\n", 1)[0]) <= cap, metrics
+        assert "rudder_router_prefix_index_refused_blocks_total " in metrics
         others = flood
         p99 = sorted(others)[int(len(others) * 0.99) - 1]
         quiet_p99 = sorted(quiet)[int(len(quiet) * 0.99) - 1]

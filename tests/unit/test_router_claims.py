@@ -74,8 +74,10 @@ def test_the_index_holds_at_most_a_ranks_capacity() -> None:
         blocks=[StoredBlock(block_hash=h, tokens_hash=h) for h in range(1, 11)]))
     assert index.apply(again) is KvApplied.APPLIED
     assert index.blocks_of((7, 0)) == 10 and index.refused == 990
+    index.store((7, 1), [5000, 5001])  # its second rank
+    assert index.held() == {7: 12}  # what /metrics shows (rudder_router_prefix_index_blocks)
     index.remove_worker(7)
-    assert len(index) == 0
+    assert len(index) == 0 and index.held() == {}
 
 
 def test_events_buffered_during_a_dump_are_bounded() -> None:
