@@ -88,7 +88,9 @@ def test_fleet_chat_policy_change_acked_by_every_router_and_audited(tmp_path: Pa
         log = rudder(tmp_path, "--json", "audit", "log", "--model", MODEL)
         assert log.returncode == 0, log.stderr
         rows = json.loads(log.stdout)
-        change = [r for r in rows if r["new_revision"] == revision and r["decision"] == "accepted"]
+        # (The model's rows include its workers' manifest issues, whose revision is the manifest's.)
+        change = [r for r in rows if r["kind"] == "selection" and r["new_revision"] == revision
+                  and r["decision"] == "accepted"]
         assert len(change) == 1 and change[0]["actor"] == "rudder-up-admin"
         assert change[0]["after"]["router_temperature"] == 0.3
         # Within one second: each router's ACK time against the accepted decision's time, both
