@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import logging
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass
 
 from bus.client import Bus, Message
@@ -24,6 +24,8 @@ from controlplane.protocol.events import PolicyEvent, check_policy_subject, deco
 from controlplane.protocol.policy import PolicyKind
 from controlplane.protocol.signing import Keyring, SigningKey
 from controlplane.protocol.subjects import (
+    HDR_KEY_ID,
+    HDR_SIGNATURE,
     POLICY_PREFIX,
     STREAM_POLICY,
     parse_policy_subject,
@@ -44,6 +46,28 @@ class StoredEvent:
     signature_error: str | None = None  # reason code when the signature does not verify
 
 
+#: What a head's verification and decoding depend on besides its subject and the keys.
+_HeadKey = tuple[int, bytes, str | None, str | None, str | None]
+
+
+def _head_key(seq: int, data: bytes, headers: Mapping[str, str], msg_id: str | None) -> _HeadKey:
+    return seq, data, headers.get(HDR_KEY_ID), headers.get(HDR_SIGNATURE), msg_id
+
+
+def _decoded(revision: int, subject: str, data: bytes, msg_id: str | None, signed_by: str) -> StoredEvent:
+    """A verified message's event, or why it is malformed."""
+    try:
+        event: PolicyEvent | None = decode_policy_event(data)
+        assert event is not None
+        # An event naming another document than its subject is malformed here too.
+        check_policy_subject(subject, event)
+        error = None
+    except Exception as exc:  # a malformed message on the stream must not break reads
+        event, error = None, str(exc)
+    return StoredEvent(revision=revision, subject=subject, msg_id=msg_id, event=event, error=error,
+                       signed_by=signed_by)
+
+
 @dataclass(frozen=True, slots=True)
 class PublishResult:
     revision: int
@@ -61,10 +85,10 @@ class PolicyLog:
         """Sign with ``signer`` from now on; accept events signed by ``keyring`` or by it."""
         self.signer = signer
         self.keyring = keyring.union(Keyring.of([signer.public_key]))
-        # Per subject, the last head read, verified and decoded: every write reads its head, and
-        # a head that is the same message (sequence, bytes and headers) under the same keys
-        # needs no second signature check.
-        self._heads: dict[str, tuple[tuple[int | None, bytes, tuple[tuple[str, str], ...]], StoredEvent]] = {}
+        # Per subject, the head last read or published here, verified and decoded. Every write
+        # reads its head, which is most often the event the previous write published: the same
+        # message (sequence, bytes, signature, id) under the same keys needs no second check.
+        self._heads: dict[str, tuple[_HeadKey, StoredEvent]] = {}
 
     def _stored(self, msg: Message) -> StoredEvent:
         revision = msg.seq or 0
@@ -74,23 +98,14 @@ class PolicyLog:
             return StoredEvent(revision=revision, subject=msg.subject, msg_id=msg.msg_id,
                                event=None, error=f"{exc.reason_code}: {exc.message}",
                                signature_error=exc.reason_code)
-        try:
-            event: PolicyEvent | None = decode_policy_event(msg.data)
-            assert event is not None
-            # An event naming another document than its subject is malformed here too.
-            check_policy_subject(msg.subject, event)
-            error = None
-        except Exception as exc:  # a malformed message on the stream must not break reads
-            event, error = None, str(exc)
-        return StoredEvent(revision=revision, subject=msg.subject, msg_id=msg.msg_id, event=event,
-                           error=error, signed_by=signed_by)
+        return _decoded(revision, msg.subject, msg.data, msg.msg_id, signed_by)
 
     async def head(self, model: str, kind: PolicyKind) -> StoredEvent | None:
         """The newest event of a document, or None (revision 0) if it has none."""
         msg = await self.bus.last(STREAM_POLICY, policy_subject(model, kind))
         if msg is None:
             return None
-        key = (msg.seq, msg.data, tuple(sorted(msg.headers.items())))
+        key = _head_key(msg.seq or 0, msg.data, msg.headers, msg.msg_id)
         cached = self._heads.get(msg.subject)
         if cached is not None and cached[0] == key:
             return cached[1]
@@ -102,10 +117,14 @@ class PolicyLog:
         """Publish signed, with compare-and-set. Raises RevisionConflict, LogUnavailable,
         LogAmbiguous (:meth:`bus.client.Bus.publish_cas`)."""
         subject = policy_subject(event.model, event.kind)
-        payload = event.to_bytes()
+        payload, msg_id = event.to_bytes(), str(event.event_id)
+        signature = self.signer.sign(subject, payload)
         result = await self.bus.publish_cas(
             STREAM_POLICY, subject, payload, expected_seq=event.expected_revision,
-            msg_id=str(event.event_id), headers=_traced(self.signer.sign(subject, payload)))
+            msg_id=msg_id, headers=_traced(signature))
+        # The new head is this message, signed here: the next write's head read needs no check.
+        self._heads[subject] = (_head_key(result.seq, payload, signature, msg_id),
+                                _decoded(result.seq, subject, payload, msg_id, self.signer.key_id))
         return PublishResult(revision=result.seq, recovered=result.recovered)
 
     async def find(self, model: str, kind: PolicyKind, event_id: uuid.UUID) -> StoredEvent | None:

@@ -79,3 +79,29 @@ async def test_policy_stream_settings(log: PolicyLog) -> None:
     assert cfg.max_msgs_per_subject == 64 and cfg.allow_direct and cfg.deny_delete and cfg.deny_purge
     assert cfg.duplicate_window == 120
     assert cfg.num_replicas == 1
+
+
+async def test_the_head_after_a_publish_is_what_a_fresh_reader_verifies(log: PolicyLog, nats_url: str) -> None:
+    """The publisher remembers its own event as the head (no second signature check on its next
+    write's read): what it returns is exactly what a reader with nothing remembered verifies from
+    the stream, and the same bytes stored again (a replay, at a new revision) are read afresh."""
+    model = f"m-{uuid.uuid4().hex[:6]}"
+    published = await log.publish(event(model, 0, 0.4))
+    nc = await buskit.connect_as(nats_url, Identity(IdentityKind.CONTROLPLANE))
+    try:
+        fresh = session_keys().policy_log(nc)
+        remembered = await log.head(model, PolicyKind.SELECTION)
+        verified = await fresh.head(model, PolicyKind.SELECTION)
+        assert remembered is not None and remembered == verified
+        assert remembered.revision == published.revision and remembered.signed_by is not None
+        # A replay of the same message (bytes and signature; a new msg id, or JetStream would drop
+        # it as a duplicate) becomes the head at a new revision: not the remembered one.
+        stored = await log.bus.last(STREAM_POLICY, remembered.subject)
+        assert stored is not None
+        headers = {k: v for k, v in stored.headers.items() if not k.startswith("Nats-")}
+        await nc.jetstream().publish(remembered.subject, stored.data, headers={**headers, "Nats-Msg-Id": "replay"})
+        replayed = await log.head(model, PolicyKind.SELECTION)
+        assert replayed is not None and replayed.revision > published.revision
+        assert replayed == await fresh.head(model, PolicyKind.SELECTION)
+    finally:
+        await nc.close()
