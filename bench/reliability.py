@@ -105,19 +105,6 @@ FLEET_SCENARIOS: dict[str, list[tuple[str, float]]] = {
 }
 
 
-def _refused_for(attempts: list[Attempt], fault_at: float) -> float:
-    """From the first attempt after the fault began that was not answered (200 or 409) to the
-    first one answered after it (0 when none was refused)."""
-    after = sorted((a for a in attempts if a.invoked >= fault_at), key=lambda a: a.invoked)
-    first_bad = next((a for a in after if a.answer in (Answer.REFUSED, Answer.UNKNOWN)), None)
-    if first_bad is None:
-        return 0.0
-    first_good = next((a for a in after if a.invoked > first_bad.invoked
-                       and a.answer in (Answer.ACCEPTED, Answer.CONFLICT)), None)
-    end = first_good.completed if first_good is not None and first_good.completed else after[-1].invoked
-    return max(0.0, end - first_bad.invoked)
-
-
 async def run_scenario(name: str, fault: Fault, seconds: float, root: Path) -> dict[str, Any]:
     nats = EmbeddedNats(root / name / "nats", auth=buskit.authority().server_config)
     nats.start()
@@ -167,7 +154,7 @@ async def run_scenario(name: str, fault: Fault, seconds: float, root: Path) -> d
             "fault_took_s": round(back_at - fault_at, 3),
             "attempts": len(attempts), **counts,
             "lost": sum(p.kind == "lost_write" for p in verdict.problems),
-            "writes_refused_s": round(_refused_for(attempts, fault_at), 3),
+            "writes_refused_s": round(writes_refused_s(attempts, fault_at), 3),
             "router_on_new_writes_after_s": None if converge is None else round(converge, 3),
             "reconcile_ok": report.ok, "verdict": str(verdict),
         }
@@ -199,7 +186,7 @@ async def run_fleet_scenario(name: str, faults: list[tuple[str, float]], *, repe
     routers = fleet.names("router")
     per_fault = [{"fault": f.name, "target": f.target, "took_s": round(f.back - f.began, 3),
                   "election_s": None if f.election_s is None else round(f.election_s, 3),
-                  "writes_refused_s": round(writes_refused_s(h.attempts, f), 3),
+                  "writes_refused_s": round(writes_refused_s(h.attempts, f.began), 3),
                   "convergence_s": _round(convergence_s(h, f, routers))} for f in result.faults]
     counts = {answer.value: sum(a.answer is answer for a in h.attempts) for answer in Answer}
     failed = Counter(c.reason for c in h.chats if not c.ok)

@@ -85,6 +85,18 @@ async def cas_writer(http: httpx.AsyncClient, model: str, name: str, stop: async
             await asyncio.sleep(0.05)
 
 
+async def audit_decisions(store: AuditStore, model: str) -> list[Decision]:
+    """Every recorded decision of ``model``'s writes (dry runs aside), oldest first."""
+    out: list[Decision] = []
+    cursor: str | None = None
+    while True:
+        rows, cursor = await store.query(model=model, limit=1000, cursor=cursor)
+        out += [Decision(str(row.event_id), str(row.decision), row.reason_code, row.new_revision) for row in rows
+                if row.stage == AuditStage.DECISION.value and not row.dry_run and row.event_id is not None]
+        if cursor is None:
+            return out
+
+
 async def read_back(nc: NATS, store: AuditStore, model: str, *, routers: list[str]) -> History:
     """The stream, the audit decisions and the router ACKs of ``model``'s selection document."""
     doc = document(model)
@@ -94,14 +106,7 @@ async def read_back(nc: NATS, store: AuditStore, model: str, *, routers: list[st
     h.stream[doc] = held
     if held:
         h.retired_below[doc] = min(held)
-    cursor: str | None = None
-    while True:
-        rows, cursor = await store.query(model=model, limit=1000, cursor=cursor)
-        for row in rows:
-            if row.stage == AuditStage.DECISION.value and not row.dry_run and row.event_id is not None:
-                h.audit.append(Decision(str(row.event_id), str(row.decision), row.reason_code, row.new_revision))
-        if cursor is None:
-            break
+    h.audit.extend(await audit_decisions(store, model))
     for router in routers:
         for ack in await store.acks(router_id=router, model=model, limit=1000):
             if ack["event_id"]:

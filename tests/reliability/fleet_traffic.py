@@ -22,15 +22,14 @@ import httpx
 from sqlalchemy import select
 
 from bus.identities import Identity, IdentityKind
-from controlplane.audit.records import AuditStage
 from controlplane.audit.store import AuditStore
 from controlplane.audit.tables import router_acks
 from controlplane.protocol.policy import PolicyKind
 from tests import buskit
 from tests.policy_keys import session_keys
 from tests.reliability.fleet import FAULTS, KINDS, MODEL, FaultRecord, Fleet, doc
-from tests.reliability.fleet_history import mono, to_mono
-from tests.reliability.history import Answer, Apply, Attempt, Chat, Decision, History
+from tests.reliability.fleet_history import audit_decisions, mono, to_mono
+from tests.reliability.history import Answer, Apply, Attempt, Chat, History
 
 # -- traffic ---------------------------------------------------------------------------------------
 
@@ -284,14 +283,7 @@ async def read_back(fleet: Fleet) -> History:
         await nc.close()
     store = AuditStore.from_url(fleet.database_url)
     try:
-        cursor: str | None = None
-        while True:
-            rows, cursor = await store.query(model=MODEL, limit=1000, cursor=cursor)
-            for row in rows:
-                if row.stage == AuditStage.DECISION.value and not row.dry_run and row.event_id is not None:
-                    h.audit.append(Decision(str(row.event_id), str(row.decision), row.reason_code, row.new_revision))
-            if cursor is None:
-                break
+        h.audit.extend(await audit_decisions(store, MODEL))
         async with store.engine.connect() as conn:
             c = router_acks.c
             result = await conn.execute(select(c.router_id, c.kind, c.revision, c.status, c.event_id, c.at)
@@ -329,10 +321,10 @@ async def _audit_checks(fleet: Fleet) -> tuple[dict[str, Any], dict[str, Any]]:
 # -- measures for the report ---------------------------------------------------------------------------
 
 
-def writes_refused_s(attempts: list[Attempt], fault: FaultRecord) -> float:
-    """From the first attempt after the fault began that was not answered (200 or 409) to the
-    first answered after it (0 when none was refused)."""
-    after = sorted((a for a in attempts if a.invoked >= fault.began), key=lambda a: a.invoked)
+def writes_refused_s(attempts: list[Attempt], began: float) -> float:
+    """From the first attempt after a fault began (``began``) that was not answered (200 or 409)
+    to the first answered after it (0 when none was refused)."""
+    after = sorted((a for a in attempts if a.invoked >= began), key=lambda a: a.invoked)
     first_bad = next((a for a in after if a.answer in (Answer.REFUSED, Answer.UNKNOWN)), None)
     if first_bad is None:
         return 0.0
