@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import math
 from collections import deque
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from dataclasses import replace
 from typing import Any, NamedTuple
 
@@ -350,38 +350,30 @@ class Calibrations:
     def expect(self, booking_id: str, pending: Pending) -> None:
         self._pending[booking_id] = pending
 
-    def _observation(self, booking_id: str, ttft_ms: float) -> tuple[Pending, PrefillObservation] | None:
+    def observation(self, booking_id: str, ttft_ms: float) -> tuple[int, PrefillObservation] | None:
+        """The worker of ``booking_id`` and its first token as observed (what the router knew at
+        selection, and ``ttft_ms``), or None for a request it does not expect."""
         pending = self._pending.get(booking_id)
         if pending is None:
             return None
         pred = pending.prediction
-        return pending, PrefillObservation(
+        return pending.instance_id, PrefillObservation(
             queued_tokens=pred.queued_tokens, uncached_tokens=pred.uncached_tokens, running=pred.running,
             kv_usage=pred.kv_usage, budget=pending.budget, measured_ms=ttft_ms, predicted_ms=pred.ttft_ms,
         )
 
-    def prior_ttft(self, booking_id: str, prior: Callable[[int], Timing | None]) -> tuple[int, float] | None:
-        """(worker, what ``prior(worker)`` predicts for the first token of ``booking_id``), or
-        None when the request or the prior is unknown."""
-        found = self._observation(booking_id, 0.0)
-        if found is None:
-            return None
-        pending, obs = found
-        timing = prior(pending.instance_id)
-        return None if timing is None else (pending.instance_id, obs.ttft_ms(timing))
+    def observe_first_token(self, instance_id: int, obs: PrefillObservation) -> list[int]:
+        """Record a first token (:meth:`observation`); the workers whose timing changed."""
+        cal = self.workers.get(instance_id)
+        if cal is None:
+            return []
+        before, own = cal.timing, cal.own
+        cal.observe_ttft(obs)
+        return self._changed(instance_id, cal, before, own)
 
     def first_token(self, booking_id: str, ttft_ms: float) -> list[int]:
-        pending = self._pending.get(booking_id)
-        cal = self.workers.get(pending.instance_id) if pending is not None else None
-        if pending is None or cal is None:
-            return []
-        pred = pending.prediction
-        before, own = cal.timing, cal.own
-        cal.observe_ttft(PrefillObservation(
-            queued_tokens=pred.queued_tokens, uncached_tokens=pred.uncached_tokens, running=pred.running,
-            kv_usage=pred.kv_usage, budget=pending.budget, measured_ms=ttft_ms, predicted_ms=pred.ttft_ms,
-        ))
-        return self._changed(pending.instance_id, cal, before, own)
+        found = self.observation(booking_id, ttft_ms)
+        return self.observe_first_token(*found) if found is not None else []
 
     def done(self, booking_id: str, itl_ms: float | None, decode_tokens: int | None) -> list[int]:
         pending = self._pending.pop(booking_id, None)

@@ -89,6 +89,7 @@ from router.policy_state import ApplyResult, Outcome, PolicyState
 from router.pools import Pools, Slot
 from router.settings import RoutingMode
 from router.targets import pool_of
+from router.timing_fit import PrefillObservation
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -345,9 +346,11 @@ class Scheduler:
                     self._returned(booking)
                     self.tables.refresh_slot(booking.model, booking.key)
                     if cmd.ttft_ms is not None:
-                        self._timing_outcome(cmd.request_id, cmd.ttft_ms)
-                        for wid in self.timings.first_token(cmd.request_id, cmd.ttft_ms):
-                            self._retime(wid)
+                        found = self.timings.observation(cmd.request_id, cmd.ttft_ms)
+                        if found is not None:
+                            self._timing_outcome(*found)
+                            for wid in self.timings.observe_first_token(*found):
+                                self._retime(wid)
                 return None
             case RequestDone():
                 booking = self.bookings.free(cmd.request_id)
@@ -566,14 +569,13 @@ class Scheduler:
         prior = cal.prior
         return None if replace(prior, source=DEFAULT_TIMING.source) == DEFAULT_TIMING else prior
 
-    def _timing_outcome(self, booking_id: str, ttft_ms: float) -> None:
+    def _timing_outcome(self, wid: int, obs: PrefillObservation) -> None:
         """A claimed prior against the TTFT measured: persistently slower than it predicts, and the
         worker loses it (the router's own prior, then the fit of what it measured)."""
-        found = self.timings.prior_ttft(booking_id, self._claimed_prior)
-        if found is None:
+        prior = self._claimed_prior(wid)
+        if prior is None:
             return
-        wid, predicted = found
-        if self.timing_outcomes.report(wid, predicted, ttft_ms):
+        if self.timing_outcomes.report(wid, obs.ttft_ms(prior), obs.measured_ms):
             log.warning("worker %s: its claimed timing prior is not believed (measured TTFT %.1fx what it "
                         "predicts); the router's own prior and fit are used", wid,
                         self.timing_outcomes.ratio(wid) or 0.0)
