@@ -276,6 +276,9 @@ class Bus:
         self._nc = nc
         self.timeout_s = timeout_s
         self._js: JetStreamContext = nc.jetstream(timeout=timeout_s)
+        # Direct reads that came back older than the caller knew (or missing), then read again
+        # from the stream's leader: how often a replica behind the stream answered (see last()).
+        self.behind_reads = 0
 
     @classmethod
     async def connect(cls, opts: BusOptions, *, timeout_s: float = 2.0) -> Bus:
@@ -402,7 +405,8 @@ class Bus:
             if not _wrong_last_sequence(exc):
                 raise _translate(exc, f"publish {subject}") from exc
             # CAS is checked before de-duplication: our own earlier attempt may be the head.
-            head = await self.last(stream, subject)
+            # The leader's head: a replica's could predate our own attempt, or the head we lost to.
+            head = await self.last(stream, subject, leader=True)
             if head is not None and head.msg_id == msg_id:
                 return CasResult(seq=head.seq or 0, recovered=True)
             head_seq = (head.seq or 0) if head is not None else 0
@@ -413,7 +417,7 @@ class Bus:
         except NATS_ERRORS as exc:
             # Unknown outcome: read back once; if that fails too, leave it to the reconciler.
             try:
-                head = await self.last(stream, subject)
+                head = await self.last(stream, subject, leader=True)
             except LogUnavailable:
                 raise LogAmbiguous(f"publish outcome unknown: {type(exc).__name__}", retry_after=2) from exc
             if head is not None and head.msg_id == msg_id:
@@ -422,28 +426,53 @@ class Bus:
 
     # ---- JetStream: reads ----------------------------------------------------------------
 
-    async def last(self, stream: str, subject: str) -> Message | None:
-        """The last message of ``subject`` (direct get), or None when it has none."""
-        async def go() -> Message | None:
+    # Reads come in two strengths. A *direct get* (``$JS.API.DIRECT.GET``) is answered by any
+    # replica of the stream (and by mirrors): cheap, but a replica that has not yet applied the
+    # newest writes answers without them (no read-your-writes; nats.docs#815, and seen here: 1 in
+    # 5 direct reads right after an acknowledged publish missed it on a loaded 3-node cluster).
+    # A *leader read* (``$JS.API.STREAM.MSG.GET``) is answered by the stream's leader, which
+    # acknowledged every write. A stored message never changes, so a direct read can be wrong
+    # only by what it lacks: a message it returns is right, a miss or an older head may be stale.
+    # Each read below is direct first and asks the leader only when the answer could be stale
+    # and it matters (docs/decisions.md 89).
+
+    async def last(self, stream: str, subject: str, *, at_least: int = 0, leader: bool = False) -> Message | None:
+        """The last message of ``subject``, or None when it has none. A direct get, read again
+        from the stream's leader if it gives no message or one older than ``at_least`` (a
+        revision the caller knows exists, or expects), or always from the leader with ``leader``."""
+        async def go(direct: bool) -> Message | None:
             try:
-                return _stored(await self._js.get_last_msg(stream, subject, direct=True))
+                return _stored(await self._js.get_last_msg(stream, subject, direct=direct))
             except NotFoundError:
                 return None
 
-        return await self._call(f"last {subject}", go)
+        if not leader:
+            msg = await self._call(f"last {subject}", lambda: go(True))
+            if msg is not None and (msg.seq or 0) >= at_least:
+                return msg
+            if msg is None and at_least <= 0:
+                return None
+            self.behind_reads += 1
+        return await self._call(f"last {subject} (leader)", lambda: go(False))
 
     async def get(self, stream: str, seq: int, *, subject: str | None = None) -> Message | None:
         """The message at ``seq``, or with a ``subject``, the first of that subject at or after
-        ``seq``; None when there is none."""
-        async def go() -> Message | None:
+        ``seq``; None when there is none. A direct get; a miss is confirmed by the leader (a
+        replica behind the stream misses what it has not applied yet)."""
+        async def go(direct: bool) -> Message | None:
             try:
                 if subject is None:
-                    return _stored(await self._js.get_msg(stream, seq=seq, direct=True))
-                return _stored(await self._js.get_msg(stream, seq=seq, subject=subject, next=True, direct=True))
+                    return _stored(await self._js.get_msg(stream, seq=seq, direct=direct))
+                return _stored(await self._js.get_msg(stream, seq=seq, subject=subject, next=True, direct=direct))
             except NotFoundError:
                 return None
 
-        return await self._call(f"get {stream}#{seq}", go)
+        found = await self._call(f"get {stream}#{seq}", lambda: go(True))
+        if found is not None:
+            return found
+        found = await self._call(f"get {stream}#{seq} (leader)", lambda: go(False))
+        self.behind_reads += found is not None
+        return found
 
     async def messages(self, stream: str, subject: str) -> AsyncIterator[Message]:
         """Every retained message of ``subject`` (wildcards allowed), oldest first."""

@@ -19,7 +19,7 @@ from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass
 
 from bus.client import Bus, Message
-from controlplane.protocol.errors import InvalidRequest, SignatureInvalid
+from controlplane.protocol.errors import InvalidRequest, RevisionConflict, SignatureInvalid
 from controlplane.protocol.events import PolicyEvent, check_policy_subject, decode_policy_event
 from controlplane.protocol.policy import PolicyKind
 from controlplane.protocol.signing import Keyring, SigningKey
@@ -89,6 +89,10 @@ class PolicyLog:
         # reads its head, which is most often the event the previous write published: the same
         # message (sequence, bytes, signature, id) under the same keys needs no second check.
         self._heads: dict[str, tuple[_HeadKey, StoredEvent]] = {}
+        # Per subject, the newest revision this process has seen exist (published, read, or named
+        # by a conflict): a head read older than it came from a replica behind the stream, and is
+        # read again from the leader (docs/decisions.md 89).
+        self._seen: dict[str, int] = {}
 
     def _stored(self, msg: Message) -> StoredEvent:
         revision = msg.seq or 0
@@ -100,11 +104,16 @@ class PolicyLog:
                                signature_error=exc.reason_code)
         return _decoded(revision, msg.subject, msg.data, msg.msg_id, signed_by)
 
-    async def head(self, model: str, kind: PolicyKind) -> StoredEvent | None:
-        """The newest event of a document, or None (revision 0) if it has none."""
-        msg = await self.bus.last(STREAM_POLICY, policy_subject(model, kind))
+    async def head(self, model: str, kind: PolicyKind, *, at_least: int = 0) -> StoredEvent | None:
+        """The newest event of a document, or None (revision 0) if it has none. A head older
+        than ``at_least`` (the revision a write expects) or than a revision this process has seen
+        is read again from the stream's leader: a write must not be refused as a conflict on a
+        replica's stale view (a compare-and-set never succeeds on one: the publish checks)."""
+        subject = policy_subject(model, kind)
+        msg = await self.bus.last(STREAM_POLICY, subject, at_least=max(at_least, self._seen.get(subject, 0)))
         if msg is None:
             return None
+        self._saw(subject, msg.seq or 0)
         key = _head_key(msg.seq or 0, msg.data, msg.headers, msg.msg_id)
         cached = self._heads.get(msg.subject)
         if cached is not None and cached[0] == key:
@@ -119,13 +128,22 @@ class PolicyLog:
         subject = policy_subject(event.model, event.kind)
         payload, msg_id = event.to_bytes(), str(event.event_id)
         signature = self.signer.sign(subject, payload)
-        result = await self.bus.publish_cas(
-            STREAM_POLICY, subject, payload, expected_seq=event.expected_revision,
-            msg_id=msg_id, headers=_traced(signature))
+        try:
+            result = await self.bus.publish_cas(
+                STREAM_POLICY, subject, payload, expected_seq=event.expected_revision,
+                msg_id=msg_id, headers=_traced(signature))
+        except RevisionConflict as exc:
+            self._saw(subject, exc.head_revision)  # the leader's head: the retry reads no older one
+            raise
+        self._saw(subject, result.seq)
         # The new head is this message, signed here: the next write's head read needs no check.
         self._heads[subject] = (_head_key(result.seq, payload, signature, msg_id),
                                 _decoded(result.seq, subject, payload, msg_id, self.signer.key_id))
         return PublishResult(revision=result.seq, recovered=result.recovered)
+
+    def _saw(self, subject: str, revision: int) -> None:
+        if revision > self._seen.get(subject, 0):
+            self._seen[subject] = revision
 
     async def find(self, model: str, kind: PolicyKind, event_id: uuid.UUID) -> StoredEvent | None:
         """Look an event up by its id among the retained history of its document."""

@@ -379,7 +379,7 @@ class WritePath:
         must name its revision to replace it, and then builds on the last audited document."""
         assert a.model is not None and a.kind is not None
         with traces.step("head", **{"rudder.model": a.model, "rudder.kind": a.kind.value}) as span:
-            head = await self.log.head(a.model, a.kind)
+            head = await self.log.head(a.model, a.kind, at_least=a.expected_revision or 0)
             if span is not None:
                 span.set_attribute("rudder.head_revision", head.revision if head else 0)
         a.head_revision = head.revision if head else 0
