@@ -57,7 +57,7 @@ import psutil
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
-from bench.common import CpuSampler, Fleet, Router, machine, pct, spawn, stop_all, write_result
+from bench.common import CpuSampler, Fleet, Router, machine, pct, router_env, spawn, stop_all, wait_until, write_result
 from cli.embedded import LocalBus, free_port
 
 MODEL = "bench-proxy"
@@ -312,6 +312,25 @@ def rust_python(package: str) -> Path:
     return python
 
 
+async def start_granian(bus: LocalBus, mode: str, log: Path) -> Target:
+    """Rudder's router app (``--mode``) served by granian's ASGI interface instead of uvicorn:
+    the HTTP server chosen by measurement (issue 16). granian is not a dependency of the product:
+    ``pip install granian`` into the environment that runs the bench."""
+    try:
+        import granian  # noqa: F401
+    except ImportError as exc:
+        raise SystemExit("--servers granian needs granian in this environment: pip install granian") from exc
+    port = free_port()
+    env = router_env(bus, MODEL, port, mode=mode)
+    proc = spawn([sys.executable, "-m", "granian", "--interface", "asgi", "--factory", "--host", "127.0.0.1",
+                  "--port", str(port), "--loop", "uvloop", "--workers", "1", "--http", "1", "--no-ws",
+                  "--log-level", "warning", "router.app:asgi_app"], env, log=log)
+    url = f"http://127.0.0.1:{port}"
+    await wait_until(url + "/health")
+    await wait_until(url + "/v1/models", lambda body: body["data"][0].get("workers", 0) >= 1)
+    return Target(f"rudder {mode} (granian)", url, proc)
+
+
 def start_rust(package: str, python: Path, policy: str, worker_url: str, log: Path | None) -> Target:
     port = free_port()
     cmd = [str(python), "-m", RUST_ROUTERS[package], "--host", "127.0.0.1", "--port", str(port),
@@ -374,6 +393,8 @@ async def main(args: argparse.Namespace) -> None:
                 routers.append(r)
                 await r.ready(1)
                 targets.append(Target(f"rudder {mode}", r.url, r.proc))
+            if "granian" in args.servers.split(","):
+                targets.append(await start_granian(server, args.mode, log_dir / "rudder-granian.log"))
             if args.baseline:
                 r = Router(server, MODEL, mode=args.mode, launcher=args.launcher, src=Path(args.baseline))
                 routers.append(r)
@@ -451,7 +472,7 @@ async def main(args: argparse.Namespace) -> None:
                                              for n in names))
         finally:
             for t in targets:
-                if t.proc is not None and t.name.startswith(args.rust):
+                if t.proc is not None and (t.name.startswith(args.rust) or t.name.endswith("(granian)")):
                     stop_all([t.proc])
             for r in routers:
                 r.stop()
@@ -459,6 +480,7 @@ async def main(args: argparse.Namespace) -> None:
             server.stop()
     out = {
         "benchmark": "proxy_overhead", **machine(), "mode": args.mode, "modes": modes, "launcher": args.launcher,
+        "servers": args.servers.split(","),
         "rust_router": {"package": args.rust, "policies": policies,
                         "version": rust_version(rust, args.rust) if rust is not None else None},
         "speedup_ratio": args.speedup, "prompt_chars": len(PROMPT), "max_tokens": MAX_TOKENS,
@@ -500,6 +522,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="cli = rudder serve (uvloop, as deployed); module = python -m (asyncio loop)")
     p.add_argument("--profile", default="", help="py-spy speedscope profiles of Rudder --mode and the worker here")
     p.add_argument("--profile-native", action="store_true", help="the router's profile with native frames")
+    p.add_argument("--servers", default="uvicorn",
+                   help="uvicorn (as shipped), or uvicorn,granian: also Rudder --mode under granian's ASGI server")
     p.add_argument("--baseline", default="", help="also run a Rudder router from this checkout (e.g. /work/main)")
     p.add_argument("--output", default="proxy_overhead")
     return p.parse_args(argv)

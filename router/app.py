@@ -305,6 +305,14 @@ def create_app(settings: RouterSettings, *, runtime: RouterRuntime | None = None
     return app
 
 
+def asgi_app() -> FastAPI:
+    """The app from the ``RUDDER_*`` environment, for another ASGI server (``granian --interface
+    asgi --factory router.app:asgi_app``). ``rudder serve router`` runs uvicorn with the router's
+    guarded connection protocol (ingress limits) and graceful drain, which another server does
+    not get; the benchmark measures the alternative with it (docs/decisions.md 91)."""
+    return create_app(RouterSettings())
+
+
 async def serve(settings: RouterSettings) -> None:
     """Serve until cancelled (or SIGINT/SIGTERM, which uvicorn handles)."""
     print(
