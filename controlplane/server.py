@@ -82,7 +82,7 @@ class ControlPlane:
             self.audit.on_rows = self.checkpointer.notify
             self.tasks.spawn(self.checkpointer.run(), name="audit-checkpointer")
         self.fleet = FleetView(self.bus, worker_ttl_s=s.worker_ttl_s, router_heartbeat_s=s.router_heartbeat_s,
-                               outage_grace_s=s.bus_outage_grace_s)
+                               outage_grace_s=s.bus_outage_grace_s, probe_store=self.probe_store)
         self.acks = AckConsumer(self.bus, self.audit, durable=s.acks_consumer, drops=self.fleet.drops,
                                 revisions=RevisionCheck(self.log))
         self.tasks.spawn(self.acks.run(), name="ack-consumer")

@@ -37,9 +37,6 @@ async def _chat(router_url: str, text: str) -> int:
         return r.status_code
 
 
-@pytest.mark.xfail(strict=False, reason="issue 18, open: the control plane's fleet view sometimes loses its "
-                   "router while NATS cannot store (its watch restarts during the outage); the router-side "
-                   "checks pass, the control plane's hold of its router is flaky (1 in 2-5 runs)")
 async def test_workers_stay_while_the_bus_cannot_store(tmp_path: Path, database_url: str,
                                                        database_owner_url: str) -> None:
     await upgrade_async(database_owner_url)
