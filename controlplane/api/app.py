@@ -22,7 +22,7 @@ from starlette.routing import Match
 from controlplane.api import audit, decisions, fleet, health, policy, thresholds, tokens, ui, workers
 from controlplane.api.deps import Gate, Services, clean_query
 from controlplane.api.models import DECLARED_ONLY, ERRORS, REF, ErrorBody
-from controlplane.api.observe import BusDropsCollector, Metrics, ObserveMiddleware
+from controlplane.api.observe import BehindReadsCollector, BusDropsCollector, Metrics, ObserveMiddleware
 from controlplane.protocol.errors import (
     Forbidden,
     HeadersTooLarge,
@@ -138,6 +138,7 @@ def build_app(cp: ControlPlane, *, lifespan: Any = None) -> FastAPI:
     metrics.registry.register(BusDropsCollector(
         lambda: dict(cp.fleet.drops.totals) if hasattr(cp, "fleet") else {}
     ))
+    metrics.registry.register(BehindReadsCollector(lambda: cp.bus.behind_reads if hasattr(cp, "bus") else 0))
     cp.on_audit_append = metrics.observe_audit_append
     app.state.services = Services(cp=cp, metrics=metrics, gate=Gate(cp))
     app.add_middleware(ObserveMiddleware, metrics=metrics)

@@ -132,6 +132,21 @@ class BusDropsCollector(Collector):
         yield family
 
 
+class BehindReadsCollector(Collector):
+    """``rudder_controlplane_behind_reads_total``: direct reads of the policy stream that a replica
+    answered behind the stream, then read again from its leader (docs/decisions.md 89): how
+    often, and how far, the NATS cluster's followers lag (read at scrape time)."""
+
+    def __init__(self, total: Callable[[], int]) -> None:
+        self.total = total
+
+    def collect(self) -> Iterator[CounterMetricFamily]:
+        family = CounterMetricFamily(
+            "rudder_controlplane_behind_reads", "Stream reads a replica answered behind, read again from the leader")
+        family.add_metric([], self.total())
+        yield family
+
+
 class ObserveMiddleware:
     """Plain ASGI: a request id for every request (``X-Request-Id`` in, or a new one), echoed in
     the response, plus request counts and latency by route. (Starlette's ``BaseHTTPMiddleware``

@@ -85,6 +85,10 @@ async def test_a_stale_replica_never_turns_the_true_head_into_a_conflict(
             # How often a control plane's direct read was behind and it asked the leader: the
             # case was exercised (before the fix, this run gave 2-12 false conflicts in 60).
             behind = sum(p.controlplane.log.bus.behind_reads for p in planes)
+            # ... and an operator sees it: each control plane exports its count.
+            for plane, http in zip(planes, https, strict=True):
+                metrics = (await http.get("/metrics")).text
+                assert f"rudder_controlplane_behind_reads_total {float(plane.controlplane.bus.behind_reads)}" in metrics
             stop.set()
             await asyncio.gather(*loaders)
             cluster.procs[follower].send_signal(signal.SIGCONT)
