@@ -11,6 +11,8 @@ from __future__ import annotations
 import asyncio
 import os
 import subprocess
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
@@ -90,6 +92,42 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory, vllm_python: str) -> Pa
     return folder
 
 
+@dataclass
+class Engine:
+    """The module's one worker with its vLLM (start-up is most of each test's time; both tests use
+    it), and every KV event it published, collected from before it started."""
+
+    settings: WorkerSettings
+    worker: Worker
+    got: list[KvEvent]
+    arrived: asyncio.Event
+
+
+@pytest.fixture(scope="module")
+async def engine(nats_url: str, tiny_model: Path, vllm_python: str) -> AsyncIterator[Engine]:
+    s: WorkerSettings = buskit.worker_settings(  # type: ignore[assignment]
+        nats_url=nats_url, model="tiny-llama", engine="vllm", heartbeat_s=0.5,
+        vllm=VllmEngineSettings(model_path=tiny_model, vllm_python=vllm_python, block_size=BS,
+                                max_model_len=512, startup_timeout_s=400),
+    )
+    got: list[KvEvent] = []
+    arrived = asyncio.Event()
+
+    async def on_msg(msg: Msg) -> None:
+        got.append(decode_kv_event(msg.data))
+        arrived.set()
+
+    nc = await buskit.admin_connect(nats_url)
+    try:
+        await nc.subscribe(kv_subject(s.model, s.instance_id), cb=on_msg)
+        async with Worker(s) as w:
+            yield Engine(s, w, got, arrived)
+            proc = w.engine.proc if hasattr(w.engine, "proc") else None
+        assert proc is not None and proc.poll() is not None  # vLLM stopped with the worker
+    finally:
+        await nc.close()
+
+
 def leading_hits(blocks: set[int], tokens: list[int]) -> int:
     n = 0
     for h in chain_hashes(tokens, BS):
@@ -112,25 +150,11 @@ def replay(events: list[KvEvent]) -> set[int]:
 
 
 @pytest.mark.timeout(600)
-async def test_vllm_worker_events_match_cached_tokens(
-    nats_url: str, nc: NATS, tiny_model: Path, vllm_python: str
-) -> None:
-    got: list[KvEvent] = []
-    arrived = asyncio.Event()
-
-    async def on_msg(msg: Msg) -> None:
-        got.append(decode_kv_event(msg.data))
-        arrived.set()
-
-    s: WorkerSettings = buskit.worker_settings(  # type: ignore[assignment]
-        nats_url=nats_url, model="tiny-llama", engine="vllm", heartbeat_s=0.5,
-        vllm=VllmEngineSettings(model_path=tiny_model, vllm_python=vllm_python, block_size=BS,
-                                max_model_len=512, startup_timeout_s=400),
-    )
-    await nc.subscribe(kv_subject(s.model, s.instance_id), cb=on_msg)
+async def test_vllm_worker_events_match_cached_tokens(nc: NATS, engine: Engine, tiny_model: Path) -> None:
+    s, w, got, arrived = engine.settings, engine.worker, engine.got, engine.arrived
     # Ids below 259 exist in any byte-level BPE vocabulary (256 bytes + 3 specials).
     prompt = [(i * 37) % 250 + 3 for i in range(100)]  # 3 full blocks + 4 tokens
-    async with Worker(s) as w, httpx.AsyncClient(base_url=w.url, timeout=120) as http:
+    async with httpx.AsyncClient(base_url=w.url, timeout=120) as http:
         assert w.record is not None and w.record.tokenizer == str(tiny_model)
         assert w.record.block_size == BS and w.record.engine == "vllm"
         body = {"model": "tiny-llama", "prompt": prompt, "max_tokens": 4, "ignore_eos": True}
@@ -161,14 +185,11 @@ async def test_vllm_worker_events_match_cached_tokens(
         assert set(chain_hashes(prompt, BS)) <= dumped
         ids = [e.event_id for e in got]
         assert ids == sorted(ids) and ids[0] == 1
-        proc = w.engine.proc if hasattr(w.engine, "proc") else None
-    assert proc is not None and proc.poll() is not None  # vLLM stopped with the worker
+    # That vLLM stops with its worker is checked when the module's engine is stopped.
 
 
 @pytest.mark.timeout(600)
-async def test_chat_through_the_router_to_vllm_prediction_matches(
-    nats_url: str, tiny_model: Path, vllm_python: str
-) -> None:
+async def test_chat_through_the_router_to_vllm_prediction_matches(nats_url: str, engine: Engine) -> None:
     """One vLLM worker behind the router: a chat completes through the router (the openai client),
     and for a repeated conversation the router's predicted hit (from vLLM's KV events, re-hashed,
     with the prompt tokenized by the model folder's tokenizer and chat template) equals the
@@ -177,35 +198,29 @@ async def test_chat_through_the_router_to_vllm_prediction_matches(
 
     from tests.support_router.workers import InProcessRouter, router_settings, wait_for
 
-    model = "tiny-llama"
-    s: WorkerSettings = buskit.worker_settings(  # type: ignore[assignment]
-        nats_url=nats_url, model=model, engine="vllm", heartbeat_s=0.5,
-        vllm=VllmEngineSettings(model_path=tiny_model, vllm_python=vllm_python, block_size=BS,
-                                max_model_len=512, startup_timeout_s=400),
-    )
-    async with Worker(s):
-        router = await InProcessRouter(router_settings(nats_url, model)).start()
-        try:
-            await wait_for(lambda: router.runtime.scheduler.view.workers.get(model) == 1, within=30)
-            client = openai.AsyncOpenAI(base_url=router.url + "/v1", api_key="none", max_retries=0, timeout=120)
-            words = "router worker cache block prefix token event stream policy revision audit "
-            messages = [{"role": "system", "content": words * 6}, {"role": "user", "content": "the a of to"}]
-            first = await client.chat.completions.with_raw_response.create(
-                model=model, messages=messages, max_tokens=3, extra_body={"ignore_eos": True})
-            reply = first.parse()
-            assert reply.choices[0].message.role == "assistant"
-            assert first.headers["x-worker-instance-id"] == str(s.instance_id)
-            await asyncio.sleep(1.0)  # vLLM's KV events reach the router
-            again = await client.chat.completions.with_raw_response.create(
-                model=model, messages=messages, max_tokens=3, extra_body={"ignore_eos": True})
-            usage = again.parse().usage
-            assert usage is not None and usage.prompt_tokens_details is not None
-            cached = usage.prompt_tokens_details.cached_tokens or 0
-            assert cached >= BS, usage
-            assert int(again.headers["x-rudder-predicted-cached-tokens"]) == cached
-            stream = await client.chat.completions.create(
-                model=model, messages=messages, max_tokens=3, stream=True, extra_body={"ignore_eos": True})
-            assert [c async for c in stream]
-            await client.close()
-        finally:
-            await router.stop()
+    model, s = "tiny-llama", engine.settings
+    router = await InProcessRouter(router_settings(nats_url, model)).start()
+    try:
+        await wait_for(lambda: router.runtime.scheduler.view.workers.get(model) == 1, within=30)
+        client = openai.AsyncOpenAI(base_url=router.url + "/v1", api_key="none", max_retries=0, timeout=120)
+        words = "router worker cache block prefix token event stream policy revision audit "
+        messages = [{"role": "system", "content": words * 6}, {"role": "user", "content": "the a of to"}]
+        first = await client.chat.completions.with_raw_response.create(
+            model=model, messages=messages, max_tokens=3, extra_body={"ignore_eos": True})
+        reply = first.parse()
+        assert reply.choices[0].message.role == "assistant"
+        assert first.headers["x-worker-instance-id"] == str(s.instance_id)
+        await asyncio.sleep(1.0)  # vLLM's KV events reach the router
+        again = await client.chat.completions.with_raw_response.create(
+            model=model, messages=messages, max_tokens=3, extra_body={"ignore_eos": True})
+        usage = again.parse().usage
+        assert usage is not None and usage.prompt_tokens_details is not None
+        cached = usage.prompt_tokens_details.cached_tokens or 0
+        assert cached >= BS, usage
+        assert int(again.headers["x-rudder-predicted-cached-tokens"]) == cached
+        stream = await client.chat.completions.create(
+            model=model, messages=messages, max_tokens=3, stream=True, extra_body={"ignore_eos": True})
+        assert [c async for c in stream]
+        await client.close()
+    finally:
+        await router.stop()
