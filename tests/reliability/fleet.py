@@ -31,7 +31,7 @@ import httpx
 
 from bus.identities import Identity, IdentityKind
 from bus.streams import BusLayout
-from cli.embedded import EmbeddedPostgres, LocalBus, free_port
+from cli.embedded import DatabaseAccess, EmbeddedPostgres, LocalBus, free_port
 from cli.stack import Child
 from cli.up import worker_allow_list
 from controlplane.protocol.events import KvEvent, KvStored, StoredBlock
@@ -86,9 +86,14 @@ class Fleet:
 
     # -- start and stop ----------------------------------------------------------------------
     async def start(self, within: float = 120.0) -> None:
-        await asyncio.to_thread(self.bus.start, BusLayout(replicas=3, history_depth=self.history_depth))
-        await asyncio.to_thread(self.postgres.start)
-        access = await asyncio.to_thread(self.postgres.provision, "rudder", owner=TEST_OWNER, app=TEST_APP)
+        def database() -> DatabaseAccess:
+            self.postgres.start()
+            return self.postgres.provision("rudder", owner=TEST_OWNER, app=TEST_APP)
+
+        # The bus and PostgreSQL start side by side (neither needs the other).
+        _, access = await asyncio.gather(
+            asyncio.to_thread(self.bus.start, BusLayout(replicas=3, history_depth=self.history_depth)),
+            asyncio.to_thread(database))
         await upgrade_async(access.owner_url)
         self.database_url = access.app_url
         t = await make_tokens(access.app_url)
