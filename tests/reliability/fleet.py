@@ -140,27 +140,27 @@ class Fleet:
                 env={**base, **self.bus.env(Identity(IdentityKind.WORKER, model=MODEL, instance_id=instance_id)),
                      "RUDDER_INSTANCE_ID": str(instance_id)},
                 log_path=logs / f"{name}.log"))
-        for kind in ("controlplane", "router", "worker"):  # each tier in parallel
-            tier = [c for c in self.children.values() if c.kind == kind]
-            for child in tier:
-                child.start()
-            for child in tier:
-                await asyncio.to_thread(child.wait_healthy, within)
+        # Every process at once: none needs another to start (each waits for NATS and PostgreSQL,
+        # which are up); wait_workers below waits until every router lists every worker.
+        for child in self.children.values():
+            child.start()
+        for child in self.children.values():
+            await asyncio.to_thread(child.wait_healthy, within)
         await self.wait_workers(self.n_workers, within=within)
 
     def _add(self, child: Child) -> None:
         self.children[child.name] = child
 
     async def stop(self) -> None:
-        for kind in ("worker", "router", "controlplane"):
-            tier = [c for c in self.children.values() if c.kind == kind]
-            for child in tier:
-                if child.proc is not None and child.proc.poll() is None:
-                    with contextlib.suppress(ProcessLookupError):
-                        child.proc.send_signal(signal.SIGCONT)  # a paused one must hear the TERM
-                child.terminate()
-            for child in tier:
-                await asyncio.to_thread(child.reap, 10)
+        # Every process at once (what was measured is read back already): workers, routers and
+        # control planes each stop on their own.
+        for child in self.children.values():
+            if child.proc is not None and child.proc.poll() is None:
+                with contextlib.suppress(ProcessLookupError):
+                    child.proc.send_signal(signal.SIGCONT)  # a paused one must hear the TERM
+            child.terminate()
+        for child in self.children.values():
+            await asyncio.to_thread(child.reap, 10)
         for proxy in self.proxies:
             await proxy.close()
         await asyncio.to_thread(self.bus.stop)
