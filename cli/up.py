@@ -231,10 +231,13 @@ def _start(
     logs = data_dir / "logs"
     server = f"http://127.0.0.1:{admin_port}"
     planes = [admin_port] + ([pick_port(None, admin_port + 1, "admin API")] if ha else [])
+    # Each tier (control planes, routers, workers) starts side by side: the tier is ready when
+    # its slowest member is, and the next tier starts only then.
+    tier: list[Child] = []
     for i, port in enumerate(planes):
         name = "controlplane" if len(planes) == 1 else f"controlplane-{i + 1}"
         url = f"http://127.0.0.1:{port}"
-        stack.start_child(Child(
+        tier.append(Child(
             name=name, kind="controlplane", url=url, health_url=f"{url}/readyz",
             args=["serve", "controlplane"],
             env={**env, **stack.bus_env(Identity(IdentityKind.CONTROLPLANE)),
@@ -242,7 +245,8 @@ def _start(
                  "RUDDER_ADMIN_HOST": "127.0.0.1", "RUDDER_ADMIN_PORT": str(port),
                  "RUDDER_POLICY_SIGNING_KEY": str(seed)},
             log_path=logs / f"{name}.log",
-        ), timeout)
+        ))
+    stack.start_children(tier, timeout)
     if not fresh and not _token_works(server, token):
         note("the stored admin token is not known to this database; creating a new one")
         token = admin.create_token(database_url, TOKEN_NAME, "admin")
@@ -260,32 +264,40 @@ def _start(
     worker_ports = [free_port() for _ in range(workers)]
     allow = os.environ.get("RUDDER_WORKER_URL_ALLOW") or worker_allow_list(worker_ports)
     next_port = 8000 if router_port is None else router_port
+    tier = []
     for i in range(routers):
         # The first router gets --router-port exactly; the next ones count up, or any free port.
         port = pick_port(next_port if router_port is not None and i == 0 else None, next_port, "router")
         next_port = port + 1
         url = f"http://127.0.0.1:{port}"
-        stack.start_child(Child(
+        tier.append(Child(
             name=f"router-{i + 1}", kind="router", url=url, health_url=f"{url}/live",
             args=["serve", "router", "--model", model, "--port", str(port)],
             env={**env, **stack.bus_env(Identity(IdentityKind.ROUTER, router_id=f"router-{i + 1}")),
                  "RUDDER_ROUTER_ID": f"router-{i + 1}", "RUDDER_WORKER_URL_ALLOW": allow},
             log_path=logs / f"router-{i + 1}.log",
-        ), timeout)
+        ))
+    stack.start_children(tier, timeout)
     worker_timeout = max(timeout, 600.0) if engine is Engine.VLLM else timeout
+    tier = []
     for i, port in enumerate(worker_ports):
         instance_id = secrets.randbelow(2**63) + 1  # bound to its credentials below
         url = f"http://127.0.0.1:{port}"
         if engine is Engine.MOCK:  # what it may claim is issued before it announces itself
             issue_mock_manifest(server, token, instance_id=instance_id, model=model, url=url)
-        stack.start_child(Child(
+        tier.append(Child(
             name=f"worker-{i + 1}", kind="worker", url=url, health_url=f"{url}/health",
             args=["serve", "worker", "--engine", engine.value, "--model", model,
                   "--port", str(port)],
             env={**env, **stack.bus_env(Identity(IdentityKind.WORKER, model=model, instance_id=instance_id)),
                  "RUDDER_INSTANCE_ID": str(instance_id)},
             log_path=logs / f"worker-{i + 1}.log",
-        ), worker_timeout)
+        ))
+    if engine is Engine.VLLM:  # one at a time: each vLLM sizes its KV cache by the memory it finds free
+        for child in tier:
+            stack.start_children([child], worker_timeout)
+    else:
+        stack.start_children(tier, worker_timeout)
 
     routers_started = [c for c in stack.children if c.kind == "router"]
     if routers_started and workers:

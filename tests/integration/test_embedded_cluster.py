@@ -100,3 +100,20 @@ def test_routes_run_mutual_tls_a_server_without_the_bus_ca_cannot_join(tmp_path:
             proc.terminate()
             proc.wait(10)
         bus.stop()
+
+
+def test_bus_init_on_a_cluster_still_electing_its_leader_does_not_wait_out_a_request_timeout(
+    tmp_path: Path,
+) -> None:
+    """A cluster forming leaves JetStream requests unanswered until it has a meta leader (well
+    within a second here); bus init asks with a short timeout until one answers, instead of
+    spending its 5 s request timeout on the first one (the 3-node start took 6 s, now about 1)."""
+    bus = LocalBus(tmp_path / "bus", authority=buskit.authority(), nodes=3)
+    began = time.monotonic()
+    done = bus.start()  # launches the nodes, waits until each is up, then runs bus init at once
+    took = time.monotonic() - began
+    try:
+        assert any(line.startswith("created stream") for line in done), done
+        assert took < 4.0, f"a 3-node bus took {took:.1f}s to start"
+    finally:
+        bus.stop()

@@ -31,7 +31,7 @@ import httpx
 
 from bus.identities import Identity, IdentityKind
 from bus.streams import BusLayout
-from cli.embedded import EmbeddedPostgres, LocalBus, free_port
+from cli.embedded import DatabaseAccess, EmbeddedPostgres, LocalBus, free_port
 from cli.stack import Child
 from cli.up import worker_allow_list
 from controlplane.protocol.events import KvEvent, KvStored, StoredBlock
@@ -86,9 +86,14 @@ class Fleet:
 
     # -- start and stop ----------------------------------------------------------------------
     async def start(self, within: float = 120.0) -> None:
-        await asyncio.to_thread(self.bus.start, BusLayout(replicas=3, history_depth=self.history_depth))
-        await asyncio.to_thread(self.postgres.start)
-        access = await asyncio.to_thread(self.postgres.provision, "rudder", owner=TEST_OWNER, app=TEST_APP)
+        def database() -> DatabaseAccess:
+            self.postgres.start()
+            return self.postgres.provision("rudder", owner=TEST_OWNER, app=TEST_APP)
+
+        # The bus and PostgreSQL start side by side (neither needs the other).
+        _, access = await asyncio.gather(
+            asyncio.to_thread(self.bus.start, BusLayout(replicas=3, history_depth=self.history_depth)),
+            asyncio.to_thread(database))
         await upgrade_async(access.owner_url)
         self.database_url = access.app_url
         t = await make_tokens(access.app_url)
@@ -135,27 +140,27 @@ class Fleet:
                 env={**base, **self.bus.env(Identity(IdentityKind.WORKER, model=MODEL, instance_id=instance_id)),
                      "RUDDER_INSTANCE_ID": str(instance_id)},
                 log_path=logs / f"{name}.log"))
-        for kind in ("controlplane", "router", "worker"):  # each tier in parallel
-            tier = [c for c in self.children.values() if c.kind == kind]
-            for child in tier:
-                child.start()
-            for child in tier:
-                await asyncio.to_thread(child.wait_healthy, within)
+        # Every process at once: none needs another to start (each waits for NATS and PostgreSQL,
+        # which are up); wait_workers below waits until every router lists every worker.
+        for child in self.children.values():
+            child.start()
+        for child in self.children.values():
+            await asyncio.to_thread(child.wait_healthy, within)
         await self.wait_workers(self.n_workers, within=within)
 
     def _add(self, child: Child) -> None:
         self.children[child.name] = child
 
     async def stop(self) -> None:
-        for kind in ("worker", "router", "controlplane"):
-            tier = [c for c in self.children.values() if c.kind == kind]
-            for child in tier:
-                if child.proc is not None and child.proc.poll() is None:
-                    with contextlib.suppress(ProcessLookupError):
-                        child.proc.send_signal(signal.SIGCONT)  # a paused one must hear the TERM
-                child.terminate()
-            for child in tier:
-                await asyncio.to_thread(child.reap, 10)
+        # Every process at once (what was measured is read back already): workers, routers and
+        # control planes each stop on their own.
+        for child in self.children.values():
+            if child.proc is not None and child.proc.poll() is None:
+                with contextlib.suppress(ProcessLookupError):
+                    child.proc.send_signal(signal.SIGCONT)  # a paused one must hear the TERM
+            child.terminate()
+        for child in self.children.values():
+            await asyncio.to_thread(child.reap, 10)
         for proxy in self.proxies:
             await proxy.close()
         await asyncio.to_thread(self.bus.stop)

@@ -215,9 +215,12 @@ class RunResult:
 
 
 async def run(fleet: Fleet, schedule: list[tuple[str, float]], *, gap_s: float = 2.0, tail_s: float = 2.0,
-              pace_s: float = 0.02, writers: int = 2, chat_clients: int = 2) -> RunResult:
+              pace_s: float = 0.02, writers: int = 2, chat_clients: int = 2,
+              tail_until_written: bool = False) -> RunResult:
     """Traffic on a started fleet; the faults of ``schedule`` ((name, duration) pairs) one after
-    another, ``gap_s`` apart; traffic goes on ``tail_s`` after the last; then the read-back."""
+    another, ``gap_s`` apart; traffic goes on ``tail_s`` after the last (with
+    ``tail_until_written``, only until every document took a write after it, at most ``tail_s``);
+    then the read-back."""
     traffic = Traffic(fleet, pace_s=pace_s)
     started_at = mono()
     traffic.start(writers=writers, chat_clients=chat_clients)
@@ -226,7 +229,11 @@ async def run(fleet: Fleet, schedule: list[tuple[str, float]], *, gap_s: float =
         for name, duration in schedule:
             await asyncio.sleep(gap_s)
             faults.append(await FAULTS[name](fleet, duration))
-        await asyncio.sleep(tail_s)
+        tail_end = mono() + tail_s
+        while mono() < tail_end:
+            if tail_until_written and faults and _written_after(traffic, faults[-1].back):
+                break
+            await asyncio.sleep(0.05)
     finally:
         await traffic.finish()
     ended_at = mono()
@@ -242,12 +249,18 @@ async def run(fleet: Fleet, schedule: list[tuple[str, float]], *, gap_s: float =
         history.applies = (await read_back(fleet)).applies
     history.applies = _incarnations(history.applies, faults)
     history.live_routers = {_incarnation(name, faults, math.inf) for name in fleet.names("router")}
-    await asyncio.sleep(1.5)  # past the reconciler's grace
+    await asyncio.sleep(max(0.0, ended_at + 1.5 - mono()))  # the last write past the reconciler's grace
     reconcile, verify = await _audit_checks(fleet)
     kv_dropped = await fleet.dropped_kv()
     return RunResult(history, faults, reconcile, verify, started_at, ended_at,
                      unexpected=traffic.unexpected, passed_over=traffic.passed_over,
                      unknown_why=dict(traffic.unknown_why), kv_dropped=kv_dropped)
+
+
+def _written_after(traffic: Traffic, at: float) -> bool:
+    """Whether every document took a write invoked after ``at``."""
+    return {a.document for a in traffic.attempts if a.answer is Answer.ACCEPTED and a.invoked > at} == {
+        doc(kind) for kind in KINDS}
 
 
 def _on_heads(history: History, heads: dict[str, int]) -> bool:

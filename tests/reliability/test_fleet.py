@@ -31,7 +31,7 @@ async def test_the_fleet_keeps_its_promises_through_a_short_fault_schedule(tmp_p
     fleet = Fleet(tmp_path / "fleet")
     try:
         await fleet.start()
-        result = await run(fleet, SCHEDULE, gap_s=1.0, tail_s=2.0)
+        result = await run(fleet, SCHEDULE, gap_s=1.0, tail_s=2.0, tail_until_written=True)
     finally:
         await fleet.stop()
     h = result.history

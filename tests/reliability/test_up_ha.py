@@ -147,7 +147,11 @@ async def test_up_ha_survives_a_nats_node_a_control_plane_and_a_router(tmp_path:
         tasks = [asyncio.create_task(writers.one(n)) for n in range(4)] + [asyncio.create_task(chats.run())]
         try:
             for victim in ("nats-n1", "controlplane-1", "router-1"):
-                await asyncio.sleep(2.0)
+                # Writes land first: 8 accepted since the last step (this was a fixed 2 s).
+                since, deadline = len(writers.accepted), time.monotonic() + 30
+                while len(writers.accepted) < since + 8:
+                    assert time.monotonic() < deadline, f"no writes before killing {victim}"
+                    await asyncio.sleep(0.05)
                 before = len(writers.accepted)
                 os.kill(_process(tmp_path, victim)["pid"], signal.SIGKILL)
                 # Writes keep landing (some may be refused with 503 during an election).

@@ -82,7 +82,8 @@ async def test_sigkilled_worker_leaves_discovery_and_no_unstarted_request_fails(
 
         async with httpx.AsyncClient(base_url=router.url, timeout=30) as http:
             tasks = [asyncio.create_task(client(i, http)) for i in range(6)]
-            await asyncio.sleep(2.0)
+            # Traffic on every worker first (up to 10 s; it was a fixed 2 s).
+            await wait_for(lambda: len(served_by) == 3 and completed >= 20, within=10)
             before_kill = completed
             victim = procs[0]
             victim.send_signal(signal.SIGKILL)
@@ -90,7 +91,10 @@ async def test_sigkilled_worker_leaves_discovery_and_no_unstarted_request_fails(
             killed_at = asyncio.get_running_loop().time()
             await wait_for(lambda: sched.view.workers.get(MODEL) == 2, within=ttl + 2)
             left_after = asyncio.get_running_loop().time() - killed_at
-            await asyncio.sleep(2.0)  # traffic continues on the other two
+            # Traffic continues on the other two: 20 more answers after it left (up to 10 s; it was
+            # a fixed 2 s).
+            at_leave = completed
+            await wait_for(lambda: completed >= at_leave + 20, within=10)
             stop.set()
             await asyncio.gather(*tasks)
         assert left_after <= ttl + 1.0, left_after
