@@ -122,9 +122,11 @@ def permissions(identity: Identity) -> Permissions:
         for stream in (STREAM_POLICY, STREAM_AUDIT_CHECKPOINTS):
             pub += _js_read(stream, consumers=False)
         pub += [f"$JS.API.CONSUMER.DURABLE.CREATE.{STREAM_ACKS}.*"]
-        # Worker manifests: it alone publishes them (signed); it lists them by direct get.
+        # Worker manifests: it alone publishes them (signed); it lists them by direct get, and
+        # confirms the end of the list with the stream's leader (bus.client: a replica behind the
+        # stream misses its newest messages).
         pub += [f"{MANIFESTS_PREFIX}.>", f"$JS.API.STREAM.INFO.{STREAM_MANIFESTS}",
-                f"$JS.API.DIRECT.GET.{STREAM_MANIFESTS}"]
+                f"$JS.API.DIRECT.GET.{STREAM_MANIFESTS}", f"$JS.API.STREAM.MSG.GET.{STREAM_MANIFESTS}"]
         # Answers to routers' restore questions go to their inboxes (NATS allow_responses).
         return Permissions(publish=tuple(pub), subscribe=(inbox, f"{ACKS_PREFIX}.>", f"{RESTORE_PREFIX}.*"),
                            responses=True)
