@@ -407,7 +407,9 @@ class AuditChain:
         return rows[0] if rows else None
 
     async def accepted_decisions(self) -> list[AuditRow]:
-        """Every accepted, non-dry-run decision that names a new revision, oldest first."""
+        """Every accepted, non-dry-run decision of a policy document that names a new revision,
+        oldest first. (A worker manifest's decision names the manifest stream's revision and no
+        document kind: it is not a policy decision, and reconcile must not look for its event.)"""
         c = audit_log.c
         stmt = (
             select(audit_log)
@@ -415,6 +417,7 @@ class AuditChain:
                 c.stage == AuditStage.DECISION.value,
                 c.decision == Decision.ACCEPTED.value,
                 c.new_revision.is_not(None),
+                c.kind.is_not(None),
                 c.dry_run.is_(False),
             )
             .order_by(c.id)

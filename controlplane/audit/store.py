@@ -172,7 +172,7 @@ class AuditStore:
         return await self.audit_log.last_accepted(model, kind, revision=revision)
 
     async def accepted_decisions(self) -> list[AuditRow]:
-        """Every accepted, non-dry-run decision that names a new revision, oldest first."""
+        """Every accepted, non-dry-run policy decision that names a new revision, oldest first."""
         return await self.audit_log.accepted_decisions()
 
     # -- router ACK/NACKs (AckChain) ---------------------------------------------------------

@@ -436,7 +436,7 @@ async def test_pending_received_and_decisions(store: AuditStore) -> None:
     model = model_name()
     done, stuck, fresh, dry = (uuid.uuid4() for _ in range(4))
     await store.append(received(done, model=model, at=now - timedelta(minutes=2)))
-    accepted = await store.append(decided(done, model=model, new_revision=5))
+    accepted = await store.append(decided(done, model=model, kind="selection", new_revision=5))
     await store.append(received(stuck, model=model, at=now - timedelta(minutes=2)))
     await store.append(received(fresh, model=model, at=now))
     await store.append(received(dry, model=model, at=now - timedelta(minutes=2)))
@@ -451,8 +451,11 @@ async def test_pending_received_and_decisions(store: AuditStore) -> None:
 
     assert await store.decisions_for_event(done) == [accepted]
     assert await store.decisions_for_event(str(stuck)) == []
+    # A manifest's decision (a revision of the manifest stream, no document kind) is not a
+    # policy decision.
+    manifest = await store.append(decided(None, model=model, new_revision=7, reason_code="manifest_issued"))
     ids = {r.id for r in await store.accepted_decisions()}
-    assert accepted.id in ids and dry_row.id not in ids and rejected.id not in ids
+    assert accepted.id in ids and dry_row.id not in ids and rejected.id not in ids and manifest.id not in ids
 
 
 async def test_acks_answer_which_revision_a_router_ran_at_a_time(store: AuditStore) -> None:

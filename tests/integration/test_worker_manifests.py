@@ -197,8 +197,20 @@ async def test_manifests_lists_the_last_of_every_worker(nats_url: str, db: str, 
             r = await api.put(f"/workers/{ids[0]}/manifest", json={**good, "max_dp_size": 4})
             assert r.status_code == 200, r.text
             listed = {m["instance_id"]: m for m in (await api.get("/workers/manifests")).json()["manifests"]}
+        async with client(cp, tokens.operator) as op:  # policy revisions past the manifests' own
+            model, revision = f"manifests/{uuid.uuid4().hex[:6]}", 0
+            for i in range(6):
+                r = await op.patch("/router_policy", json={"model": model, "expected_revision": revision,
+                                                           "parameters": {"router_temperature": i / 10}})
+                assert r.status_code == 200, r.text
+                revision = r.json()["revision"]
+        async with client(cp, tokens.admin) as api:
+            report = (await api.post("/audit/reconcile", json={})).json()
         assert set(ids) <= set(listed), listed
         assert listed[ids[0]]["spec"]["max_dp_size"] == 4 and all(listed[w]["verified"] for w in ids)
+        # A manifest's accepted decision names the manifest stream's revision: it is not a policy
+        # decision whose event is missing (every `rudder up` reconciled "not clean" before).
+        assert not [d for d in report["decisions_without_event"] if d["kind"] is None], report
 
 
 async def test_a_worker_slower_than_its_claimed_prior_loses_it_and_workers_list_shows_it(
