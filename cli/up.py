@@ -51,8 +51,13 @@ class Engine(enum.StrEnum):
     VLLM = "vllm"
 
 
-class _StopRequested(Exception):
-    """Raised from the SIGINT/SIGTERM handler to unwind into the cleanup."""
+class _StopRequested(KeyboardInterrupt):
+    """Raised from the SIGINT/SIGTERM handler to unwind into the cleanup. A KeyboardInterrupt, as
+    Ctrl-C's own is: raised wherever the main thread is, it must not be taken for an error by an
+    ``except Exception`` on the way, nor by an event loop (asyncio logs and drops any other
+    exception raised in a callback). As an ``Exception`` it was, now and then: a stop signal that
+    arrived during the NATS store probe (``asyncio.run``) was lost, the handler had already
+    switched to ignoring further signals, and ``rudder up --ha`` ran on (test_up_ha, CI)."""
 
 
 def _ignore(signum: int, frame: FrameType | None) -> None:
