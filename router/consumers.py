@@ -191,6 +191,11 @@ class StatusPublisher:
             log.info("router status not deleted: %s", exc.message)
 
 
+#: A subscription silent this long while the stream moves on is taken as stuck (a healthy one
+#: delivers a write within milliseconds; nats-py resets a lost consumer after two idle heartbeats).
+STALL_S = 1.0
+
+
 class PolicyConsumer:
     def __init__(
         self, bus: Bus, scheduler: Scheduler, status: StatusPublisher, *,
@@ -212,6 +217,8 @@ class PolicyConsumer:
         self.acks = AckPublisher(bus, router_id)
         self.restore_wait_s = restore_wait_s
         self._restore_asked: dict[tuple[str, PolicyKind], float] = {}
+        self._delivered_at = 0.0  # when the subscription last delivered a message (loop time)
+        self._caught_up_to = 0  # the stream's last sequence when the heads were last read directly
         # Set once the replay of every document's head is through (readiness, DESIGN §5).
         self.loaded = asyncio.Event()
 
@@ -219,6 +226,7 @@ class PolicyConsumer:
         info = await self._stream_info()
         if info is not None:
             self._stream_created = info.created
+        self._delivered_at = asyncio.get_running_loop().time()
         await self._subscribe()
 
     async def _stream_info(self) -> StreamState | None:
@@ -250,9 +258,25 @@ class PolicyConsumer:
         if self._stream_created is None:
             self._stream_created = info.created
         if reason is None:
+            await self._catch_up(info.last_seq, seen)
             return False
         await self.resync(reason, created=info.created)
         return True
+
+    async def _catch_up(self, last_seq: int, seen: int) -> None:
+        """Read each document's head directly and apply it when the stream moved past what this
+        router has seen and the subscription has delivered nothing for ``STALL_S``. Its consumer
+        went with a JetStream node and nats-py cannot create it again until the cluster's meta
+        leader is back (seconds, when the node killed held it: test_up_ha's routers sat one step
+        behind for more than 2 s); a direct get needs only a replica. Once per stream position."""
+        loop = asyncio.get_running_loop()
+        if last_seq <= seen or last_seq == self._caught_up_to or loop.time() - self._delivered_at < STALL_S:
+            return
+        self._caught_up_to = last_seq
+        applied = await self.scheduler.inspect(
+            lambda s: {(m, k): s.policy.get(m, k).revision for m in self.models for k in PolicyKind})
+        for (model, kind), revision in applied.items():
+            await self._reread(model, kind, revision)
 
     async def resync(self, reason: str, *, created: datetime | None) -> None:
         """Forget the applied revisions (keeping the effective values) and read every document
@@ -294,6 +318,7 @@ class PolicyConsumer:
         await unsubscribe_all(self._subs)
 
     async def _on_msg(self, msg: Message, follows: dict[tuple[str, PolicyKind], int]) -> None:
+        self._delivered_at = asyncio.get_running_loop().time()
         try:
             model, kind_name = parse_policy_subject(msg.subject)
             kind = PolicyKind(kind_name)
