@@ -133,12 +133,18 @@ async def ensure_all_retrying(js: JetStreamContext, layout: BusLayout, *, timeou
         try:
             return await ensure_all(js, layout)
         except (APIError, nats.errors.Error, TimeoutError) as exc:
-            if isinstance(exc, APIError) and exc.code not in (None, 503) and exc.err_code != 10008:
-                raise
-            if asyncio.get_running_loop().time() > deadline:
-                raise
+            _raise_unless_forming(exc, deadline)
             log.info("JetStream not ready yet (%s); retrying", exc)
             await asyncio.sleep(0.25)
+
+
+def _raise_unless_forming(exc: Exception, deadline: float) -> None:
+    """Re-raise ``exc`` unless it is what a cluster still forming answers (nothing, 503, or "no
+    meta leader": 10008) and ``deadline`` has not passed."""
+    if isinstance(exc, APIError) and exc.code not in (None, 503) and exc.err_code != 10008:
+        raise exc
+    if asyncio.get_running_loop().time() > deadline:
+        raise exc
 
 
 async def _until_answering(js: JetStreamContext, layout: BusLayout, deadline: float) -> None:
@@ -152,10 +158,7 @@ async def _until_answering(js: JetStreamContext, layout: BusLayout, deadline: fl
         except NotFoundError:
             return
         except (APIError, nats.errors.Error, TimeoutError) as exc:
-            if isinstance(exc, APIError) and exc.code not in (None, 503) and exc.err_code != 10008:
-                raise
-            if asyncio.get_running_loop().time() > deadline:
-                raise
+            _raise_unless_forming(exc, deadline)
             log.info("JetStream not answering yet (%s); asking again", exc)
             await asyncio.sleep(0.05)
 
