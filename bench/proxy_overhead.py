@@ -326,8 +326,12 @@ async def start_granian(bus: LocalBus, mode: str, log: Path) -> Target:
                   "--port", str(port), "--loop", "uvloop", "--workers", "1", "--http", "1", "--no-ws",
                   "--log-level", "warning", "router.app:asgi_app"], env, log=log)
     url = f"http://127.0.0.1:{port}"
-    await wait_until(url + "/health")
-    await wait_until(url + "/v1/models", lambda body: body["data"][0].get("workers", 0) >= 1)
+    try:
+        await wait_until(url + "/health")
+        await wait_until(url + "/v1/models", lambda body: body["data"][0].get("workers", 0) >= 1)
+    except BaseException:
+        stop_all([proc])  # not a target yet: nobody else stops it
+        raise
     return Target(f"rudder {mode} (granian)", url, proc)
 
 
@@ -471,9 +475,9 @@ async def main(args: argparse.Namespace) -> None:
             print("\nmax req/s: " + ", ".join(f"{n} {best[n]:.0f} ({best[n] / best['direct'] * 100:.0f}%)"
                                              for n in names))
         finally:
-            for t in targets:
-                if t.proc is not None and (t.name.startswith(args.rust) or t.name.endswith("(granian)")):
-                    stop_all([t.proc])
+            # Every target's process (Rudder's, granian's, the Rust routers'), then any router that
+            # never became a target (it did not get ready).
+            stop_all(t.proc for t in targets if t.proc is not None)
             for r in routers:
                 r.stop()
             fleet.stop()
