@@ -160,13 +160,14 @@ class FleetView:
                         entry = await watcher.next(wait_s=self.stall_s)
                     except TimeoutError:
                         log.info("router watch silent for %.1fs; restarting it", self.stall_s)
-                        if self.probe_store is not None:
+                        if self.probe_store is not None and self._routers:
                             # The replay that follows is taken as the bus answering unless the
                             # view holds: settle that first. Before, a watch restarted in a full
                             # disk's silence could replay ahead of the periodic probe's verdict
                             # and re-date the routers' statuses by the server's clock: they aged
                             # out while the view then held every age (test_full_disk_fleet, 1 run
-                            # in 2).
+                            # in 2). With no router known there is nothing to re-date: no probe
+                            # write every restart of an empty fleet's watch.
                             await self.probe_store()
                         break
                     if entry is None:
