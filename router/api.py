@@ -54,7 +54,7 @@ from router.commands import (
     SelectWorker,
 )
 from router.decisions import DecisionLog, figures
-from router.ingress import read_body
+from router.ingress import disconnect_hook, read_body
 from router.metrics import RouterMetrics
 from router.proxy import Proxy, WorkerUnreachable, forward_headers
 from router.scheduler import Scheduler
@@ -128,16 +128,31 @@ async def _select(request: Request, rt: Runtime, req: RoutingRequest) -> Selecti
     """Queue the selection; if the client goes away first, cancel it (the actor skips it)."""
     asked = time.perf_counter()
     fut = rt.scheduler.submit(SelectWorker(req))
-    watcher: asyncio.Future[Any] = asyncio.ensure_future(_wait_disconnect(request))
-    waiting: list[asyncio.Future[Any]] = [fut, watcher]
-    try:
-        await asyncio.wait(waiting, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        watcher.cancel()
-    if not fut.done():
-        fut.cancel()
-        raise ClientGone("client disconnected while the request was queued")
-    sel = fut.result()
+    hook = disconnect_hook(request.scope)
+    if hook is not None:  # the router's own server: a callback, no task per request
+        def gone() -> None:
+            fut.cancel()
+
+        remove = hook(gone)
+        try:
+            sel = await fut
+        except asyncio.CancelledError:
+            task = asyncio.current_task()
+            if fut.cancelled() and (task is None or not task.cancelling()):
+                raise ClientGone("client disconnected while the request was queued") from None
+            raise
+        finally:
+            remove()
+    else:
+        watcher: asyncio.Future[Any] = asyncio.ensure_future(_wait_disconnect(request))
+        try:
+            await asyncio.wait((fut, watcher), return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            watcher.cancel()
+        if not fut.done():
+            fut.cancel()
+            raise ClientGone("client disconnected while the request was queued")
+        sel = fut.result()
     rt.metrics.model(req.model).selection.observe(time.perf_counter() - asked)
     return sel
 
@@ -516,10 +531,12 @@ async def _completion(request: Request, rt: Runtime, path: str, chat: bool) -> R
 
 class RelayResponse(Response):
     """A streamed answer written straight to ASGI. Starlette's ``StreamingResponse`` runs an anyio
-    task group with cancel scopes per response to notice a client that goes away; here one plain
-    task waits for ``http.disconnect`` (the request body is already read) and then calls
-    ``on_disconnect``, which closes the worker connection under the relay. The chunk after which
-    ``last()`` is true ends the answer in the same message (one write to the client, not two)."""
+    task group with cancel scopes per response to notice a client that goes away; here the
+    router's server calls ``on_disconnect`` when the client goes away (``disconnect_hook``), and
+    under another server one plain task waits for ``http.disconnect`` (the request body is
+    already read) to call it; it closes the worker connection under the relay. The head is sent
+    once the first chunk is in, and the chunk after which ``last()`` is true ends the answer in
+    the same message: under the router's server a short answer is one write to the client."""
 
     def __init__(self, body: AsyncGenerator[bytes, None], *, status_code: int, media_type: str,
                  headers: Mapping[str, str], on_disconnect: Callable[[], None],
@@ -533,16 +550,29 @@ class RelayResponse(Response):
         self.last = last
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        async def watch() -> None:
-            while (await receive())["type"] != "http.disconnect":
-                pass
-            self.on_disconnect()
+        hook = disconnect_hook(scope)
+        watcher: asyncio.Task[None] | None = None
+        remove: Callable[[], None] | None = None
+        if hook is not None:  # the router's own server: a callback
+            remove = hook(self.on_disconnect)
+        else:
+            async def watch() -> None:
+                while (await receive())["type"] != "http.disconnect":
+                    pass
+                self.on_disconnect()
 
-        watcher = asyncio.create_task(watch())
+            watcher = asyncio.create_task(watch())
+        body = self.body_iterator
         try:
+            # The head goes with the first chunk (one write under the router's server, which
+            # holds a head until the next body message: router.ingress.DirectCycle).
+            first = await anext(body, None)
             await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
-            ended = False
-            async for chunk in self.body_iterator:
+            ended = first is None
+            if first is not None:
+                ended = self.last()
+                await send({"type": "http.response.body", "body": first, "more_body": not ended})
+            async for chunk in body:
                 if ended:  # nothing follows the end (the relay only finishes its bookkeeping)
                     continue
                 ended = self.last()
@@ -550,8 +580,11 @@ class RelayResponse(Response):
             if not ended:
                 await send({"type": "http.response.body", "body": b"", "more_body": False})
         finally:
-            watcher.cancel()
-            await self.body_iterator.aclose()  # runs the relay's own cleanup if it had started
+            if watcher is not None:
+                watcher.cancel()
+            if remove is not None:
+                remove()
+            await body.aclose()  # runs the relay's own cleanup if it had started
             await self.on_close("499")  # and releases everything if it never had (a no-op otherwise)
 
 

@@ -1,0 +1,182 @@
+"""The router's request cycle (router.ingress.DirectCycle): a response head written with the
+first body message, a head alone written at the end of the loop's turn, and disconnect callbacks
+in place of a task per request waiting for ``http.disconnect`` (issue 16). The protocol is
+driven as uvicorn drives it, with a transport that records every write."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+import uvicorn
+from starlette.requests import Request
+from starlette.responses import JSONResponse
+from uvicorn.server import ServerState
+
+from controlplane.protocol.errors import ClientGone
+from router.api import _select, error_response
+from router.commands import RoutingRequest
+from router.ingress import GuardedHttpProtocol, IngressLimits, disconnect_hook, protocol_class
+from router.metrics import RouterMetrics
+
+pytestmark = pytest.mark.timeout(30)
+
+ROUTING = RoutingRequest(request_id="r", model="m", prompt_tokens=1, hashes={})
+REQUEST = b"POST /v1/completions HTTP/1.1\r\nHost: r\r\nContent-Length: 2\r\n\r\n{}"
+
+
+class Transport(asyncio.Transport):
+    def __init__(self) -> None:
+        super().__init__()
+        self.writes: list[bytes] = []
+        self.closed = False
+
+    def write(self, data: bytes | bytearray | memoryview) -> None:
+        self.writes.append(bytes(data))
+
+    def is_closing(self) -> bool:
+        return self.closed
+
+    def close(self) -> None:
+        self.closed = True
+
+    def get_extra_info(self, name: str, default: Any = None) -> Any:
+        return {"peername": ("127.0.0.1", 5000), "sockname": ("127.0.0.1", 8000)}.get(name, default)
+
+    def pause_reading(self) -> None:
+        pass
+
+    def resume_reading(self) -> None:
+        pass
+
+
+def serve(app: Callable[..., Any]) -> tuple[GuardedHttpProtocol, Transport, ServerState]:
+    config = uvicorn.Config(app, log_config=None, lifespan="off")
+    config.load()
+    limits = IngressLimits(max_connections=10, max_header_bytes=8192, header_timeout_s=5,
+                           body_timeout_s=5, write_timeout_s=5,
+                           render=lambda exc: error_response(exc))
+    state = ServerState()
+    protocol = protocol_class(limits)(config=config, server_state=state, app_state={})
+    transport = Transport()
+    protocol.connection_made(transport)
+    return protocol, transport, state
+
+
+async def finished(state: ServerState) -> None:
+    await asyncio.gather(*list(state.tasks))
+
+
+async def test_the_head_goes_out_with_the_first_body_message() -> None:
+    protocol, transport, state = serve(JSONResponse({"ok": True}))
+    protocol.data_received(REQUEST)
+    await finished(state)
+    assert len(transport.writes) == 1, transport.writes
+    head, _, body = transport.writes[0].partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 200 OK") and b"content-length: 11" in head
+    assert body == b'{"ok":true}'
+
+
+async def test_a_streamed_answer_is_its_head_and_first_chunk_then_one_write_a_chunk() -> None:
+    async def app(scope: Any, receive: Any, send: Any) -> None:
+        await receive()
+        await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"text/event-stream")]})
+        await send({"type": "http.response.body", "body": b"data: 1\n\n", "more_body": True})
+        await asyncio.sleep(0)
+        await send({"type": "http.response.body", "body": b"data: 2\n\n", "more_body": False})
+
+    protocol, transport, state = serve(app)
+    protocol.data_received(REQUEST)
+    await finished(state)
+    assert len(transport.writes) == 2, transport.writes
+    assert transport.writes[0].startswith(b"HTTP/1.1 200 OK")
+    assert transport.writes[0].endswith(b"transfer-encoding: chunked\r\n\r\n9\r\ndata: 1\n\n\r\n")
+    assert transport.writes[1] == b"9\r\ndata: 2\n\n\r\n0\r\n\r\n"
+
+
+async def test_a_head_with_no_body_yet_is_written_at_the_end_of_the_turn() -> None:
+    """The app sends the head and then waits: the client gets the head meanwhile."""
+    go = asyncio.Event()
+    head_seen: list[bytes] = []
+
+    async def app(scope: Any, receive: Any, send: Any) -> None:
+        await receive()
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await go.wait()
+        await send({"type": "http.response.body", "body": b"late", "more_body": False})
+
+    protocol, transport, state = serve(app)
+    protocol.data_received(REQUEST)
+    for _ in range(5):
+        await asyncio.sleep(0)
+    head_seen = list(transport.writes)
+    go.set()
+    await finished(state)
+    assert len(head_seen) == 1 and head_seen[0].startswith(b"HTTP/1.1 200 OK")
+    assert transport.writes[1:] == [b"4\r\nlate\r\n0\r\n\r\n"]
+
+
+async def test_disconnect_callbacks_run_once_when_the_client_goes_and_at_once_after() -> None:
+    ran: list[str] = []
+    registered = asyncio.Event()
+    hooks: list[Any] = []
+
+    async def app(scope: Any, receive: Any, send: Any) -> None:
+        hook = disconnect_hook(scope)
+        assert hook is not None
+        hooks.append(hook)
+        hook(lambda: ran.append("a"))
+        remove = hook(lambda: ran.append("removed"))
+        remove()
+        registered.set()
+        while (await receive())["type"] != "http.disconnect":
+            pass
+
+    protocol, transport, state = serve(app)
+    protocol.data_received(REQUEST)
+    await registered.wait()
+    protocol.connection_lost(None)
+    await finished(state)
+    assert ran == ["a"]
+    hooks[0](lambda: ran.append("late"))  # the client is gone already: runs at once
+    assert ran == ["a", "late"]
+    assert disconnect_hook({"type": "http"}) is None  # another server: the app watches receive()
+
+
+class Scheduler:
+    """The one thing ``_select`` asks of the scheduler: a future for the selection."""
+
+    def __init__(self) -> None:
+        self.future: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+
+    def submit(self, command: Any) -> asyncio.Future[Any]:
+        return self.future
+
+
+async def test_a_client_gone_while_its_selection_is_queued_cancels_the_selection() -> None:
+    gone: list[Callable[[], None]] = []
+
+    def hook(callback: Callable[[], None]) -> Callable[[], None]:
+        gone.append(callback)
+        return lambda: None
+
+    rt: Any = SimpleNamespace(scheduler=Scheduler(), metrics=RouterMetrics())
+    request = Request({"type": "http", "extensions": {"rudder.disconnect": {"on_disconnect": hook}}})
+    task = asyncio.create_task(_select(request, rt, ROUTING))
+    while not gone:
+        await asyncio.sleep(0)
+    gone[0]()
+    with pytest.raises(ClientGone):
+        await task
+    assert rt.scheduler.future.cancelled()  # the actor skips it
+
+    # The router stopping (the request's task cancelled) is not a client gone.
+    rt.scheduler = Scheduler()
+    task = asyncio.create_task(_select(request, rt, ROUTING))
+    await asyncio.sleep(0)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
