@@ -100,7 +100,6 @@ async def test_a_streamed_answer_is_its_head_and_first_chunk_then_one_write_a_ch
 async def test_a_head_with_no_body_yet_is_written_at_the_end_of_the_turn() -> None:
     """The app sends the head and then waits: the client gets the head meanwhile."""
     go = asyncio.Event()
-    head_seen: list[bytes] = []
 
     async def app(scope: Any, receive: Any, send: Any) -> None:
         await receive()
@@ -135,7 +134,7 @@ async def test_disconnect_callbacks_run_once_when_the_client_goes_and_at_once_af
         while (await receive())["type"] != "http.disconnect":
             pass
 
-    protocol, transport, state = serve(app)
+    protocol, _, state = serve(app)
     protocol.data_received(REQUEST)
     await registered.wait()
     protocol.connection_lost(None)
@@ -158,16 +157,17 @@ class Scheduler:
 
 async def test_a_client_gone_while_its_selection_is_queued_cancels_the_selection() -> None:
     gone: list[Callable[[], None]] = []
+    hooked = asyncio.Event()
 
     def hook(callback: Callable[[], None]) -> Callable[[], None]:
         gone.append(callback)
+        hooked.set()
         return lambda: None
 
     rt: Any = SimpleNamespace(scheduler=Scheduler(), metrics=RouterMetrics())
     request = Request({"type": "http", "extensions": {"rudder.disconnect": {"on_disconnect": hook}}})
     task = asyncio.create_task(_select(request, rt, ROUTING))
-    while not gone:
-        await asyncio.sleep(0)
+    await hooked.wait()
     gone[0]()
     with pytest.raises(ClientGone):
         await task
