@@ -92,6 +92,9 @@ from router.targets import pool_of
 from router.timing_fit import PrefillObservation
 
 log = logging.getLogger(__name__)
+
+# Commands the actor handles in one turn of the event loop before it lets the others run.
+_TURN = 16
 T = TypeVar("T")
 _STOP = object()
 
@@ -171,6 +174,7 @@ class Scheduler:
         self._seq = itertools.count(1)
         self._task: asyncio.Task[None] | None = None
         self._stopping = False
+        self._handling = False  # inside a handler: a command sent meanwhile is queued, not nested
         self.stats: dict[str, int] = {"selections": 0, "skipped": 0, "applied": 0, "nacked": 0}
         # With a clock (tests, diagnostics: ``time.thread_time`` counts the actor's own CPU, not
         # preemption or waits for the GIL), the longest handling of each command type, in
@@ -223,26 +227,44 @@ class Scheduler:
                 cmd.future.set_exception(ServiceUnavailable("router is stopping", retry_after=1))
 
     async def _run(self) -> None:
+        queue = self._queue
         try:
             while True:
-                cmd = await self._queue.get()
-                if cmd is _STOP:
-                    break
-                clock = self.handling_clock
-                if clock is None:
-                    self._handle(cmd)
-                else:
-                    t0 = clock()
-                    self._handle(cmd)
-                    spent = clock() - t0
-                    name = type(cmd).__name__
-                    if spent > self.slowest.get(name, 0.0):
-                        self.slowest[name] = spent
-                # Let the loop breathe between commands: the queue never empties under load, and
-                # NATS, HTTP and the commands' senders must keep running meanwhile.
-                await asyncio.sleep(0)
+                cmd = await queue.get()
+                # Up to _TURN commands a turn (a handler never awaits: a turn is a few
+                # selections' time), then the loop breathes if more are waiting: the queue never
+                # empties under load, and NATS, HTTP and the commands' senders must keep running
+                # meanwhile. One turn per command cost the actor a task step per command, and
+                # a request sends three or four.
+                budget = _TURN
+                while True:
+                    if cmd is _STOP:
+                        return
+                    self._handle_timed(cmd)
+                    budget -= 1
+                    if budget == 0 or queue.empty():
+                        break
+                    cmd = queue.get_nowait()
+                if not queue.empty():
+                    await asyncio.sleep(0)
         finally:
             self._drain()
+
+    def _handle_timed(self, cmd: Command[Any]) -> None:
+        self._handling = True
+        try:
+            clock = self.handling_clock
+            if clock is None:
+                self._handle(cmd)
+                return
+            t0 = clock()
+            self._handle(cmd)
+            spent = clock() - t0
+            name = type(cmd).__name__
+            if spent > self.slowest.get(name, 0.0):
+                self.slowest[name] = spent
+        finally:
+            self._handling = False
 
     def _handle(self, cmd: Command[Any]) -> None:
         fut = cmd.future
@@ -286,11 +308,19 @@ class Scheduler:
         return fut
 
     def send(self, cmd: Command[Any]) -> None:
-        """Queue a command nobody waits for (completions, KV events). Dropped when stopping."""
+        """A command nobody waits for (completions, KV events). Dropped when stopping.
+
+        Handled at once when the actor is idle (nothing queued, not inside a handler): that is
+        where the queue would have put it, and a request's three or four completions then cost no
+        wake-up of the actor each. Otherwise queued behind what waits."""
         if self._stopping:
             return
         cmd.seq = next(self._seq)
-        self._queue.put_nowait(cmd)
+        task = self._task
+        if not self._handling and task is not None and not task.done() and self._queue.empty():
+            self._handle_timed(cmd)
+        else:
+            self._queue.put_nowait(cmd)
 
     async def call(self, cmd: Command[T]) -> T:
         fut = self.submit(cmd)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import random
 import uuid
@@ -111,6 +112,55 @@ async def test_cancelled_selection_is_skipped_and_books_nothing() -> None:
         assert sel.request_id == "q2"
         assert await s.inspect(lambda x: len(x.bookings)) == 1
         assert s.stats["skipped"] == 1
+    finally:
+        await s.stop()
+
+
+async def test_the_actor_handles_a_turn_of_commands_then_lets_others_run() -> None:
+    """A queue of commands is handled up to _TURN a turn of the loop (not one: a task step per
+    command cost the router a share of its CPU per request), and the loop runs others between
+    turns (HTTP and NATS do not wait for a long queue to empty)."""
+    from router.scheduler import _TURN
+
+    s = _sched(Clock())
+    s.send(ApplyMembership(_join(1)))
+    futs = [s.submit(SelectWorker(_req(i))) for i in range(4 * _TURN)]
+    s.start()
+    seen: list[int] = []
+
+    async def watch() -> None:
+        while not futs[-1].done():
+            seen.append(sum(f.done() for f in futs))
+            await asyncio.sleep(0)
+
+    watcher = asyncio.create_task(watch())
+    try:
+        await asyncio.gather(*futs)
+        await watcher
+    finally:
+        await s.stop()
+    handled = [b - a for a, b in itertools.pairwise(seen) if b > a]
+    assert handled and max(handled) <= _TURN + 1  # the first turn also takes the membership
+    assert any(n >= _TURN - 1 for n in handled), handled  # whole turns, not one command each
+    assert len(seen) >= 3  # others ran between the turns
+
+
+async def test_a_command_sent_to_an_idle_actor_is_handled_at_once_else_queued_in_order() -> None:
+    s = _sched(Clock(), RoutingMode.LEAST_LOADED)
+    s.send(ApplyMembership(_join(1)))  # not started: queued
+    assert s.queue_depth == 1
+    s.start()
+    try:
+        sel = await s.select(_req(1))
+        assert s.queue_depth == 0
+        s.send(RequestDone("q1"))  # idle: handled before send returns
+        assert len(s.bookings) == 0
+        sel = await s.select(_req(2))
+        queued = s.submit(SelectWorker(_req(3)))  # a selection waits: the completion goes behind it
+        s.send(RequestDone(sel.booking_id))
+        assert s.queue_depth == 2 and len(s.bookings) == 1
+        await queued
+        assert await s.inspect(lambda x: ("q3" in x.bookings, len(x.bookings))) == (True, 1)
     finally:
         await s.stop()
 
