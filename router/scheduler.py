@@ -93,8 +93,9 @@ from router.timing_fit import PrefillObservation
 
 log = logging.getLogger(__name__)
 
-# Commands the actor handles in one turn of the event loop before it lets the others run.
-_TURN = 16
+# How long the actor handles queued commands in one turn of the event loop before it lets the
+# others run (a command that alone takes longer, a large KV event, still gets its own turn).
+_TURN_S = 0.0005
 T = TypeVar("T")
 _STOP = object()
 
@@ -231,18 +232,17 @@ class Scheduler:
         try:
             while True:
                 cmd = await queue.get()
-                # Up to _TURN commands a turn (a handler never awaits: a turn is a few
-                # selections' time), then the loop breathes if more are waiting: the queue never
-                # empties under load, and NATS, HTTP and the commands' senders must keep running
-                # meanwhile. One turn per command cost the actor a task step per command, and
-                # a request sends three or four.
-                budget = _TURN
+                # Queued commands for up to _TURN_S a turn (a handler never awaits), then the
+                # loop breathes if more are waiting: the queue never empties under load, and
+                # NATS, HTTP and the commands' senders must keep running meanwhile. One turn
+                # per command cost the actor a task step per command, and a request sends three
+                # or four.
+                until = time.perf_counter() + _TURN_S
                 while True:
                     if cmd is _STOP:
                         return
                     self._handle_timed(cmd)
-                    budget -= 1
-                    if budget == 0 or queue.empty():
+                    if queue.empty() or time.perf_counter() >= until:
                         break
                     cmd = queue.get_nowait()
                 if not queue.empty():
