@@ -170,3 +170,17 @@ async def test_slow_chunks_stream_one_by_one_and_trailers_are_consumed() -> None
     finally:
         await c.aclose()
         server.close()
+
+
+def test_the_client_on_uvloop_as_deployed() -> None:
+    """A router process runs on uvloop (cli/serve.py), whose transports are not asyncio's classes:
+    the same exchanges there."""
+    uvloop = pytest.importorskip("uvloop")
+
+    async def exchanges() -> None:
+        await test_chunked_stream_and_keep_alive_reuse()
+        await test_content_length_and_close_framing()
+        await test_refused_is_unreachable_and_a_broken_stream_is_broken()
+
+    with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
+        runner.run(exchanges())
