@@ -22,9 +22,9 @@ import asyncio
 import contextlib
 import json
 import logging
+import os
 import re
 import time
-import uuid
 from collections.abc import AsyncGenerator, Awaitable, Callable, Mapping
 from dataclasses import dataclass, replace
 from typing import Any, Protocol
@@ -326,8 +326,12 @@ def _tokenize(tok: Tokenizer, body: dict[str, Any], chat: bool,
 async def _completion(request: Request, rt: Runtime, path: str, chat: bool) -> Response:
     t0 = time.perf_counter()
     settings = rt.settings
-    raw = await read_body(request.receive, request.headers.get("content-length"),
-                          max_bytes=settings.max_body_bytes)
+    # The request's headers, read once (names are lower case in ASGI; the first of a repeated
+    # name is kept, as Starlette's ``Headers.get`` answers).
+    hdrs: dict[str, str] = {}
+    for name, value in request.scope["headers"]:
+        hdrs.setdefault(name.decode("latin-1"), value.decode("latin-1"))
+    raw = await read_body(request.receive, hdrs.get("content-length"), max_bytes=settings.max_body_bytes)
     # A large body is parsed, tokenized and hashed in a thread so that the event loop keeps
     # serving every other client meanwhile; a small one inline, where the hop costs more.
     offload = len(raw) >= settings.offload_min_bytes
@@ -339,8 +343,8 @@ async def _completion(request: Request, rt: Runtime, path: str, chat: bool) -> R
     if model not in settings.models:
         raise NotFound(f"The model `{model}` does not exist on this router", field="model")
     stream = body.get("stream", False) is True
-    targets = parse_targets(body.get("nvext"), request.headers)
-    slo = parse_ttft_slo(body.get("nvext"), request.headers)
+    targets = parse_targets(body.get("nvext"), hdrs)
+    slo = parse_ttft_slo(body.get("nvext"), hdrs)
     view = rt.scheduler.view
     tok = await rt.tokenizers.get(view.tokenizers.get(model, frozenset()))
     block_sizes = tuple(view.block_sizes.get(model, ()))
@@ -348,13 +352,13 @@ async def _completion(request: Request, rt: Runtime, path: str, chat: bool) -> R
         _, n_prompt, hashes = await asyncio.to_thread(_tokenize, tok, body, chat, block_sizes)
     else:
         _, n_prompt, hashes = _tokenize(tok, body, chat, block_sizes)
-    request_id = request.headers.get("x-request-id") or uuid.uuid4().hex
+    request_id = hdrs.get("x-request-id") or os.urandom(16).hex()  # uuid4().hex's shape
     logs.bind(request_id=request_id, router_id=settings.router_id, model=model)  # this request's task only
-    headers = forward_headers(request.headers, allow=settings.credential_headers_allowed)
+    headers = forward_headers(hdrs, allow=settings.credential_headers_allowed)
     headers["x-request-id"] = request_id
     tr: RequestTrace | None = None
     if traces.enabled():
-        tr = request.state.trace = RequestTrace(request.headers, request_id=request_id, model=model,
+        tr = request.state.trace = RequestTrace(hdrs, request_id=request_id, model=model,
                                                 router_id=settings.router_id, path=path, started=t0,
                                                 prompt_tokens=n_prompt)
         tr.inject(headers)  # the worker's spans are children of this request's
@@ -541,9 +545,15 @@ class RelayResponse(Response):
     def __init__(self, body: AsyncGenerator[bytes, None], *, status_code: int, media_type: str,
                  headers: Mapping[str, str], on_disconnect: Callable[[], None],
                  on_close: Callable[[str], Awaitable[None]], last: Callable[[], bool] = lambda: False) -> None:
-        super().__init__(status_code=status_code, media_type=media_type, headers=dict(headers))
-        # The base class sized an empty body; this one is streamed (chunked) instead.
-        self.raw_headers = [(k, v) for k, v in self.raw_headers if k != b"content-length"]
+        # Not the base class's constructor: no body to size (this one is streamed, chunked), and
+        # the head built once here (a content type as Starlette's: text/* gets a charset).
+        self.status_code = status_code
+        self.background = None
+        self.body = b""
+        if media_type.startswith("text/") and "charset=" not in media_type.lower():
+            media_type += "; charset=utf-8"
+        self.raw_headers = [(b"content-type", media_type.encode("latin-1"))]
+        self.raw_headers += [(k.lower().encode("latin-1"), v.encode("latin-1")) for k, v in headers.items()]
         self.body_iterator = body
         self.on_disconnect = on_disconnect
         self.on_close = on_close

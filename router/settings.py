@@ -8,6 +8,7 @@ same specs as policy documents, so a bad value stops start-up naming the field.
 from __future__ import annotations
 
 import enum
+import functools
 import secrets
 from pathlib import Path
 
@@ -201,8 +202,8 @@ class RouterSettings(BusSettings):
     # and a cache oracle for any client, so off by default.
     debug_headers: bool = False
 
-    @property
-    def credential_headers_allowed(self) -> frozenset[str]:
+    @functools.cached_property
+    def credential_headers_allowed(self) -> frozenset[str]:  # read on every request
         return frozenset(h.strip().lower() for h in self.forward_credential_headers.split(",") if h.strip())
 
     @property
