@@ -376,7 +376,8 @@ class DrainingServer(uvicorn.Server):
 def uvicorn_options(app: FastAPI) -> dict[str, Any]:
     """What the router's HTTP server needs beyond host and port: the guarded protocol that
     enforces the connection-level ingress limits (router/ingress.py) with ``app``'s settings,
-    error mapping and metrics. Tests that serve the app themselves pass these too."""
+    error mapping and metrics, and no proxy-headers middleware. Tests that serve the app
+    themselves pass these too."""
     rt: RouterRuntime = app.state.runtime
     s = rt.settings
     refused = rt.metrics.rejections
@@ -390,7 +391,10 @@ def uvicorn_options(app: FastAPI) -> dict[str, Any]:
         write_timeout_s=s.write_timeout_s, render=render,
         on_refused=lambda reason: refused.labels(reason).inc(),
     )
-    return {"http": protocol_class(limits)}
+    # No X-Forwarded-For rewriting of the client address: nothing in the router reads it (its
+    # ingress limits and logs use the socket's peer), and uvicorn's middleware for it is one
+    # more layer every request and every chunk of a stream passes through.
+    return {"http": protocol_class(limits), "proxy_headers": False}
 
 
 def run(settings: RouterSettings | None = None) -> None:
