@@ -300,10 +300,13 @@ class _Prefixed:
         head, self._head = self._head, b""
         self._transport.write(head + data)
 
-    def close(self) -> None:
-        if self._head:
+    def flush(self) -> None:
+        if self._head and not self._transport.is_closing():
             self._transport.write(self._head)
-            self._head = b""
+        self._head = b""
+
+    def close(self) -> None:
+        self.flush()
         self._transport.close()
 
     def is_closing(self) -> bool:
@@ -370,11 +373,13 @@ class DirectCycle(RequestResponseCycle):
             await super().send(message)
             return
         self._held = None
-        self.transport = _Prefixed(transport, held)  # type: ignore[assignment]
+        prefixed = _Prefixed(transport, held)
+        self.transport = prefixed  # type: ignore[assignment]
         try:
             await super().send(message)  # no await inside: not paused, not disconnected
         finally:
             self.transport = transport
+            prefixed.flush()  # a body message that wrote nothing (an answer to HEAD) sends the head
 
     def _flush(self) -> None:
         held, self._held = self._held, None

@@ -80,6 +80,19 @@ async def test_the_head_goes_out_with_the_first_body_message() -> None:
     assert body == b'{"ok":true}'
 
 
+async def test_an_answer_to_head_is_its_head_alone() -> None:
+    """uvicorn writes no body for HEAD (a load balancer's health check may use it): the held
+    head still goes out, once."""
+    protocol, transport, state = serve(JSONResponse({"ok": True}))
+    protocol.data_received(b"HEAD /health HTTP/1.1\r\nHost: r\r\n\r\n")
+    await finished(state)
+    for _ in range(3):
+        await asyncio.sleep(0)
+    assert len(transport.writes) == 1, transport.writes
+    assert transport.writes[0].startswith(b"HTTP/1.1 200 OK") and transport.writes[0].endswith(b"\r\n\r\n")
+    assert not transport.closed  # kept alive
+
+
 async def test_a_streamed_answer_is_its_head_and_first_chunk_then_one_write_a_chunk() -> None:
     async def app(scope: Any, receive: Any, send: Any) -> None:
         await receive()
