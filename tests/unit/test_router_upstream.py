@@ -172,6 +172,58 @@ async def test_slow_chunks_stream_one_by_one_and_trailers_are_consumed() -> None
         server.close()
 
 
+async def test_a_worker_silent_after_the_request_is_unreachable_after_the_read_timeout() -> None:
+    """A worker that takes the request and never answers: unreachable (the router retries
+    elsewhere) once the read timeout passes, and the connection is not pooled."""
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await read_request(reader)
+        await asyncio.sleep(5)
+
+    server, url = await serve(handler)
+    c = UpstreamClient(connect_timeout_s=1, read_timeout_s=0.3)
+    try:
+        t0 = asyncio.get_running_loop().time()
+        with pytest.raises(UpstreamUnreachable, match="TimeoutError"):
+            await c.open(url, "/", b"{}", {})
+        assert 0.25 <= asyncio.get_running_loop().time() - t0 < 2.0
+        assert all(not pool.idle for pool in c._pools.values())
+    finally:
+        await c.aclose()
+        server.close()
+
+
+async def test_a_relay_slower_than_the_worker_pauses_reading_and_loses_nothing() -> None:
+    """Past what the client holds for a relay that does not take it, it stops reading the worker
+    (TCP pushes back on the worker) and reads again as the relay catches up."""
+    part = bytes(range(256)) * 256  # 64 KiB
+
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await read_request(reader)
+        writer.write(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n")
+        for _ in range(32):  # 2 MiB
+            writer.write(f"{len(part):x}\r\n".encode() + part + b"\r\n")
+            await writer.drain()
+        writer.write(b"0\r\n\r\n")
+        await writer.drain()
+
+    server, url = await serve(handler)
+    c = client()
+    try:
+        resp = await c.open(url, "/", b"", {})
+        conn = resp._conn
+        assert conn is not None and conn.transport is not None
+        got, paused = bytearray(), False
+        async for chunk in resp.aiter_raw():
+            got += chunk
+            await asyncio.sleep(0.02)  # a slow client behind the relay
+            paused = paused or not conn.transport.is_reading()
+        assert bytes(got) == part * 32
+        assert paused
+    finally:
+        await c.aclose()
+        server.close()
+
+
 def test_the_client_on_uvloop_as_deployed() -> None:
     """A router process runs on uvloop (cli/serve.py), whose transports are not asyncio's classes:
     the same exchanges there."""
@@ -181,6 +233,7 @@ def test_the_client_on_uvloop_as_deployed() -> None:
         await test_chunked_stream_and_keep_alive_reuse()
         await test_content_length_and_close_framing()
         await test_refused_is_unreachable_and_a_broken_stream_is_broken()
+        await test_a_worker_silent_after_the_request_is_unreachable_after_the_read_timeout()
 
     with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
         runner.run(exchanges())
