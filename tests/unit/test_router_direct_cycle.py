@@ -93,6 +93,28 @@ async def test_an_answer_to_head_is_its_head_alone() -> None:
     assert not transport.closed  # kept alive
 
 
+async def test_pipelined_requests_are_answered_in_order_each_head_with_its_body() -> None:
+    answered = asyncio.Event()
+
+    async def app(scope: Any, receive: Any, send: Any) -> None:
+        await receive()
+        await asyncio.sleep(0.01 if scope["path"] == "/a" else 0)  # the first is the slower
+        body = scope["path"].encode()
+        await send({"type": "http.response.start", "status": 200,
+                    "headers": [(b"content-length", str(len(body)).encode())]})
+        await send({"type": "http.response.body", "body": body, "more_body": False})
+        if scope["path"] == "/b":
+            answered.set()
+
+    protocol, transport, state = serve(app)
+    second = REQUEST.replace(b"/v1/completions", b"/b")
+    protocol.data_received(REQUEST.replace(b"/v1/completions", b"/a") + second)
+    await asyncio.wait_for(answered.wait(), 5)
+    await finished(state)
+    assert [w.rpartition(b"\r\n\r\n")[2] for w in transport.writes] == [b"/a", b"/b"]
+    assert all(w.startswith(b"HTTP/1.1 200 OK") for w in transport.writes)
+
+
 async def test_a_streamed_answer_is_its_head_and_first_chunk_then_one_write_a_chunk() -> None:
     async def app(scope: Any, receive: Any, send: Any) -> None:
         await receive()
