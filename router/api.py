@@ -53,8 +53,9 @@ from router.commands import (
     Selection,
     SelectWorker,
 )
+from router.cycle import disconnect_hook
 from router.decisions import DecisionLog, figures
-from router.ingress import disconnect_hook, read_body
+from router.ingress import read_body
 from router.metrics import RouterMetrics
 from router.proxy import Proxy, WorkerUnreachable, forward_headers
 from router.scheduler import Scheduler
@@ -575,7 +576,7 @@ class RelayResponse(Response):
         body = self.body_iterator
         try:
             # The head goes with the first chunk (one write under the router's server, which
-            # holds a head until the next body message: router.ingress.DirectCycle).
+            # holds a head until the next body message: router.cycle.DirectCycle).
             first = await anext(body, None)
             await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
             ended = first is None

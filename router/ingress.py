@@ -20,14 +20,11 @@ Two layers, each where the thing it bounds is visible:
     and dropped for at most ``DISCARD_S``, so that the client, which is still writing, can read
     the answer (nginx's lingering close); then the connection is closed.
 
-* The request cycle: :class:`DirectCycle`, uvicorn's, with the router's answers made cheaper
-  (the response head written with the first body message; disconnect callbacks instead of a
-  task per request waiting for ``http.disconnect``).
-
 * The body's size: :func:`read_body` takes it from ASGI chunk by chunk, refusing at once a
   ``Content-Length`` above the limit and, without one, stopping at the limit (413).
 
-Refusals are rendered by the router's one error mapping (``IngressLimits.render``).
+Refusals are rendered by the router's one error mapping (``IngressLimits.render``). Each request
+is served by the router's request cycle (router.cycle.DirectCycle), which the protocol creates.
 """
 
 from __future__ import annotations
@@ -41,11 +38,10 @@ from typing import Any, ClassVar
 
 import httptools
 from starlette.responses import Response
-from starlette.types import Receive, Scope
-from uvicorn._types import ASGISendEvent
+from starlette.types import Receive
 from uvicorn.config import Config
 from uvicorn.protocols.http.flow_control import service_unavailable
-from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol, RequestResponseCycle
+from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol
 from uvicorn.server import ServerState
 
 from controlplane.protocol.errors import (
@@ -56,6 +52,7 @@ from controlplane.protocol.errors import (
     RudderError,
     ServiceUnavailable,
 )
+from router.cycle import DISCONNECT, DirectCycle
 
 log = logging.getLogger(__name__)
 
@@ -259,136 +256,6 @@ class GuardedHttpProtocol(HttpToolsProtocol):
                     self.limits.write_timeout_s)
         self.limits.on_refused("write_timeout")
         self.transport.abort()  # connection_lost: the app sees http.disconnect
-
-
-# The scope extension under which a DirectCycle offers ``on_disconnect``.
-DISCONNECT = "rudder.disconnect"
-OnDisconnect = Callable[[Callable[[], None]], Callable[[], None]]
-
-
-def disconnect_hook(scope: Scope) -> OnDisconnect | None:
-    """``on_disconnect`` of the cycle serving ``scope`` (``on_disconnect(callback)`` runs the
-    callback when the client goes away, at once if it is gone, and returns a function that
-    removes it), or None under another server, whose app then waits for ``http.disconnect``."""
-    extension = (scope.get("extensions") or {}).get(DISCONNECT)
-    return extension["on_disconnect"] if extension else None
-
-
-class _Capture:
-    """Stands in for the transport while uvicorn renders a response head: keeps the bytes."""
-
-    __slots__ = ("data",)
-
-    def __init__(self) -> None:
-        self.data = b""
-
-    def write(self, data: bytes) -> None:
-        self.data += data
-
-
-class _Prefixed:
-    """Stands in for the transport while uvicorn writes the first body message: the held head
-    goes out in the same write."""
-
-    __slots__ = ("_head", "_transport")
-
-    def __init__(self, transport: asyncio.Transport, head: bytes) -> None:
-        self._transport = transport
-        self._head = head
-
-    def write(self, data: bytes) -> None:
-        head, self._head = self._head, b""
-        self._transport.write(head + data)
-
-    def flush(self) -> None:
-        if self._head and not self._transport.is_closing():
-            self._transport.write(self._head)
-        self._head = b""
-
-    def close(self) -> None:
-        self.flush()
-        self._transport.close()
-
-    def is_closing(self) -> bool:
-        return self._transport.is_closing()
-
-
-class DirectCycle(RequestResponseCycle):
-    """uvicorn's request cycle, with two things the router's answers need cheaper:
-
-    * the response head is held and written together with the first body message: one write
-      and one wake-up of the client instead of two (a streamed answer's head goes with its first
-      chunk, a whole answer's with its body). A head with no body message in the same turn of
-      the event loop is written at the turn's end, so nothing waits on it;
-    * ``on_disconnect(callback)`` (offered to the app as the scope extension
-      :data:`DISCONNECT`): callbacks run when the client goes away, where the app would
-      otherwise keep a task per request waiting for ``http.disconnect``.
-    """
-
-    _held: bytes | None = None
-    _callbacks: list[Callable[[], None]] | None = None
-
-    def on_disconnect(self, callback: Callable[[], None]) -> Callable[[], None]:
-        if self.disconnected:
-            callback()
-            return _nothing
-        if self._callbacks is None:
-            self._callbacks = []
-        callbacks = self._callbacks
-        callbacks.append(callback)
-
-        def remove() -> None:
-            if callback in callbacks:
-                callbacks.remove(callback)
-
-        return remove
-
-    def gone(self) -> None:
-        """The client went away (the protocol's ``connection_lost``): run the callbacks once."""
-        callbacks, self._callbacks = self._callbacks, None
-        for callback in callbacks or ():
-            try:
-                callback()
-            except Exception:
-                log.exception("disconnect callback failed")
-
-    async def send(self, message: ASGISendEvent) -> None:
-        if self.flow.write_paused or self.disconnected:
-            self._flush()
-            await super().send(message)
-            return
-        transport = self.transport
-        if message["type"] == "http.response.start" and not self.response_started:
-            capture = _Capture()
-            self.transport = capture  # type: ignore[assignment]
-            try:
-                await super().send(message)  # renders and validates the head; no await inside
-            finally:
-                self.transport = transport
-            self._held = capture.data
-            asyncio.get_running_loop().call_soon(self._flush)
-            return
-        held = self._held
-        if held is None or message["type"] != "http.response.body":
-            await super().send(message)
-            return
-        self._held = None
-        prefixed = _Prefixed(transport, held)
-        self.transport = prefixed  # type: ignore[assignment]
-        try:
-            await super().send(message)  # no await inside: not paused, not disconnected
-        finally:
-            self.transport = transport
-            prefixed.flush()  # a body message that wrote nothing (an answer to HEAD) sends the head
-
-    def _flush(self) -> None:
-        held, self._held = self._held, None
-        if held and not self.transport.is_closing():
-            self.transport.write(held)
-
-
-def _nothing() -> None:
-    pass
 
 
 async def read_body(receive: Receive, content_length: str | None, *, max_bytes: int) -> bytearray:

@@ -1,4 +1,4 @@
-"""The router's request cycle (router.ingress.DirectCycle): a response head written with the
+"""The router's request cycle (router.cycle.DirectCycle): a response head written with the
 first body message, a head alone written at the end of the loop's turn, and disconnect callbacks
 in place of a task per request waiting for ``http.disconnect`` (issue 16). The protocol is
 driven as uvicorn drives it, with a transport that records every write."""
@@ -19,7 +19,8 @@ from uvicorn.server import ServerState
 from controlplane.protocol.errors import ClientGone
 from router.api import _select, error_response
 from router.commands import RoutingRequest
-from router.ingress import GuardedHttpProtocol, IngressLimits, disconnect_hook, protocol_class
+from router.cycle import disconnect_hook
+from router.ingress import GuardedHttpProtocol, IngressLimits, protocol_class
 from router.metrics import RouterMetrics
 
 pytestmark = pytest.mark.timeout(30)
