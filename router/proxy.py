@@ -12,10 +12,11 @@ from collections.abc import Mapping
 from controlplane.protocol.errors import ServiceUnavailable
 from router.upstream import UpstreamClient, UpstreamError, UpstreamResponse, UpstreamUnreachable
 
-# Hop-by-hop and framing headers we never forward.
+# Hop-by-hop and framing headers we never forward; and ``expect``: the router has read the whole
+# body already, and a worker asked for 100-continue answers a 100 before its answer.
 _DROP = frozenset({
     "host", "content-length", "connection", "keep-alive", "transfer-encoding", "te", "upgrade",
-    "proxy-authorization", "proxy-connection", "accept-encoding",
+    "proxy-authorization", "proxy-connection", "accept-encoding", "expect",
 })
 # A client's credentials are for the router's edge, not for workers (a stolen worker credential
 # must not harvest them): dropped unless RUDDER_FORWARD_CREDENTIAL_HEADERS names them.

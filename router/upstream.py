@@ -106,7 +106,11 @@ class _Conn(asyncio.Protocol):
         self.headers[name.decode("latin-1").strip().lower()] = value.decode("latin-1").strip()
 
     def on_headers_complete(self) -> None:
-        self.status = self.parser.get_status_code()
+        status = self.parser.get_status_code()
+        if 100 <= status < 200:  # informational (100 Continue): the answer's head follows
+            self.headers = {}
+            return
+        self.status = status
         self.reusable = self.parser.should_keep_alive()  # what the head says (HTTP/1.1, Connection)
         self.head_done = True
         self._wake()
@@ -120,6 +124,8 @@ class _Conn(asyncio.Protocol):
         self._wake()
 
     def on_message_complete(self) -> None:
+        if not self.head_done:
+            return  # an informational answer's end
         self.complete = True
         self._wake()
 

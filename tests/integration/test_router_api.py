@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+import json
 import re
 from collections.abc import AsyncIterator
 
@@ -194,3 +196,29 @@ async def test_connection_failure_retries_on_another_worker(nats_url: str) -> No
         await router.stop()
         await a.stop()
         await b.stop()
+
+
+async def test_a_client_that_expects_100_continue_gets_the_answer(
+    fleet: tuple[InProcessRouter, list[MockWorker]],
+) -> None:
+    """curl sends ``Expect: 100-continue`` with a large body: the router answers the client's 100
+    itself and does not pass the header on (a worker asked for it answers 100 first, which the
+    router took for the answer's head: the client got a 100 and the real answer as its body)."""
+    router, _ = fleet
+    host, port = router.url.removeprefix("http://").split(":")
+    body = json.dumps({"model": MODEL, "prompt": "expect " * 400, "max_tokens": 3}).encode()
+    reader, writer = await asyncio.open_connection(host, int(port))
+    try:
+        writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: r\r\nContent-Type: application/json\r\n"
+                     b"Expect: 100-continue\r\nConnection: close\r\n"
+                     + f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
+        await writer.drain()
+        raw = await asyncio.wait_for(reader.read(), 20)
+    finally:
+        writer.close()
+    if raw.startswith(b"HTTP/1.1 100 "):  # the router's own 100 Continue to the client
+        raw = raw.split(b"\r\n\r\n", 1)[1]
+    head, _, content = raw.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 200 "), raw[:300]
+    answer = json.loads(content)
+    assert answer["choices"][0]["text"] == mock_answer(3)

@@ -8,6 +8,7 @@ from collections.abc import Awaitable, Callable
 import pytest
 
 from cli.embedded import free_port
+from router.proxy import forward_headers
 from router.upstream import UpstreamBroken, UpstreamClient, UpstreamUnreachable
 
 pytestmark = pytest.mark.timeout(30)
@@ -222,6 +223,29 @@ async def test_a_relay_slower_than_the_worker_pauses_reading_and_loses_nothing()
     finally:
         await c.aclose()
         server.close()
+
+
+async def test_an_informational_answer_before_the_answer_is_skipped() -> None:
+    """A worker that sends 100 Continue first (as uvicorn does for a request that asks for it):
+    the client returns the answer that follows, and the router never asks (``expect`` is not
+    forwarded)."""
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        for _ in range(2):
+            await read_request(reader)
+            writer.write(b"HTTP/1.1 100 Continue\r\n\r\nHTTP/1.1 201 Created\r\nContent-Length: 2\r\n\r\nok")
+            await writer.drain()
+
+    server, url = await serve(handler)
+    c = client()
+    try:
+        for _ in range(2):  # and the connection is reusable after it
+            resp = await c.open(url, "/", b"", {})
+            assert (resp.status_code, await resp.aread()) == (201, b"ok")
+    finally:
+        await c.aclose()
+        server.close()
+    assert "expect" not in forward_headers({"Expect": "100-continue", "X-Request-Id": "r"})
+    assert forward_headers({"Expect": "100-continue", "X-Request-Id": "r"}) == {"X-Request-Id": "r"}
 
 
 def test_the_client_on_uvloop_as_deployed() -> None:
