@@ -60,11 +60,13 @@ class _Conn(asyncio.Protocol):
 
     def begin(self) -> None:
         """A new exchange: a fresh parser and nothing received."""
+        self.active = True  # an exchange runs (bytes while none does are not an answer to anything)
         self.parser = httptools.HttpResponseParser(self)
         self.received = 0  # bytes of this exchange's response
         self.status = 0
         self.headers: dict[str, str] = {}
         self.head_done = False
+        self.extra = False  # bytes past this exchange's answer arrived
         self.reusable = False
         self.body: list[bytes] = []
         self.held = 0
@@ -76,6 +78,9 @@ class _Conn(asyncio.Protocol):
         self.transport = cast(asyncio.Transport, transport)  # uvloop's is not asyncio's class
 
     def data_received(self, data: bytes) -> None:
+        if not self.active:  # a pooled connection is silent: what comes now would be mistaken for
+            self._fail("bytes on an idle connection")  # the next request's answer
+            return
         self.received += len(data)
         try:
             self.parser.feed_data(data)
@@ -102,10 +107,19 @@ class _Conn(asyncio.Protocol):
 
     # -- the parser's callbacks ----------------------------------------------------------------
 
+    def on_message_begin(self) -> None:
+        if self.head_done:  # a second answer after this exchange's: not this request's, and the
+            self.extra = True  # connection is not to be trusted with the next one
+            self.reusable = False
+
     def on_header(self, name: bytes, value: bytes) -> None:
+        if self.extra:
+            return
         self.headers[name.decode("latin-1").strip().lower()] = value.decode("latin-1").strip()
 
     def on_headers_complete(self) -> None:
+        if self.extra:
+            return
         status = self.parser.get_status_code()
         if 100 <= status < 200:  # informational (100 Continue): the answer's head follows
             self.headers = {}
@@ -116,6 +130,8 @@ class _Conn(asyncio.Protocol):
         self._wake()
 
     def on_body(self, body: bytes) -> None:
+        if self.extra:
+            return
         self.body.append(body)
         self.held += len(body)
         if self.held > _HIGH_WATER and not self._paused and self.transport is not None:
@@ -124,8 +140,8 @@ class _Conn(asyncio.Protocol):
         self._wake()
 
     def on_message_complete(self) -> None:
-        if not self.head_done:
-            return  # an informational answer's end
+        if not self.head_done or self.extra:
+            return  # an informational answer's end, or one after the answer
         self.complete = True
         self._wake()
 
@@ -214,6 +230,7 @@ class UpstreamClient:
         return None
 
     def _release(self, key: tuple[str, int], conn: _Conn) -> None:
+        conn.active = False
         pool = self._pools.setdefault(key, _Pool())
         if self._closed or len(pool.idle) >= self.max_idle or not conn.keep_alive():
             conn.close()

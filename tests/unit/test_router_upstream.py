@@ -248,6 +248,36 @@ async def test_an_informational_answer_before_the_answer_is_skipped() -> None:
     assert forward_headers({"Expect": "100-continue", "X-Request-Id": "r"}) == {"X-Request-Id": "r"}
 
 
+async def test_bytes_on_an_idle_connection_are_not_the_next_answer() -> None:
+    """A worker that writes on a pooled connection between requests (a forged answer waiting for
+    the next request): the connection is dropped, the next request goes on a fresh one."""
+    connections = 0
+
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        nonlocal connections
+        connections += 1
+        mine = connections
+        await read_request(reader)
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 4\r\n\r\nreal")
+        if mine == 1:
+            writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 6\r\n\r\nforged")
+        await writer.drain()
+        await reader.read()
+
+    server, url = await serve(handler)
+    c = client()
+    try:
+        resp = await c.open(url, "/", b"", {})
+        assert await resp.aread() == b"real"
+        await asyncio.sleep(0.1)  # the forged answer arrives while the connection is pooled
+        resp = await c.open(url, "/", b"", {})
+        assert await resp.aread() == b"real"
+        assert connections == 2
+    finally:
+        await c.aclose()
+        server.close()
+
+
 def test_the_client_on_uvloop_as_deployed() -> None:
     """A router process runs on uvloop (cli/serve.py), whose transports are not asyncio's classes:
     the same exchanges there."""

@@ -28,6 +28,7 @@ class Answer:
     raw: bytes  # what the worker writes
     body: bytes | None  # the body the client must return (None: it must raise UpstreamError)
     close: bool  # the worker closes the connection after writing
+    extra: bytes = b""  # written after the answer, in the same write as its last piece
 
 
 def _cuts(data: bytes, cuts: list[int]) -> list[bytes]:
@@ -37,7 +38,18 @@ def _cuts(data: bytes, cuts: list[int]) -> list[bytes]:
 
 @st.composite
 def framed(draw: st.DrawFn) -> Answer:
-    """A well-formed answer: chunked (extensions, trailers), by Content-Length, or by close."""
+    """A well-formed answer (chunked with extensions and trailers, by Content-Length, or by close),
+    maybe followed by bytes that are no part of it (a second answer, noise): never its body."""
+    answer = draw(_framed())
+    if answer.close or not draw(st.booleans()):
+        return answer
+    extra = draw(st.one_of(st.binary(min_size=1, max_size=60),
+                           st.just(b"HTTP/1.1 200 OK\r\nContent-Length: 6\r\n\r\nforged")))
+    return Answer(answer.raw, answer.body, close=False, extra=extra)
+
+
+@st.composite
+def _framed(draw: st.DrawFn) -> Answer:
     parts = draw(st.lists(st.binary(min_size=1, max_size=300), max_size=6))
     body = b"".join(parts)
     kind = draw(st.sampled_from(["chunked", "length", "close"]))
@@ -58,7 +70,7 @@ def framed(draw: st.DrawFn) -> Answer:
 @st.composite
 def broken(draw: st.DrawFn) -> Answer:
     """A well-formed answer cut short, an answer with a byte changed in its framing, or noise."""
-    good = draw(framed())
+    good = draw(_framed())
     how = draw(st.sampled_from(["cut", "noise", "bad-size"]))
     if how == "noise":
         return Answer(draw(st.binary(min_size=1, max_size=200)), None, close=True)
@@ -73,12 +85,16 @@ def broken(draw: st.DrawFn) -> Answer:
 
 
 async def exchange(answer: Answer, cuts: list[int]) -> bytes | UpstreamError:
+    served = asyncio.Event()
+
     async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         try:
             while (await reader.readline()) not in (b"\r\n", b""):
                 pass
             await reader.readexactly(2)  # the body, b"{}"
-            for piece in _cuts(answer.raw, cuts):
+            pieces = _cuts(answer.raw, cuts)
+            pieces[-1] += answer.extra
+            for piece in pieces:
                 writer.write(piece)
                 await writer.drain()
                 await asyncio.sleep(0)
@@ -88,6 +104,8 @@ async def exchange(answer: Answer, cuts: list[int]) -> bytes | UpstreamError:
                 await reader.read()  # keep the connection until the client is done
         except (ConnectionError, asyncio.IncompleteReadError):
             pass
+        finally:
+            served.set()
 
     server = await asyncio.start_server(handler, "127.0.0.1", 0)
     url = f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}"
@@ -98,7 +116,8 @@ async def exchange(answer: Answer, cuts: list[int]) -> bytes | UpstreamError:
     except UpstreamError as exc:
         return exc
     finally:
-        await client.aclose()
+        await client.aclose()  # the worker's side sees the end and returns
+        await asyncio.wait_for(served.wait(), 5)
         server.close()
 
 
