@@ -1,0 +1,83 @@
+"""Odd requests against a real router and a mock worker: every field of a valid chat and completion
+request replaced, in turn, by values of every JSON type and some edge values, sent streamed and
+not. The router never answers with its own internal error (500 ``internal_error``): a request it
+cannot route is refused naming the field, one it passes on gets the worker's answer; and nothing
+stays booked afterwards. A table, not Hypothesis: the router lives on the test's event loop."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator
+from typing import Any
+
+import httpx
+import pytest
+
+from tests.support_router.workers import InProcessRouter, MockWorker, mock_workers, router_settings, wait_for
+
+pytestmark = pytest.mark.timeout(180)
+MODEL = "org/odd-model:v1"
+
+ODD: list[Any] = [
+    None, True, False, 0, -1, 2**63, 1.5, -0.0, 1e308, "", "x", "\u0000\ud7ff\uffff", "é" * 3000,
+    [], [1, "a", None], [[[]]], {}, {"a": {"b": [1]}}, list(range(3000)),
+]
+CHAT: dict[str, Any] = {
+    "model": MODEL, "messages": [{"role": "user", "content": "hello"}], "max_tokens": 3,
+    "stream_options": {"include_usage": True}, "nvext": {"ttft_slo_ms": 500}, "temperature": 0.5,
+}
+COMPLETION: dict[str, Any] = {"model": MODEL, "prompt": "hello", "max_tokens": 3, "n": 1}
+
+
+def variants() -> list[tuple[str, str, dict[str, Any]]]:
+    out: list[tuple[str, str, dict[str, Any]]] = []
+    for path, valid in (("/v1/chat/completions", CHAT), ("/v1/completions", COMPLETION)):
+        fields = [*valid, "stream"]
+        for field in fields:
+            for value in ODD:
+                body = dict(valid)
+                body[field] = value
+                out.append((path, f"{field}={json.dumps(value)[:40]}", body))
+        for value in ODD:  # inside the message and inside nvext
+            out.append((path, f"nvext.backend_instance_id={json.dumps(value)[:40]}",
+                        {**valid, "nvext": {"backend_instance_id": value}}))
+            if path.endswith("chat/completions"):
+                out.append((path, f"messages[0].content={json.dumps(value)[:40]}",
+                            {**valid, "messages": [{"role": "user", "content": value}]}))
+                out.append((path, f"messages[0]={json.dumps(value)[:40]}", {**valid, "messages": [value]}))
+    return out
+
+
+@pytest.fixture(scope="module")
+async def fleet(nats_url: str) -> AsyncIterator[tuple[InProcessRouter, list[MockWorker]]]:
+    async with mock_workers(nats_url, MODEL, 1) as workers:
+        router = await InProcessRouter(router_settings(nats_url, MODEL)).start()
+        await wait_for(lambda: router.runtime.scheduler.view.workers.get(MODEL) == 1)
+        yield router, workers
+        await router.stop()
+
+
+async def test_odd_fields_are_refused_or_passed_on_never_an_internal_error(
+    fleet: tuple[InProcessRouter, list[MockWorker]],
+) -> None:
+    router, _ = fleet
+    bugs = router.runtime.metrics.rejections.labels("internal_error")
+    before = bugs._value.get()
+    seen: dict[int, int] = {}
+    async with httpx.AsyncClient(base_url=router.url, timeout=30) as http:
+        for path, name, body in variants():
+            for stream in (False, True):
+                sent = {**body, "stream": stream} if "stream" not in body else body
+                resp = await http.post(path, json=sent)
+                text = resp.text
+                seen[resp.status_code] = seen.get(resp.status_code, 0) + 1
+                assert resp.status_code != 500, (path, name, text[:300])
+                if resp.status_code >= 400 and resp.headers.get("content-type", "").startswith("application/json"):
+                    error = resp.json()["error"]
+                    assert error["code"] != "internal_error", (path, name, error)
+                    if resp.status_code == 400 and error.get("param") is None:
+                        pytest.fail(f"{path} {name}: a 400 that names no field: {error}")
+    assert bugs._value.get() == before
+    assert seen.get(200, 0) > 0 and sum(n for s, n in seen.items() if s >= 400) > 0, seen
+    sched = router.runtime.scheduler
+    await wait_for(lambda: sched.inspect(lambda s: len(s.bookings) == 0), within=10)
