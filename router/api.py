@@ -702,7 +702,8 @@ def build_api(rt: Runtime, app: RouterApp) -> None:
             for m in rt.settings.models
         ]}
 
-    @app.get("/health")
+    # GET, and HEAD for load balancers that check with it (HAProxy's ``option httpchk HEAD``).
+    @app.api_route("/health", methods=["GET", "HEAD"])
     async def health() -> Response:
         """Ready to take traffic (a load balancer's or Kubernetes' readiness check): 503 until
         connected to NATS, the policy heads are loaded, discovery is complete and every model
@@ -716,7 +717,7 @@ def build_api(rt: Runtime, app: RouterApp) -> None:
         }
         return JSONResponse(body, status_code=503 if waiting else 200)
 
-    @app.get("/live")
+    @app.api_route("/live", methods=["GET", "HEAD"])
     async def live() -> dict[str, str]:
         return {"status": "ok"}
 

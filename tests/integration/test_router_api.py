@@ -120,6 +120,9 @@ async def test_health_live_metrics(fleet: tuple[InProcessRouter, list[MockWorker
         assert (await http.get("/live")).status_code == 200
         health = await http.get("/health")
         assert health.status_code == 200 and health.json()["workers"] == {MODEL: 3}
+        for path in ("/health", "/live"):  # a load balancer's HEAD check: the status, no body
+            head = await http.head(path)
+            assert (head.status_code, head.content) == (200, b""), path
         await http.post("/v1/completions", json={"model": MODEL, "prompt": "metrics please " * 4})
 
         async def open_returns() -> bool:  # the finished request is expected back (router.returns)
