@@ -17,7 +17,7 @@ from tests.support_router.workers import (
     MockWorker,
     held,
     mock_answer,
-    mock_workers,
+    routed_workers,
     router_settings,
     start_worker,
     wait_busy,
@@ -30,11 +30,8 @@ MODEL = "org/chat-model:v1.5"
 
 @pytest.fixture(scope="module")
 async def fleet(nats_url: str) -> AsyncIterator[tuple[InProcessRouter, list[MockWorker]]]:
-    async with mock_workers(nats_url, MODEL, 3) as workers:
-        router = await InProcessRouter(router_settings(nats_url, MODEL)).start()
-        await wait_for(lambda: router.runtime.scheduler.view.workers.get(MODEL) == 3)
-        yield router, workers
-        await router.stop()
+    async with routed_workers(nats_url, MODEL, 3) as fleet:
+        yield fleet
 
 
 async def test_openai_client_chat_non_streaming(fleet: tuple[InProcessRouter, list[MockWorker]]) -> None:

@@ -13,7 +13,7 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.support_router.workers import InProcessRouter, MockWorker, mock_workers, router_settings, wait_for
+from tests.support_router.workers import InProcessRouter, MockWorker, routed_workers, wait_for
 
 pytestmark = pytest.mark.timeout(180)
 MODEL = "org/odd-model:v1"
@@ -50,11 +50,8 @@ def variants() -> list[tuple[str, str, dict[str, Any]]]:
 
 @pytest.fixture(scope="module")
 async def fleet(nats_url: str) -> AsyncIterator[tuple[InProcessRouter, list[MockWorker]]]:
-    async with mock_workers(nats_url, MODEL, 1) as workers:
-        router = await InProcessRouter(router_settings(nats_url, MODEL)).start()
-        await wait_for(lambda: router.runtime.scheduler.view.workers.get(MODEL) == 1)
-        yield router, workers
-        await router.stop()
+    async with routed_workers(nats_url, MODEL, 1) as fleet:
+        yield fleet
 
 
 async def test_odd_fields_are_refused_or_passed_on_never_an_internal_error(

@@ -502,6 +502,20 @@ async def wait_busy(router: InProcessRouter, model: str, instance_id: int, busy:
     await wait_for(lambda: sched.inspect(check))
 
 
+@contextlib.asynccontextmanager
+async def routed_workers(nats_url: str, model: str, n: int = 1,
+                         **settings: Any) -> AsyncIterator[tuple[InProcessRouter, list[MockWorker]]]:
+    """``n`` mock workers and a router (``settings`` over :func:`router_settings`) that sees all
+    of them; the router stopped, then the workers, at the end."""
+    async with mock_workers(nats_url, model, n) as workers:
+        router = await InProcessRouter(router_settings(nats_url, model, **settings)).start()
+        try:
+            await wait_for(lambda: router.runtime.scheduler.view.workers.get(model) == n)
+            yield router, workers
+        finally:
+            await router.stop()
+
+
 def spawn_router(nats_url: str, model: str, *, port: int, router_id: str, command: list[str] | None = None,
                  stderr: IO[bytes] | None = None, **env: str) -> subprocess.Popen[bytes]:
     """A router replica as its own process (``python -m router``, or ``command``); its log goes to

@@ -32,6 +32,16 @@ async def serve(handler: Handler) -> tuple[asyncio.Server, str]:
     return server, f"http://127.0.0.1:{port}"
 
 
+async def write_chunked(writer: asyncio.StreamWriter, parts: list[bytes], headers: bytes = b"") -> None:
+    """A 200 answer in chunked encoding, a write (and a drain) per part."""
+    writer.write(b"HTTP/1.1 200 OK\r\n" + headers + b"Transfer-Encoding: chunked\r\n\r\n")
+    for part in parts:
+        writer.write(f"{len(part):x}\r\n".encode() + part + b"\r\n")
+        await writer.drain()
+    writer.write(b"0\r\n\r\n")
+    await writer.drain()
+
+
 def client() -> UpstreamClient:
     return UpstreamClient(connect_timeout_s=1, read_timeout_s=2)
 
@@ -50,12 +60,7 @@ async def test_chunked_stream_and_keep_alive_reuse() -> None:
                 break
             if not seen[-1][0]:
                 break
-            writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n")
-            for part in (b"data: a\n\n", b"data: bc\n\n"):
-                writer.write(f"{len(part):x}\r\n".encode() + part + b"\r\n")
-                await writer.drain()
-            writer.write(b"0\r\n\r\n")
-            await writer.drain()
+            await write_chunked(writer, [b"data: a\n\n", b"data: bc\n\n"], b"Content-Type: text/event-stream\r\n")
 
     server, url = await serve(handler)
     c = client()
@@ -200,12 +205,7 @@ async def test_a_relay_slower_than_the_worker_pauses_reading_and_loses_nothing()
 
     async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         await read_request(reader)
-        writer.write(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n")
-        for _ in range(32):  # 2 MiB
-            writer.write(f"{len(part):x}\r\n".encode() + part + b"\r\n")
-            await writer.drain()
-        writer.write(b"0\r\n\r\n")
-        await writer.drain()
+        await write_chunked(writer, [part] * 32)  # 2 MiB
 
     server, url = await serve(handler)
     c = client()
