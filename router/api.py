@@ -53,7 +53,7 @@ from router.commands import (
     Selection,
     SelectWorker,
 )
-from router.cycle import disconnect_hook
+from router.cycle import watch_disconnect
 from router.decisions import DecisionLog, figures
 from router.ingress import read_body
 from router.metrics import RouterMetrics
@@ -118,42 +118,24 @@ def _reason(exc: RudderError) -> str:
     return exc.code
 
 
-async def _wait_disconnect(request: Request) -> None:
-    while True:
-        message = await request.receive()
-        if message["type"] == "http.disconnect":
-            return
-
-
 async def _select(request: Request, rt: Runtime, req: RoutingRequest) -> Selection:
     """Queue the selection; if the client goes away first, cancel it (the actor skips it)."""
     asked = time.perf_counter()
     fut = rt.scheduler.submit(SelectWorker(req))
-    hook = disconnect_hook(request.scope)
-    if hook is not None:  # the router's own server: a callback, no task per request
-        def gone() -> None:
-            fut.cancel()
 
-        remove = hook(gone)
-        try:
-            sel = await fut
-        except asyncio.CancelledError:
-            task = asyncio.current_task()
-            if fut.cancelled() and (task is None or not task.cancelling()):
-                raise ClientGone("client disconnected while the request was queued") from None
-            raise
-        finally:
-            remove()
-    else:
-        watcher: asyncio.Future[Any] = asyncio.ensure_future(_wait_disconnect(request))
-        try:
-            await asyncio.wait((fut, watcher), return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            watcher.cancel()
-        if not fut.done():
-            fut.cancel()
-            raise ClientGone("client disconnected while the request was queued")
-        sel = fut.result()
+    def gone() -> None:
+        fut.cancel()
+
+    stop_watching = watch_disconnect(request.scope, request.receive, gone)
+    try:
+        sel = await fut
+    except asyncio.CancelledError:
+        task = asyncio.current_task()
+        if fut.cancelled() and (task is None or not task.cancelling()):
+            raise ClientGone("client disconnected while the request was queued") from None
+        raise  # the router is stopping (this request's task was cancelled)
+    finally:
+        stop_watching()
     rt.metrics.model(req.model).selection.observe(time.perf_counter() - asked)
     return sel
 
@@ -536,10 +518,10 @@ async def _completion(request: Request, rt: Runtime, path: str, chat: bool) -> R
 
 class RelayResponse(Response):
     """A streamed answer written straight to ASGI. Starlette's ``StreamingResponse`` runs an anyio
-    task group with cancel scopes per response to notice a client that goes away; here the
-    router's server calls ``on_disconnect`` when the client goes away (``disconnect_hook``), and
-    under another server one plain task waits for ``http.disconnect`` (the request body is
-    already read) to call it; it closes the worker connection under the relay. The head is sent
+    task group with cancel scopes per response to notice a client that goes away; here
+    ``on_disconnect`` runs when the client goes away (``watch_disconnect``: a callback of the
+    router's server, or one plain task under another) and closes the worker connection under
+    the relay. The head is sent
     once the first chunk is in, and the chunk after which ``last()`` is true ends the answer in
     the same message: under the router's server a short answer is one write to the client."""
 
@@ -561,18 +543,7 @@ class RelayResponse(Response):
         self.last = last
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        hook = disconnect_hook(scope)
-        watcher: asyncio.Task[None] | None = None
-        remove: Callable[[], None] | None = None
-        if hook is not None:  # the router's own server: a callback
-            remove = hook(self.on_disconnect)
-        else:
-            async def watch() -> None:
-                while (await receive())["type"] != "http.disconnect":
-                    pass
-                self.on_disconnect()
-
-            watcher = asyncio.create_task(watch())
+        stop_watching = watch_disconnect(scope, receive, self.on_disconnect)
         body = self.body_iterator
         try:
             # The head goes with the first chunk (one write under the router's server, which
@@ -591,10 +562,7 @@ class RelayResponse(Response):
             if not ended:
                 await send({"type": "http.response.body", "body": b"", "more_body": False})
         finally:
-            if watcher is not None:
-                watcher.cancel()
-            if remove is not None:
-                remove()
+            stop_watching()
             await body.aclose()  # runs the relay's own cleanup if it had started
             await self.on_close("499")  # and releases everything if it never had (a no-op otherwise)
 

@@ -1,6 +1,6 @@
 """The router's request cycle: uvicorn's, with what the router's answers need cheaper
 (docs/decisions.md 99). The router's connection protocol (router.ingress.GuardedHttpProtocol)
-creates one per request.
+turns each cycle uvicorn makes into one before the app runs.
 
 * A response head is held and written with the first body message: one write and one wake-up of
   the client instead of two. A head with no body message in the same turn of the event loop is
@@ -16,7 +16,7 @@ import asyncio
 import logging
 from collections.abc import Callable
 
-from starlette.types import Scope
+from starlette.types import Receive, Scope
 from uvicorn._types import ASGISendEvent
 from uvicorn.protocols.http.httptools_impl import RequestResponseCycle
 
@@ -33,6 +33,27 @@ def disconnect_hook(scope: Scope) -> OnDisconnect | None:
     removes it), or None under another server, whose app then waits for ``http.disconnect``."""
     extension = (scope.get("extensions") or {}).get(DISCONNECT)
     return extension["on_disconnect"] if extension else None
+
+
+def watch_disconnect(scope: Scope, receive: Receive, callback: Callable[[], None]) -> Callable[[], None]:
+    """Run ``callback`` once when the client of ``scope`` goes away; returns a function that
+    stops watching. Under the router's server its cycle runs it (:func:`disconnect_hook`); under
+    another ASGI server a task waits for ``http.disconnect`` (only once the body is read)."""
+    hook = disconnect_hook(scope)
+    if hook is not None:
+        return hook(callback)
+
+    async def watch() -> None:
+        while (await receive())["type"] != "http.disconnect":
+            pass
+        callback()
+
+    task = asyncio.create_task(watch())
+
+    def stop() -> None:
+        task.cancel()
+
+    return stop
 
 
 class _Capture:
