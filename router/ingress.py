@@ -24,24 +24,21 @@ Two layers, each where the thing it bounds is visible:
   ``Content-Length`` above the limit and, without one, stopping at the limit (413).
 
 Refusals are rendered by the router's one error mapping (``IngressLimits.render``). Each request
-is served by the router's request cycle (router.cycle.DirectCycle), which the protocol creates.
+is served by the router's request cycle (router.cycle.DirectCycle), which the protocol makes of uvicorn's.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import urllib.parse
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import Any, ClassVar, cast
 
-import httptools
 from starlette.responses import Response
 from starlette.types import Receive
 from uvicorn.config import Config
-from uvicorn.protocols.http.flow_control import service_unavailable
-from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol
+from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol, RequestResponseCycle
 from uvicorn.server import ServerState
 
 from controlplane.protocol.errors import (
@@ -180,42 +177,14 @@ class GuardedHttpProtocol(HttpToolsProtocol):
         if self._head_timer is not None:
             self._head_timer.cancel()
             self._head_timer = None
-        # uvicorn's (0.54), with the router's cycle (DirectCycle) in place of its own.
-        http_version = self.parser.get_http_version()
-        self.scope["method"] = self.parser.get_method().decode("ascii")
-        if http_version != "1.1":
-            self.scope["http_version"] = http_version
-        if self.parser.should_upgrade() and self._should_upgrade():
-            return
-        parsed_url = httptools.parse_url(self.url)
-        raw_path = parsed_url.path
-        path = raw_path.decode("ascii")
-        if "%" in path:
-            path = urllib.parse.unquote(path)
-        self.scope["path"] = self.root_path + path
-        self.scope["raw_path"] = self.root_path.encode("ascii") + raw_path
-        self.scope["query_string"] = parsed_url.query or b""
-        app = self.app
-        if self.limit_concurrency is not None and (
-            len(self.connections) >= self.limit_concurrency or len(self.tasks) >= self.limit_concurrency
-        ):
-            app = service_unavailable
-            self.logger.warning("Exceeded concurrency limit.")
-        existing = self.cycle
-        self.cycle = cycle = DirectCycle(
-            scope=self.scope, transport=self.transport, flow=self.flow, logger=self.logger,
-            access_logger=self.access_logger, access_log=self.access_log,
-            default_headers=self.server_state.default_headers, message_event=asyncio.Event(),
-            expect_100_continue=self.expect_100_continue,
-            keep_alive=http_version != "1.0" and self.parser.should_keep_alive(),
-            on_response=self.on_response_complete,
-        )
-        self.scope["extensions"] = {DISCONNECT: {"on_disconnect": cycle.on_disconnect}}
-        if existing is None or existing.response_complete:
-            self._start_asgi_task(cycle, app)
-        else:  # pipelined: queued until the answer in progress is complete
-            self.flow.pause_reading()
-            self.pipeline.appendleft((cycle, app))
+        super().on_headers_complete()
+        # uvicorn made the request's cycle (and started its task, or queued it behind the answer
+        # in progress); the router's cycle adds methods and no state, so the same object becomes
+        # one before the app sees it (the task has not run yet).
+        cycle = self.cycle
+        if type(cycle) is RequestResponseCycle:
+            cycle.__class__ = DirectCycle
+            self.scope["extensions"] = {DISCONNECT: {"on_disconnect": cast(DirectCycle, cycle).on_disconnect}}
 
     def on_message_complete(self) -> None:
         self._in_body = False
