@@ -95,7 +95,6 @@ class _Conn(asyncio.Protocol):
         if (self.head_done and not self.complete and "content-length" not in self.headers
                 and "chunked" not in self.headers.get("transfer-encoding", "").lower()):
             self.complete = True  # a body framed by the connection's close ends here
-            self.headers["connection"] = "close"
         elif not self.why:
             self.why = type(exc).__name__ if exc is not None else "connection closed"
         self._wake()
