@@ -136,9 +136,9 @@ class RawClient:
         return ttft, total, status
 
 
-def request_body() -> bytes:
+def request_body(max_tokens: int = MAX_TOKENS) -> bytes:
     return json.dumps({
-        "model": MODEL, "prompt": PROMPT, "max_tokens": MAX_TOKENS, "stream": True,
+        "model": MODEL, "prompt": PROMPT, "max_tokens": max_tokens, "stream": True,
         "stream_options": {"include_usage": True},
     }).encode()
 
@@ -148,8 +148,8 @@ def split(url: str) -> tuple[str, int]:
     return host, int(port)
 
 
-async def latency(targets: list[Target], n: int) -> dict[str, Any]:
-    body = request_body()
+async def latency(targets: list[Target], n: int, max_tokens: int = MAX_TOKENS) -> dict[str, Any]:
+    body = request_body(max_tokens)
     clients = {t.name: RawClient(*split(t.url)) for t in targets}
     samples: dict[str, dict[str, list[float]]] = {k: {"ttft": [], "total": []} for k in clients}
     try:
@@ -175,9 +175,10 @@ async def latency(targets: list[Target], n: int) -> dict[str, Any]:
     return out
 
 
-async def throughput(url: str, concurrency: int, seconds: float, max_requests: int) -> dict[str, Any]:
+async def throughput(url: str, concurrency: int, seconds: float, max_requests: int,
+                     max_tokens: int = MAX_TOKENS) -> dict[str, Any]:
     """Closed loop: ``concurrency`` connections each send the next request when one ends."""
-    body = request_body()
+    body = request_body(max_tokens)
     host, port = split(url)
     done = 0
     errors = 0
@@ -411,7 +412,7 @@ async def main(args: argparse.Namespace) -> None:
                 await wait_ok(t.url + "/health")
             names = [t.name for t in targets]
 
-            lat = await latency(targets, args.requests)
+            lat = await latency(targets, args.requests, args.max_tokens)
             print(f"latency, {args.requests} sequential requests to each target (alternating):")
             print(f"{'':<30}{'TTFT p50':>10}{'TTFT p99':>10}{'total p50':>11}{'total p99':>11}"
                   f"{'added TTFT p50':>16}{'p99':>8}")
@@ -439,7 +440,7 @@ async def main(args: argparse.Namespace) -> None:
                                     start_profiler(fleet.procs[0].pid, prof_dir / "worker.json", args.seconds)]
                         sampler = CpuSampler(pids)
                         sampler.start()
-                        res = await throughput(t.url, c, args.seconds, args.max_requests)
+                        res = await throughput(t.url, c, args.seconds, args.max_requests, args.max_tokens)
                         res["cpu"] = sampler.stop()
                         res["target"] = t.name
                         res["round"] = rnd
@@ -487,7 +488,7 @@ async def main(args: argparse.Namespace) -> None:
         "servers": args.servers.split(","),
         "rust_router": {"package": args.rust, "policies": policies,
                         "version": rust_version(rust, args.rust) if rust is not None else None},
-        "speedup_ratio": args.speedup, "prompt_chars": len(PROMPT), "max_tokens": MAX_TOKENS,
+        "speedup_ratio": args.speedup, "prompt_chars": len(PROMPT), "max_tokens": args.max_tokens,
         "seconds": args.seconds, "rounds": args.rounds,
         "note": ("streamed /v1/completions; TTFT = send -> first body chunk; latency phase alternates "
                  "the targets one request at a time; throughput = closed loop, best phase; CPU per "
@@ -516,6 +517,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-requests", type=int, default=20000, help="cap per throughput phase")
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--speedup", type=float, default=1000.0, help="mock speedup_ratio")
+    p.add_argument("--max-tokens", type=int, default=MAX_TOKENS,
+                   help="output tokens per request (a streamed chunk each: more measures the relay per chunk)")
     p.add_argument("--mode", default="kv", help="the Rudder mode profiled and compared with --baseline")
     p.add_argument("--modes", default="kv,round_robin", help="Rudder routers, one per mode")
     p.add_argument("--rust", default="vllm-router", choices=(*RUST_ROUTERS, "none"),

@@ -53,7 +53,7 @@ from router.commands import (
     Selection,
     SelectWorker,
 )
-from router.cycle import watch_disconnect
+from router.cycle import Push, push_hook, watch_disconnect
 from router.decisions import DecisionLog, figures
 from router.ingress import read_body
 from router.metrics import RouterMetrics
@@ -470,25 +470,31 @@ async def _completion(request: Request, rt: Runtime, path: str, chat: bool) -> R
         if tr is not None:
             tr.done(status)
 
-    async def relay() -> AsyncGenerator[bytes, None]:
+    first = FirstTokenDetector()  # a role-only opening chunk is not the first token
+    itl = series.itl
+
+    def seen(chunk: bytes) -> None:
+        """A chunk of the worker's answer goes to the client (handed out by the relay, or pushed
+        from the worker connection's callback): first token, inter-token time, usage's place."""
         nonlocal chunks, first_at, last, previous, tail
+        now = time.perf_counter()
+        if not chunks:
+            if first.feed(chunk):
+                rt.scheduler.send(RequestFirstToken(booking, ttft_ms=(now - opened.sent_at) * 1e3))
+                observe_first_token(now)
+                first_at = last = now
+                chunks = 1
+        else:
+            itl.observe(now - last)
+            last = now
+            chunks += 1
+        previous, tail = tail, chunk
+
+    async def relay() -> AsyncGenerator[bytes, None]:
         status = "200"
-        first = FirstTokenDetector()  # a role-only opening chunk is not the first token
-        itl = series.itl
         try:
             async for chunk in resp.aiter_raw():
-                now = time.perf_counter()
-                if not chunks:
-                    if first.feed(chunk):
-                        rt.scheduler.send(RequestFirstToken(booking, ttft_ms=(now - opened.sent_at) * 1e3))
-                        observe_first_token(now)
-                        first_at = last = now
-                        chunks = 1
-                else:
-                    itl.observe(now - last)
-                    last = now
-                    chunks += 1
-                previous, tail = tail, chunk
+                seen(chunk)
                 yield chunk
         except UpstreamError as exc:
             if client_gone:
@@ -511,9 +517,19 @@ async def _completion(request: Request, rt: Runtime, path: str, chat: bool) -> R
         client_gone = True
         resp.abort()  # the relay's pending read fails at once: booking freed, worker stops
 
+    def push_from(push: Push) -> None:
+        """Under the router's server: what the worker sends goes to the client from the worker
+        connection's callback, ``seen`` as it goes (router.cycle.DirectCycle.push)."""
+        def sink(chunk: bytes) -> bool:
+            if not push(chunk):
+                return False
+            seen(chunk)
+            return True
+        resp.sink = sink
+
     return RelayResponse(relay(), status_code=resp.status_code, media_type=content_type,
                          headers=out_headers, on_disconnect=on_client_gone, on_close=finish,
-                         last=lambda: resp.complete)
+                         last=lambda: resp.complete, push_from=push_from)
 
 
 class RelayResponse(Response):
@@ -527,7 +543,8 @@ class RelayResponse(Response):
 
     def __init__(self, body: AsyncGenerator[bytes, None], *, status_code: int, media_type: str,
                  headers: Mapping[str, str], on_disconnect: Callable[[], None],
-                 on_close: Callable[[str], Awaitable[None]], last: Callable[[], bool] = lambda: False) -> None:
+                 on_close: Callable[[str], Awaitable[None]], last: Callable[[], bool] = lambda: False,
+                 push_from: Callable[[Push], None] | None = None) -> None:
         # Not the base class's constructor: no body to size (this one is streamed, chunked), and
         # the head built once here (a content type as Starlette's: text/* gets a charset).
         self.status_code = status_code
@@ -541,6 +558,7 @@ class RelayResponse(Response):
         self.on_disconnect = on_disconnect
         self.on_close = on_close
         self.last = last
+        self.push_from = push_from
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         stop_watching = watch_disconnect(scope, receive, self.on_disconnect)
@@ -554,6 +572,11 @@ class RelayResponse(Response):
             if first is not None:
                 ended = self.last()
                 await send({"type": "http.response.body", "body": first, "more_body": not ended})
+                push = push_hook(scope) if not ended and self.push_from is not None else None
+                if push is not None and self.push_from is not None:
+                    # The head is out: the chunks between the first and the last are written
+                    # from the worker connection's callback; the relay hands out the rest.
+                    self.push_from(push)
             async for chunk in body:
                 if ended:  # nothing follows the end (the relay only finishes its bookkeeping)
                     continue

@@ -8,6 +8,12 @@ turns each cycle uvicorn makes into one before the app runs.
 * ``on_disconnect(callback)``, offered to the app as the scope extension :data:`DISCONNECT`
   (:func:`disconnect_hook`): callbacks run when the client goes away, where the app would
   otherwise keep a task per request waiting for ``http.disconnect``.
+* ``push(chunk)``, offered as the scope extension :data:`PUSH` (:func:`push_hook`): a chunk of a
+  started chunked answer taken from a callback (the relay pushes what a worker sends from its
+  connection's ``data_received``: no task wakes per chunk) and written, with whatever else was
+  pushed in the same turn of the event loop, at the turn's end. It takes the chunk only when a
+  body message could be written without waiting (the client takes bytes) and says so; otherwise
+  the caller sends the chunk as a body message, which waits for the client.
 """
 
 from __future__ import annotations
@@ -25,6 +31,9 @@ log = logging.getLogger(__name__)
 # The scope extension under which a DirectCycle offers ``on_disconnect``.
 DISCONNECT = "rudder.disconnect"
 OnDisconnect = Callable[[Callable[[], None]], Callable[[], None]]
+# The scope extension under which a DirectCycle offers ``push``.
+PUSH = "rudder.push"
+Push = Callable[[bytes], bool]
 
 
 def disconnect_hook(scope: Scope) -> OnDisconnect | None:
@@ -33,6 +42,14 @@ def disconnect_hook(scope: Scope) -> OnDisconnect | None:
     removes it), or None under another server, whose app then waits for ``http.disconnect``."""
     extension = (scope.get("extensions") or {}).get(DISCONNECT)
     return extension["on_disconnect"] if extension else None
+
+
+def push_hook(scope: Scope) -> Push | None:
+    """``push`` of the cycle serving ``scope`` (``push(chunk)`` writes a body chunk of a started
+    chunked answer now and returns True, or writes nothing and returns False), or None under
+    another server."""
+    extension = (scope.get("extensions") or {}).get(PUSH)
+    return extension["push"] if extension else None
 
 
 def watch_disconnect(scope: Scope, receive: Receive, callback: Callable[[], None]) -> Callable[[], None]:
@@ -125,6 +142,24 @@ class DirectCycle(RequestResponseCycle):
                 callback()
             except Exception:
                 log.exception("disconnect callback failed")
+
+    def push(self, chunk: bytes) -> bool:
+        """Write ``chunk`` as a body chunk of the started chunked answer if a body message could
+        go now without waiting: True if taken, else False and nothing taken (the client takes no
+        bytes, it is gone, the answer is not chunked or is complete). What is pushed in one turn
+        of the event loop goes out in one write at the turn's end, or before the next body
+        message, with a head still held."""
+        if (not self.response_started or self.response_complete or not self.chunked_encoding
+                or self.flow.write_paused or self.disconnected or not chunk):
+            return False
+        framed = b"%x\r\n%b\r\n" % (len(chunk), chunk)
+        held = self._held
+        if held is None:  # held, as a head is, until the turn's end or the next body message
+            self._held = framed
+            asyncio.get_running_loop().call_soon(self._flush)
+        else:
+            self._held = held + framed
+        return True
 
     async def send(self, message: ASGISendEvent) -> None:
         if self.flow.write_paused or self.disconnected:

@@ -49,7 +49,7 @@ from controlplane.protocol.errors import (
     RudderError,
     ServiceUnavailable,
 )
-from router.cycle import DISCONNECT, DirectCycle
+from router.cycle import DISCONNECT, PUSH, DirectCycle
 
 log = logging.getLogger(__name__)
 
@@ -184,7 +184,9 @@ class GuardedHttpProtocol(HttpToolsProtocol):
         cycle = self.cycle
         if type(cycle) is RequestResponseCycle:
             cycle.__class__ = DirectCycle
-            self.scope["extensions"] = {DISCONNECT: {"on_disconnect": cast(DirectCycle, cycle).on_disconnect}}
+            direct = cast(DirectCycle, cycle)
+            self.scope["extensions"] = {DISCONNECT: {"on_disconnect": direct.on_disconnect},
+                                        PUSH: {"push": direct.push}}
 
     def on_message_complete(self) -> None:
         self._in_body = False

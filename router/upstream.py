@@ -21,7 +21,7 @@ Errors are classified here, once:
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass, field
 from typing import cast
 from urllib.parse import urlsplit
@@ -56,6 +56,10 @@ class _Conn(asyncio.Protocol):
         self.expired = False  # the response head did not come in time (the transport was aborted)
         self._waiter: asyncio.Future[None] | None = None
         self._paused = False
+        # While set, the body that arrives is offered to it at the end of each read (from
+        # ``data_received``) instead of waking the reader; it returns False when it did not take
+        # it (the reader is then woken and the sink cleared).
+        self.sink: Callable[[bytes], bool] | None = None
         self.begin()
 
     def begin(self) -> None:
@@ -89,6 +93,13 @@ class _Conn(asyncio.Protocol):
             return
         if not self.head_done and self.received > _MAX_HEAD:
             self._fail("response head too large")
+        elif self.body and self.sink is not None and not self.complete and not self.lost:
+            # A chunk that ends the answer is left to the reader (it ends the client's answer).
+            data = self.take()
+            if not self.sink(data):
+                self.sink = None
+                self._hold(data)
+                self._wake()
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.lost = True
@@ -131,12 +142,16 @@ class _Conn(asyncio.Protocol):
     def on_body(self, body: bytes) -> None:
         if self.extra:
             return
+        self._hold(body)
+        if self.sink is None:
+            self._wake()
+
+    def _hold(self, body: bytes) -> None:
         self.body.append(body)
         self.held += len(body)
         if self.held > _HIGH_WATER and not self._paused and self.transport is not None:
             self._paused = True
             self.transport.pause_reading()
-        self._wake()
 
     def on_message_complete(self) -> None:
         if not self.head_done or self.extra:
@@ -347,16 +362,29 @@ class UpstreamResponse:
         # True from the moment the body's end has been read: the chunk being handed out is the
         # last (the relay then ends the client's answer with it, in one write).
         self.complete = False
+        # Set by a relay that can write to its client from a callback: while ``aiter_raw`` waits,
+        # the body that arrives (but the end of the answer) goes to it as it arrives, without
+        # waking the reader; ``aiter_raw`` hands out only what it did not take.
+        self.sink: Callable[[bytes], bool] | None = None
 
     async def aiter_raw(self) -> AsyncIterator[bytes]:
         """The body, as it arrives (framing removed): whatever arrived since the last chunk, at
-        once (fewer awaits here and fewer sends to the client when the worker is quick)."""
+        once (fewer awaits here and fewer sends to the client when the worker is quick). While a
+        ``sink`` is set, what arrives during a wait goes to it from the connection's callback and
+        only what it does not take (the answer's end among it) is handed out here."""
         conn = self._conn
         if conn is None or self._done or conn.transport is None:
             return
         # The body's read timeout counts only the waits for the worker, never the consumer's
         # time between chunks (no yield while it runs).
         deadline = _ReadDeadline(conn.loop, conn.transport, self._client.read_timeout_s)
+
+        def sink(data: bytes) -> bool:
+            pushed = self.sink
+            if pushed is None or not pushed(data):
+                return False
+            deadline.waiting()  # served: the wait for the worker starts again from now
+            return True
         try:
             while True:
                 if conn.body:
@@ -371,7 +399,11 @@ class UpstreamResponse:
                     self._abandon()
                     raise UpstreamBroken(f"worker stream broke: {why}")
                 deadline.waiting()
-                await conn.wait()
+                conn.sink = sink if self.sink is not None else None
+                try:
+                    await conn.wait()
+                finally:
+                    conn.sink = None
                 deadline.served()
         finally:
             deadline.cancel()

@@ -75,6 +75,33 @@ async def test_openai_client_completion(fleet: tuple[InProcessRouter, list[MockW
     await client.close()
 
 
+async def test_a_stream_of_slow_tokens_arrives_whole_and_in_order_and_every_chunk_is_counted(nats_url: str) -> None:
+    """A worker at its real pace (a token every few ms): each token reaches the router in its own
+    read, and all but the first and the last are written to the client from the worker
+    connection's callback (router.cycle.DirectCycle.push), not from the request's task. The client
+    gets every token in order, each chunk after the first is counted as an inter-token time, and
+    the booking is freed at the end."""
+    tokens = 40
+    async with routed_workers(nats_url, MODEL, 1, workers={"mock": {"speedup_ratio": 1.0}}) as (router, _):
+        itl = router.runtime.metrics.model(MODEL).itl
+        events: list[str] = []
+        async with httpx.AsyncClient(base_url=router.url, timeout=30) as http, http.stream(
+            "POST", "/v1/completions",
+            json={"model": MODEL, "prompt": "count along", "max_tokens": tokens, "stream": True},
+        ) as resp:
+            assert resp.status_code == 200
+            async for line in resp.aiter_lines():
+                if line.startswith("data: "):
+                    events.append(line.removeprefix("data: "))
+        assert events[-1] == "[DONE]"
+        text = "".join(c["choices"][0]["text"] for c in map(json.loads, events[:-1]) if c["choices"])
+        assert text == mock_answer(tokens)
+        gaps = sum(b.get() for b in itl._buckets)
+        assert tokens // 2 <= gaps <= tokens  # a token a chunk, near enough (the last with the usage)
+        sched = router.runtime.scheduler
+        await wait_for(lambda: sched.inspect(lambda s: len(s.bookings) == 0))
+
+
 async def test_same_prefix_goes_to_the_worker_that_cached_it(
     fleet: tuple[InProcessRouter, list[MockWorker]],
 ) -> None:

@@ -503,15 +503,16 @@ async def wait_busy(router: InProcessRouter, model: str, instance_id: int, busy:
 
 
 @contextlib.asynccontextmanager
-async def routed_workers(nats_url: str, model: str, n: int = 1,
+async def routed_workers(nats_url: str, model: str, n: int = 1, *, workers: Mapping[str, Any] | None = None,
                          **settings: Any) -> AsyncIterator[tuple[InProcessRouter, list[MockWorker]]]:
-    """``n`` mock workers and a router (``settings`` over :func:`router_settings`) that sees all
-    of them; the router stopped, then the workers, at the end."""
-    async with mock_workers(nats_url, model, n) as workers:
+    """``n`` mock workers (``workers``: :func:`mock_workers`' keywords) and a router
+    (``settings`` over :func:`router_settings`) that sees all of them; the router stopped, then
+    the workers, at the end."""
+    async with mock_workers(nats_url, model, n, **(workers or {})) as workers_:
         router = await InProcessRouter(router_settings(nats_url, model, **settings)).start()
         try:
             await wait_for(lambda: router.runtime.scheduler.view.workers.get(model) == n)
-            yield router, workers
+            yield router, workers_
         finally:
             await router.stop()
 

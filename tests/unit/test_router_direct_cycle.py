@@ -19,7 +19,7 @@ from uvicorn.server import ServerState
 from controlplane.protocol.errors import ClientGone
 from router.api import _select, error_response
 from router.commands import RoutingRequest
-from router.cycle import disconnect_hook
+from router.cycle import disconnect_hook, push_hook
 from router.ingress import GuardedHttpProtocol, IngressLimits, protocol_class
 from router.metrics import RouterMetrics
 
@@ -131,6 +131,64 @@ async def test_a_streamed_answer_is_its_head_and_first_chunk_then_one_write_a_ch
     assert transport.writes[0].startswith(b"HTTP/1.1 200 OK")
     assert transport.writes[0].endswith(b"transfer-encoding: chunked\r\n\r\n9\r\ndata: 1\n\n\r\n")
     assert transport.writes[1] == b"9\r\ndata: 2\n\n\r\n0\r\n\r\n"
+
+
+async def test_push_writes_a_chunk_at_once_only_where_a_body_message_could_go_without_waiting() -> None:
+    """``push`` (scope extension): nothing before the head, a chunk taken once it is rendered
+    and written with what follows in the same turn (with a held head, or before the next body
+    message), nothing while the client takes no bytes (the relay then sends and waits), nothing
+    once the answer is complete."""
+    results: list[bool] = []
+    protocol: GuardedHttpProtocol
+
+    async def app(scope: Any, receive: Any, send: Any) -> None:
+        await receive()
+        push = push_hook(scope)
+        assert push is not None
+        results.append(push(b"early"))  # no head yet
+        await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"text/event-stream")]})
+        results.append(push(b"held"))  # goes after the held head
+        await send({"type": "http.response.body", "body": b"data: 1\n\n", "more_body": True})
+        results.append(push(b"data: 2\n\n"))
+        protocol.pause_writing()  # the client's buffers are full
+        results.append(push(b"data: 3\n\n"))
+        protocol.resume_writing()
+        await send({"type": "http.response.body", "body": b"data: 3\n\n", "more_body": False})
+        results.append(push(b"after the end"))
+
+    protocol, transport, state = serve(app)
+    protocol.data_received(REQUEST)
+    await finished(state)
+    for _ in range(3):
+        await asyncio.sleep(0)  # a flush scheduled by a push writes nothing more
+    assert results == [False, True, True, False, False]
+    assert len(transport.writes) == 2, transport.writes
+    assert transport.writes[0].endswith(b"transfer-encoding: chunked\r\n\r\n4\r\nheld\r\n9\r\ndata: 1\n\n\r\n")
+    assert transport.writes[1] == b"9\r\ndata: 2\n\n\r\n9\r\ndata: 3\n\n\r\n0\r\n\r\n"
+    assert push_hook({"type": "http"}) is None  # another server: the relay sends every chunk
+
+
+async def test_chunks_pushed_in_one_turn_go_out_in_one_write_at_its_end() -> None:
+    seen: list[list[bytes]] = []
+
+    async def app(scope: Any, receive: Any, send: Any) -> None:
+        await receive()
+        push = push_hook(scope)
+        assert push is not None
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.body", "body": b"a", "more_body": True})
+        assert push(b"b") and push(b"c")
+        seen.append(list(transport.writes))
+        for _ in range(3):
+            await asyncio.sleep(0)
+        seen.append(list(transport.writes))
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+    protocol, transport, state = serve(app)
+    protocol.data_received(REQUEST)
+    await finished(state)
+    assert len(seen[0]) == 1 and seen[1][1:] == [b"1\r\nb\r\n1\r\nc\r\n"]
+    assert transport.writes[2:] == [b"0\r\n\r\n"]
 
 
 async def test_a_head_with_no_body_yet_is_written_at_the_end_of_the_turn() -> None:

@@ -278,6 +278,84 @@ async def test_bytes_on_an_idle_connection_are_not_the_next_answer() -> None:
         server.close()
 
 
+async def test_a_sink_takes_the_body_as_it_arrives_and_the_reader_gets_the_end() -> None:
+    """While the reader waits, what the worker sends goes to the sink from the connection's
+    callback (the reader is not woken for it); the chunk that ends the answer, and what the sink
+    refuses, are handed out by the reader, in order. The connection stays reusable."""
+    parts = [b"data: %d\n\n" % i for i in range(6)]
+
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        for _ in range(2):
+            await read_request(reader)
+            writer.write(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n")
+            for part in parts:
+                writer.write(f"{len(part):x}\r\n".encode() + part + b"\r\n")
+                await writer.drain()
+                await asyncio.sleep(0.02)
+            writer.write(b"0\r\n\r\n")
+            await writer.drain()
+
+    server, url = await serve(handler)
+    c = client()
+    try:
+        resp = await c.open(url, "/", b"", {})
+        got: list[tuple[str, bytes]] = []  # in the order the body went out, and by which way
+        resp.sink = lambda data: got.append(("pushed", data)) is None
+        async for chunk in resp.aiter_raw():
+            got.append(("handed", chunk))
+        assert b"".join(data for _, data in got) == b"".join(parts)
+        ways = [way for way, _ in got]
+        # handed out: what arrived before the reader first waited, and the end if it came with
+        # a chunk (here the worker writes its end alone); pushed: the rest
+        assert ways.count("pushed") >= 3 and ways.count("handed") <= 2
+        # A sink that refuses (a client that takes no bytes now): the reader hands it out.
+        resp = await c.open(url, "/", b"", {})
+        offered: list[bytes] = []
+        resp.sink = lambda data: offered.append(data) is not None  # always False
+        handed = [chunk async for chunk in resp.aiter_raw()]
+        assert b"".join(handed) == b"".join(parts) and offered
+        assert len(c._pools[next(iter(c._pools))].idle) == 1  # reusable after both
+    finally:
+        await c.aclose()
+        server.close()
+
+
+async def test_a_stream_that_keeps_coming_into_a_sink_outlives_the_read_timeout() -> None:
+    """The body's read timeout counts the wait since the last chunk the sink took, not since the
+    reader started waiting: a stream longer than the timeout survives, a stall after it does not."""
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        line, _, _ = await read_request(reader)
+        writer.write(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n")
+        for _ in range(10):  # 0.5 s of chunks, a chunk every 50 ms, against a 0.25 s timeout
+            writer.write(b"4\r\ntick\r\n")
+            await writer.drain()
+            await asyncio.sleep(0.05)
+        if "stall" in line:
+            await asyncio.sleep(5)
+        writer.write(b"0\r\n\r\n")
+        await writer.drain()
+
+    server, url = await serve(handler)
+    c = UpstreamClient(connect_timeout_s=1, read_timeout_s=0.25)
+    try:
+        resp = await c.open(url, "/", b"", {})
+        got: list[bytes] = []
+        resp.sink = lambda data: got.append(data) is None
+        async for chunk in resp.aiter_raw():
+            got.append(chunk)
+        assert b"".join(got) == b"tick" * 10
+        resp = await c.open(url, "/stall", b"", {})
+        resp.sink = lambda data: True
+        loop = asyncio.get_running_loop()
+        t0 = loop.time()
+        with pytest.raises(UpstreamBroken, match="TimeoutError"):
+            await resp.aread()
+        assert 0.5 <= loop.time() - t0 < 2.0
+    finally:
+        await c.aclose()
+        server.close()
+
+
 def test_the_client_on_uvloop_as_deployed() -> None:
     """A router process runs on uvloop (cli/serve.py), whose transports are not asyncio's classes:
     the same exchanges there."""
@@ -288,6 +366,7 @@ def test_the_client_on_uvloop_as_deployed() -> None:
         await test_content_length_and_close_framing()
         await test_refused_is_unreachable_and_a_broken_stream_is_broken()
         await test_a_worker_silent_after_the_request_is_unreachable_after_the_read_timeout()
+        await test_a_sink_takes_the_body_as_it_arrives_and_the_reader_gets_the_end()
 
     with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
         runner.run(exchanges())
