@@ -98,8 +98,12 @@ class RouterRuntime:
         self.draining = False  # a graceful stop began: /health is 503, in-flight work finishes
         self._logged_stale: dict[str, int] = {}  # models last logged as having only stale workers
         self.bus: Bus | None = None
+        # As many idle connections to a worker as the router can have requests in flight (one
+        # per client connection): past the pool's bound each request's connection would close
+        # when it ends and the next request connect anew, a TIME_WAIT port each (decision 106).
         self.http = UpstreamClient(connect_timeout_s=settings.connect_timeout_s,
-                                   read_timeout_s=settings.request_timeout_s)
+                                   read_timeout_s=settings.request_timeout_s,
+                                   max_idle_per_host=settings.max_connections)
         self.proxy: Proxy = Proxy(self.http)
         self.status: StatusPublisher | None = None
         self.policy: PolicyConsumer | None = None
