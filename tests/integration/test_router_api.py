@@ -82,12 +82,13 @@ async def test_a_stream_of_slow_tokens_arrives_whole_and_in_order_and_every_chun
     gets every token in order, each chunk after the first is counted as an inter-token time, and
     the booking is freed at the end."""
     tokens = 40
-    async with routed_workers(nats_url, MODEL, 1, workers={"mock": {"speedup_ratio": 1.0}}) as (router, _):
-        itl = router.runtime.metrics.model(MODEL).itl
+    model = "org/paced-model"  # not the module fleet's: this router sees its one worker only
+    async with routed_workers(nats_url, model, 1, workers={"mock": {"speedup_ratio": 1.0}}) as (router, _):
+        itl = router.runtime.metrics.model(model).itl
         events: list[str] = []
         async with httpx.AsyncClient(base_url=router.url, timeout=30) as http, http.stream(
             "POST", "/v1/completions",
-            json={"model": MODEL, "prompt": "count along", "max_tokens": tokens, "stream": True},
+            json={"model": model, "prompt": "count along", "max_tokens": tokens, "stream": True},
         ) as resp:
             assert resp.status_code == 200
             async for line in resp.aiter_lines():
