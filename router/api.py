@@ -539,7 +539,10 @@ class RelayResponse(Response):
     router's server, or one plain task under another) and closes the worker connection under
     the relay. The head is sent
     once the first chunk is in, and the chunk after which ``last()`` is true ends the answer in
-    the same message: under the router's server a short answer is one write to the client."""
+    the same message: under the router's server a short answer is one write to the client. Under
+    the router's server, too, ``push_from`` is then given the cycle's ``push``: the chunks between
+    the first and the last go to the client from the worker connection's callback (decision 105),
+    and this loop sends only what that does not take."""
 
     def __init__(self, body: AsyncGenerator[bytes, None], *, status_code: int, media_type: str,
                  headers: Mapping[str, str], on_disconnect: Callable[[], None],
