@@ -24,6 +24,7 @@ from tests import buskit
 from tests.support_router.workers import (
     InProcessRouter,
     free_port,
+    mock_answer,
     router_settings,
     spawn_router,
     wait_for,
@@ -253,6 +254,61 @@ async def test_client_that_stops_reading_a_stream_is_closed_and_its_booking_free
     # 1 s write timeout); then the write timeout runs.
     assert freed_after < WRITE_TIMEOUT_S + 5, f"booking freed {freed_after:.1f} s after it was made"
     assert await _chat(router)
+
+
+def _dechunk(body: bytes) -> bytes:
+    out, rest = bytearray(), body
+    while True:
+        size_line, _, rest = rest.partition(b"\r\n")
+        size = int(size_line.split(b";")[0], 16)
+        if size == 0:
+            return bytes(out)
+        out += rest[:size]
+        rest = rest[size + 2:]
+
+
+async def test_a_client_that_pauses_reading_a_stream_gets_all_of_it_in_order(fleet: InProcessRouter) -> None:
+    """A client that stops reading for a while (shorter than the write timeout) in a long stream:
+    the router stops writing to it (its buffers are full, so the chunks pushed from the worker
+    connection's callback are refused and the relay waits for the client), then goes on; the
+    client gets every token, in order, and the stream's end."""
+    router = fleet
+    assert router._server is not None
+    connections = router._server.server_state.connections
+    rejections = router.runtime.metrics.rejections.labels("write_timeout")
+    closed_before = rejections._value.get()
+    tokens = 6_000  # ~1.1 MB of events
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 65536)
+    loop = asyncio.get_running_loop()
+    try:
+        sock.connect(("127.0.0.1", router.settings.port))
+        sock.setblocking(False)
+        me = sock.getsockname()
+        await wait_for(lambda: any(p.client == me for p in connections))
+        # The router's side of this connection with a small kernel buffer (else the kernel takes
+        # megabytes on loopback before the router sees the client is not reading).
+        (protocol,) = [p for p in connections if p.client == me]
+        protocol.transport.get_extra_info("socket").setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 8192)
+        await loop.sock_sendall(sock, _request({
+            "model": MODEL, "messages": [{"role": "user", "content": "talk at length"}],
+            "max_tokens": tokens, "stream": True}))
+        await wait_for(lambda: protocol.flow.write_paused, within=10)  # not reading: it stopped writing
+        await asyncio.sleep(0.3)  # the client goes on not reading for a while (well within 1 s)
+        held = protocol.transport.get_write_buffer_size()
+        received = await _read_to_eof(sock, within=30)
+    finally:
+        sock.close()
+    assert received.startswith(b"HTTP/1.1 200")
+    assert rejections._value.get() == closed_before  # paused, never cut off
+    # The router held no more than its buffer's mark (64 KiB) and what one read of the worker
+    # brings (up to 256 KiB), not the rest of the stream.
+    assert held < 512 * 1024
+    body = _dechunk(received.partition(b"\r\n\r\n")[2])
+    events = [line.removeprefix(b"data: ") for line in body.split(b"\n") if line.startswith(b"data: ")]
+    assert events[-1] == b"[DONE]"
+    text = "".join(c["choices"][0]["delta"].get("content") or "" for c in map(json.loads, events[:-1]) if c["choices"])
+    assert text == mock_answer(tokens)
 
 
 async def test_a_large_prompt_is_tokenized_and_hashed_off_the_event_loop(fleet: InProcessRouter) -> None:
