@@ -2,7 +2,8 @@
 credential can be stolen, and whatever comes back must end as the body it framed or as one of the
 client's two errors, never another exception, a hang or a wrong body. Real sockets on loopback;
 the response bytes are written in random pieces (the client must not depend on how TCP cuts
-them)."""
+them), and taken by a sink that takes or refuses each read at random (the relay pushing to a
+client that sometimes takes no bytes) and the reader."""
 
 from __future__ import annotations
 
@@ -84,7 +85,10 @@ def broken(draw: st.DrawFn) -> Answer:
     return Answer(good.raw[:end], None, close=True)
 
 
-async def exchange(answer: Answer, cuts: list[int]) -> bytes | UpstreamError:
+async def exchange(answer: Answer, cuts: list[int], accepts: list[bool]) -> bytes | UpstreamError:
+    """The body as the router's client gives it, through a sink that takes or refuses each read
+    in turn as ``accepts`` says (a relay pushing to a client that sometimes takes no bytes), and
+    the reader for the rest, in the order each got its part; none if ``accepts`` is empty."""
     served = asyncio.Event()
 
     async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
@@ -112,7 +116,20 @@ async def exchange(answer: Answer, cuts: list[int]) -> bytes | UpstreamError:
     client = UpstreamClient(connect_timeout_s=2, read_timeout_s=2)
     try:
         resp = await client.open(url, "/", b"{}", {})
-        return await resp.aread()
+        got: list[bytes] = []
+        if accepts:
+            turns = itertools.cycle(accepts)
+
+            def sink(data: bytes) -> bool:
+                if next(turns):
+                    got.append(data)
+                    return True
+                return False
+
+            resp.sink = sink
+        async for chunk in resp.aiter_raw():
+            got.append(chunk)
+        return b"".join(got)
     except UpstreamError as exc:
         return exc
     finally:
@@ -121,26 +138,31 @@ async def exchange(answer: Answer, cuts: list[int]) -> bytes | UpstreamError:
         server.close()
 
 
-def run(answer: Answer, cuts: list[int]) -> list[bytes | UpstreamError]:
+def run(answer: Answer, cuts: list[int], accepts: list[bool]) -> list[bytes | UpstreamError]:
     """The exchange on asyncio's loop and on uvloop's (a router process runs on uvloop)."""
-    results = [asyncio.run(asyncio.wait_for(exchange(answer, cuts), 10))]
+    results = [asyncio.run(asyncio.wait_for(exchange(answer, cuts, accepts), 10))]
     with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
-        results.append(runner.run(asyncio.wait_for(exchange(answer, cuts), 10)))
+        results.append(runner.run(asyncio.wait_for(exchange(answer, cuts, accepts), 10)))
     return results
 
 
-@FUZZ
-@given(framed(), st.lists(st.integers(0, 10_000), max_size=8))
-def test_a_framed_answer_comes_back_as_its_body_however_tcp_cuts_it(answer: Answer, cuts: list[int]) -> None:
-    assert run(answer, cuts) == [answer.body, answer.body]
+ACCEPTS = st.lists(st.booleans(), max_size=6)
 
 
 @FUZZ
-@given(broken(), st.lists(st.integers(0, 10_000), max_size=8))
-def test_a_broken_answer_is_an_upstream_error_never_a_body_or_another_exception(
-    answer: Answer, cuts: list[int]
+@given(framed(), st.lists(st.integers(0, 10_000), max_size=8), ACCEPTS)
+def test_a_framed_answer_comes_back_as_its_body_however_tcp_cuts_it(
+    answer: Answer, cuts: list[int], accepts: list[bool]
 ) -> None:
-    for got in run(answer, cuts):
+    assert run(answer, cuts, accepts) == [answer.body, answer.body]
+
+
+@FUZZ
+@given(broken(), st.lists(st.integers(0, 10_000), max_size=8), ACCEPTS)
+def test_a_broken_answer_is_an_upstream_error_never_a_body_or_another_exception(
+    answer: Answer, cuts: list[int], accepts: list[bool]
+) -> None:
+    for got in run(answer, cuts, accepts):
         assert isinstance(got, UpstreamError), got
         if answer.raw.startswith(b"HTTP/1.1 ") and b"\r\n\r\n" in answer.raw:
             assert isinstance(got, UpstreamBroken)  # the head arrived: not to be retried elsewhere
