@@ -1,0 +1,91 @@
+"""A storm of streams that end every way a client can end them, at once, through one router in
+front of a mock worker at a real pace: most chunks are pushed to the clients from the worker
+connections' callbacks (router.cycle.DirectCycle.push), so every way out must also work from
+there. Afterwards nothing is left booked, the worker runs nothing, the router's pool holds no
+connection of an unfinished exchange, and the router serves as before."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+import socket
+import struct
+
+import pytest
+
+from tests.support_router.workers import engine_idle, mock_answer, routed_workers, wait_for
+
+pytestmark = pytest.mark.timeout(120)
+MODEL = "storm/model:1b"
+STREAMS = 60
+TOKENS = 2_000  # ~3 s of generation at this pace: a stream the router does not cut runs on
+
+
+async def stream(port: int, how: str, after: int) -> bytes:
+    """One streamed completion; the client reads ``after`` events and then: ``fin`` closes its
+    connection, ``rst`` resets it, ``stall`` stops reading and closes a moment later; ``read``
+    reads to the end."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    body = json.dumps({"model": MODEL, "prompt": f"storm {after} {how}",
+                       "max_tokens": 40 if how == "read" else TOKENS, "stream": True}).encode()
+    writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: r\r\nContent-Type: application/json\r\n"
+                 b"Connection: close\r\n" + f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
+    await writer.drain()
+    got = b""
+    try:
+        while how == "read" or got.count(b"data: ") < after:
+            data = await asyncio.wait_for(reader.read(65536), 30)
+            if not data:
+                break
+            got += data
+        if how == "rst":
+            sock = writer.get_extra_info("socket")
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+            writer.transport.abort()
+        elif how == "stall":
+            await asyncio.sleep(0.05)  # holds the connection open, unread, for a moment
+            writer.close()
+        else:
+            writer.close()
+    finally:
+        writer.close()
+    return got
+
+
+def _text(raw: bytes) -> str:
+    """The completion's text from a whole chunked SSE answer."""
+    body, out = raw.partition(b"\r\n\r\n")[2], bytearray()
+    while True:
+        size_line, _, body = body.partition(b"\r\n")
+        size = int(size_line, 16)
+        if size == 0:
+            break
+        out += body[:size]
+        body = body[size + 2:]
+    events = [line[6:] for line in out.split(b"\n") if line.startswith(b"data: ")]
+    assert events[-1] == b"[DONE]"
+    return "".join(c["choices"][0]["text"] for c in map(json.loads, events[:-1]) if c["choices"])
+
+
+async def test_a_storm_of_streams_ended_every_way_leaves_nothing_behind(nats_url: str) -> None:
+    rng = random.Random(16)
+    plan = [(rng.choice(["fin", "rst", "stall"]), rng.randint(1, 100)) for _ in range(STREAMS)]
+    async with routed_workers(nats_url, MODEL, 1, workers={"mock": {"speedup_ratio": 4.0}}) as (router, workers):
+        port = router.settings.port
+        results = await asyncio.gather(*(stream(port, how, after) for how, after in plan))
+        assert all(raw.startswith(b"HTTP/1.1 200") for raw in results)
+        loop = asyncio.get_running_loop()
+        gone = loop.time()
+        sched = router.runtime.scheduler
+        # Every stream cut at the client is cut at the worker within a moment, not when its
+        # generation would have ended (seconds later).
+        await wait_for(lambda: sched.inspect(lambda s: len(s.bookings) == 0), within=10)
+        await wait_for(lambda: engine_idle(workers[0]), within=10)
+        assert loop.time() - gone < 2.0
+        pools = router.runtime.http._pools.values()
+        assert all(not c.active and not c.lost and c.sink is None for p in pools for c in p.idle)
+        requests = router.runtime.metrics.requests
+        assert requests.labels(MODEL, "/v1/completions", "499")._value.get() == STREAMS
+        served = await stream(port, "read", 0)  # and the router serves as before
+        assert _text(served) == mock_answer(40)
