@@ -11,10 +11,21 @@ import json
 import random
 import socket
 import struct
+import sys
 
+import httpx
 import pytest
 
-from tests.support_router.workers import engine_idle, mock_answer, routed_workers, wait_for
+from tests.support_router.workers import (
+    engine_idle,
+    free_port,
+    mock_answer,
+    mock_workers,
+    routed_workers,
+    spawn_router,
+    wait_for,
+    wait_http_ok,
+)
 
 pytestmark = pytest.mark.timeout(120)
 MODEL = "storm/model:1b"
@@ -22,12 +33,12 @@ STREAMS = 60
 TOKENS = 2_000  # ~3 s of generation at this pace: a stream the router does not cut runs on
 
 
-async def stream(port: int, how: str, after: int) -> bytes:
+async def stream(port: int, how: str, after: int, model: str = MODEL) -> bytes:
     """One streamed completion; the client reads ``after`` events and then: ``fin`` closes its
     connection, ``rst`` resets it, ``stall`` stops reading and closes a moment later; ``read``
     reads to the end."""
     reader, writer = await asyncio.open_connection("127.0.0.1", port)
-    body = json.dumps({"model": MODEL, "prompt": f"storm {after} {how}",
+    body = json.dumps({"model": model, "prompt": f"storm {after} {how}",
                        "max_tokens": 40 if how == "read" else TOKENS, "stream": True}).encode()
     writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: r\r\nContent-Type: application/json\r\n"
                  b"Connection: close\r\n" + f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
@@ -89,3 +100,32 @@ async def test_a_storm_of_streams_ended_every_way_leaves_nothing_behind(nats_url
         assert requests.labels(MODEL, "/v1/completions", "499")._value.get() == STREAMS
         served = await stream(port, "read", 0)  # and the router serves as before
         assert _text(served) == mock_answer(40)
+
+
+async def test_streams_read_and_cut_through_a_router_as_deployed_on_uvloop(nats_url: str) -> None:
+    """The same through ``rudder serve router`` (uvloop, whose transports are not asyncio's
+    classes): streams read to the end arrive whole, streams cut are cut at the worker."""
+    model = "storm/uvloop:1b"
+    plan = [("read", 0)] * 8 + [("rst", k) for k in (1, 5, 20, 50)] + [("fin", k) for k in (2, 10, 30, 60)]
+    async with mock_workers(nats_url, model, 1, mock={"speedup_ratio": 4.0}) as workers:
+        port = free_port()
+        proc = spawn_router(nats_url, model, port=port, router_id="r-storm-uvloop",
+                            command=[sys.executable, "-m", "cli.main", "serve", "router"])
+        try:
+            await wait_http_ok(f"http://127.0.0.1:{port}/health")
+            results = await asyncio.gather(*(stream(port, how, after, model) for how, after in plan))
+            for (how, _), raw in zip(plan, results, strict=True):
+                assert raw.startswith(b"HTTP/1.1 200"), raw[:200]
+                if how == "read":
+                    assert _text(raw) == mock_answer(40)
+            await wait_for(lambda: engine_idle(workers[0]), within=10)
+            async with httpx.AsyncClient() as http:
+                metrics = (await http.get(f"http://127.0.0.1:{port}/metrics")).text
+            counted = {status: sum(float(line.rsplit(" ", 1)[1]) for line in metrics.splitlines()
+                                   if line.startswith("rudder_router_requests_total{")
+                                   and f'status="{status}"' in line)
+                       for status in ("200", "499")}
+            assert counted == {"200": 8, "499": 8}
+        finally:
+            proc.terminate()
+            await asyncio.to_thread(proc.wait, 10)
