@@ -27,6 +27,7 @@ from tests.support_router.workers import (
     mock_answer,
     router_settings,
     spawn_router,
+    sse_events,
     wait_for,
     wait_http_ok,
 )
@@ -256,17 +257,6 @@ async def test_client_that_stops_reading_a_stream_is_closed_and_its_booking_free
     assert await _chat(router)
 
 
-def _dechunk(body: bytes) -> bytes:
-    out, rest = bytearray(), body
-    while True:
-        size_line, _, rest = rest.partition(b"\r\n")
-        size = int(size_line.split(b";")[0], 16)
-        if size == 0:
-            return bytes(out)
-        out += rest[:size]
-        rest = rest[size + 2:]
-
-
 async def test_a_client_that_pauses_reading_a_stream_gets_all_of_it_in_order(fleet: InProcessRouter) -> None:
     """A client that stops reading for a while (shorter than the write timeout) in a long stream:
     the router stops writing to it (its buffers are full, so the chunks pushed from the worker
@@ -304,8 +294,7 @@ async def test_a_client_that_pauses_reading_a_stream_gets_all_of_it_in_order(fle
     # The router held no more than its buffer's mark (64 KiB) and what one read of the worker
     # brings (up to 256 KiB), not the rest of the stream.
     assert held < 512 * 1024
-    body = _dechunk(received.partition(b"\r\n\r\n")[2])
-    events = [line.removeprefix(b"data: ") for line in body.split(b"\n") if line.startswith(b"data: ")]
+    events = sse_events(received)
     assert events[-1] == b"[DONE]"
     text = "".join(c["choices"][0]["delta"].get("content") or "" for c in map(json.loads, events[:-1]) if c["choices"])
     assert text == mock_answer(tokens)

@@ -23,6 +23,7 @@ from tests.support_router.workers import (
     mock_workers,
     routed_workers,
     spawn_router,
+    sse_events,
     wait_for,
     wait_http_ok,
 )
@@ -56,25 +57,14 @@ async def stream(port: int, how: str, after: int, model: str = MODEL) -> bytes:
             writer.transport.abort()
         elif how == "stall":
             await asyncio.sleep(0.05)  # holds the connection open, unread, for a moment
-            writer.close()
-        else:
-            writer.close()
     finally:
-        writer.close()
+        writer.close()  # fin (and the end of the others)
     return got
 
 
 def _text(raw: bytes) -> str:
     """The completion's text from a whole chunked SSE answer."""
-    body, out = raw.partition(b"\r\n\r\n")[2], bytearray()
-    while True:
-        size_line, _, body = body.partition(b"\r\n")
-        size = int(size_line, 16)
-        if size == 0:
-            break
-        out += body[:size]
-        body = body[size + 2:]
-    events = [line[6:] for line in out.split(b"\n") if line.startswith(b"data: ")]
+    events = sse_events(raw)
     assert events[-1] == b"[DONE]"
     return "".join(c["choices"][0]["text"] for c in map(json.loads, events[:-1]) if c["choices"])
 

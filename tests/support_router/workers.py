@@ -405,6 +405,20 @@ async def mock_workers(nats_url: str, model: str, n: int = 1, *, each: Sequence[
         await asyncio.gather(*(w.stop() for w in workers))
 
 
+def sse_events(raw: bytes) -> list[bytes]:
+    """The ``data:`` payloads, in order, of a whole HTTP/1.1 answer read off a socket: its head,
+    then a chunked SSE body."""
+    body, out = raw.partition(b"\r\n\r\n")[2], bytearray()
+    while True:
+        size_line, _, body = body.partition(b"\r\n")
+        size = int(size_line.split(b";")[0], 16)
+        if size == 0:
+            break
+        out += body[:size]
+        body = body[size + 2:]
+    return [line.removeprefix(b"data: ") for line in out.split(b"\n") if line.startswith(b"data: ")]
+
+
 def mock_answer(tokens: int = MOCK_DEFAULTS["default_max_tokens"]) -> str:
     """What the mock engine answers in ``tokens`` tokens (byte tokenizer)."""
     return BYTES.decode([BYTES.output_token(i) for i in range(tokens)])
