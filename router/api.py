@@ -575,7 +575,7 @@ class RelayResponse(Response):
             if first is not None:
                 ended = self.last()
                 await send({"type": "http.response.body", "body": first, "more_body": not ended})
-                push = push_hook(scope) if not ended and self.push_from is not None else None
+                push = push_hook(scope) if not ended else None
                 if push is not None and self.push_from is not None:
                     # The head is out: the chunks between the first and the last are written
                     # from the worker connection's callback; the relay hands out the rest.
