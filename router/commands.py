@@ -9,7 +9,7 @@ import enum
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
-from typing import TYPE_CHECKING, Any, Generic, NamedTuple, TypeVar
+from typing import TYPE_CHECKING, Any, ClassVar, Generic, NamedTuple, TypeVar
 
 from controlplane.protocol.events import (
     AppliedDocument,
@@ -119,6 +119,12 @@ class RouterView:
 class Command(Generic[T]):
     future: asyncio.Future[T] | None = field(default=None, kw_only=True)
     seq: int = field(default=0, kw_only=True)
+    # Whether workers are alive and reachable: handled ahead of every request's command queued
+    # before it (the actor's liveness lane), so that how far behind a loaded router is never
+    # reads as a worker's silence (router.scheduler; docs/decisions.md 107). Policy commands
+    # keep their place in the queue: a revision lands between the selections queued before and
+    # after it (their ``seq`` tells which ran under it).
+    liveness: ClassVar[bool] = False
 
 
 @dataclass(slots=True)
@@ -162,6 +168,7 @@ class ResyncPolicy(Command[dict[str, int]]):
 
 @dataclass(slots=True)
 class ApplyMembership(Command[Change]):
+    liveness = True
     event: MembershipEvent
     received_at: datetime | None = None  # when the bus stored it (liveness uses it, not event.at)
     live: bool = False  # delivered as stored (not the replay): its received_at is the bus's now
@@ -182,7 +189,7 @@ class LoadKvDump(Command[None]):
 
 @dataclass(slots=True)
 class DiscoveryComplete(Command[None]):
-    pass
+    liveness = True
 
 
 @dataclass(slots=True)
@@ -244,6 +251,7 @@ class ApplyPeerLoad(Command[None]):
 
 @dataclass(slots=True)
 class MarkUnavailable(Command[None]):
+    liveness = True
     instance_id: int
 
 
@@ -252,12 +260,16 @@ class BusHealth(Command[None]):
     """Whether the bus can store (the router's own status write succeeded): while it cannot,
     discovery holds worker ages (their heartbeats cannot arrive either)."""
 
+    liveness = True
+
     can_store: bool
 
 
 @dataclass(slots=True)
 class Tick(Command[list[int]]):
     """Expire workers and approximate-index entries; answers the ids of workers gone."""
+
+    liveness = True
 
 
 @dataclass(slots=True)

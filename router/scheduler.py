@@ -4,7 +4,9 @@ Effective policy, the discovery snapshot, the prefix index, bookings, busy flags
 timing models live here and nowhere else. Everything that reads or changes them arrives as a
 typed command (:mod:`router.commands`) on one queue and is handled, one at a time, in
 :meth:`Scheduler._dispatch`; a handler never awaits, so a policy change lands between two
-selections, never inside one, and queued selections survive it.
+selections, never inside one, and queued selections survive it. The queue has two lanes: what
+says whether workers are alive (membership, ticks, the bus's health, an unreachable worker) goes
+ahead of the requests' commands, so that a backlog of requests never ages a worker's heartbeat.
 
 Other tasks send a command and await its future. A selection whose future is already done (its
 client went away and cancelled it) is skipped. :meth:`Scheduler.stop` answers every waiter still
@@ -94,8 +96,11 @@ from router.timing_fit import PrefillObservation
 log = logging.getLogger(__name__)
 
 # How long the actor handles queued commands in one turn of the event loop before it lets the
-# others run (a command that alone takes longer, a large KV event, still gets its own turn).
+# others run (a command that alone takes longer, a large KV event, still gets its own turn): at
+# least _TURN_S, and while commands wait, as long as the rest of the loop took since its last
+# turn, up to _TURN_MAX_S (docs/decisions.md 107).
 _TURN_S = 0.0005
+_TURN_MAX_S = 0.01
 T = TypeVar("T")
 _STOP = object()
 
@@ -171,7 +176,9 @@ class Scheduler:
             self._refresh_policy(m)
         self.view = RouterView(applied=self.policy.applied())
         self._ready = False
-        self._queue: asyncio.Queue[Any] = asyncio.Queue()
+        # (lane, seq, command): the liveness lane (0) ahead of the rest (1), each in order; the
+        # stop (2) after everything queued before it.
+        self._queue: asyncio.PriorityQueue[tuple[int, int, Any]] = asyncio.PriorityQueue()
         self._seq = itertools.count(1)
         self._task: asyncio.Task[None] | None = None
         self._stopping = False
@@ -210,7 +217,7 @@ class Scheduler:
                 await asyncio.shield(self._task)
             return
         self._stopping = True
-        self._queue.put_nowait(_STOP)
+        self._queue.put_nowait((2, 0, _STOP))
         if self._task is not None:
             await self._task
         else:
@@ -219,7 +226,7 @@ class Scheduler:
     def _drain(self) -> None:
         while True:
             try:
-                cmd = self._queue.get_nowait()
+                _, _, cmd = self._queue.get_nowait()
             except asyncio.QueueEmpty:
                 return
             if isinstance(cmd, SelectWorker):
@@ -229,22 +236,28 @@ class Scheduler:
 
     async def _run(self) -> None:
         queue = self._queue
+        ended = time.perf_counter()  # when the last turn ended
         try:
             while True:
-                cmd = await queue.get()
-                # Queued commands for up to _TURN_S a turn (a handler never awaits), then the
-                # loop breathes if more are waiting: the queue never empties under load, and
-                # NATS, HTTP and the commands' senders must keep running meanwhile. One turn
-                # per command cost the actor a task step per command, and a request sends three
-                # or four.
-                until = time.perf_counter() + _TURN_S
+                _, _, cmd = await queue.get()
+                # Queued commands for a turn (a handler never awaits), then the loop breathes if
+                # more are waiting: the queue never empties under load, and NATS, HTTP and the
+                # commands' senders must keep running meanwhile. One turn per command cost the
+                # actor a task step per command, and a request sends three or four. A turn lasts
+                # _TURN_S, or as long as the rest of the loop took since the last one (up to
+                # _TURN_MAX_S): with thousands of connections the loop's other callbacks take
+                # far longer than _TURN_S, and a fixed turn then left the actor a sliver of the
+                # loop, its queue growing by thousands of commands a second (decision 107).
+                began = time.perf_counter()
+                until = began + min(max(_TURN_S, began - ended), _TURN_MAX_S)
                 while True:
                     if cmd is _STOP:
                         return
                     self._handle_timed(cmd)
                     if queue.empty() or time.perf_counter() >= until:
                         break
-                    cmd = queue.get_nowait()
+                    _, _, cmd = queue.get_nowait()
+                ended = time.perf_counter()
                 if not queue.empty():
                     await asyncio.sleep(0)
         finally:
@@ -304,7 +317,7 @@ class Scheduler:
         fut: asyncio.Future[T] = asyncio.get_running_loop().create_future()
         cmd.future = fut
         cmd.seq = next(self._seq)
-        self._queue.put_nowait(cmd)
+        self._queue.put_nowait((0 if cmd.liveness else 1, cmd.seq, cmd))
         return fut
 
     def send(self, cmd: Command[Any]) -> None:
@@ -312,7 +325,8 @@ class Scheduler:
 
         Handled at once when the actor is idle (nothing queued, not inside a handler): that is
         where the queue would have put it, and a request's three or four completions then cost no
-        wake-up of the actor each. Otherwise queued behind what waits."""
+        wake-up of the actor each. Otherwise queued behind what waits (a liveness command only
+        behind other liveness commands: :attr:`Command.liveness`)."""
         if self._stopping:
             return
         cmd.seq = next(self._seq)
@@ -320,7 +334,7 @@ class Scheduler:
         if not self._handling and task is not None and not task.done() and self._queue.empty():
             self._handle_timed(cmd)
         else:
-            self._queue.put_nowait(cmd)
+            self._queue.put_nowait((0 if cmd.liveness else 1, cmd.seq, cmd))
 
     async def call(self, cmd: Command[T]) -> T:
         fut = self.submit(cmd)

@@ -27,6 +27,7 @@ from router.commands import (
     ApplyMembership,
     ApplyPolicy,
     Inspect,
+    MarkUnavailable,
     Phase,
     RequestDone,
     RequestFirstToken,
@@ -147,6 +148,70 @@ async def test_the_actor_handles_a_turn_of_commands_then_lets_others_run() -> No
     assert len(fast) > 1  # and others ran between the turns
     assert all(b[1] - a[1] <= 1 for a, b in steps)  # one slow command a turn
     assert sum(1 for a, b in steps if b[1] > a[1]) >= 4
+
+
+async def test_liveness_commands_go_ahead_of_queued_requests_and_policy_keeps_its_place() -> None:
+    """A worker's membership or its being unreachable is handled before the requests' commands
+    queued ahead of it (a backlog of requests must not age a worker's heartbeat, decision 107);
+    everything else in the order sent (a policy revision's place: the test above)."""
+    s = _sched(Clock())
+    s.send(ApplyMembership(_join(1)))
+    order: list[int] = []
+
+    def look(x: Scheduler, i: int) -> tuple[list[int], bool]:
+        order.append(i)
+        return sorted(x.discovery.workers), x.discovery.workers[1].unreachable
+
+    futs = [s.submit(Inspect(lambda x, i=i: look(x, i))) for i in range(3)]
+    s.send(MarkUnavailable(1))
+    joined = s.submit(ApplyMembership(_join(2)))
+    s.start()
+    try:
+        seen = await asyncio.gather(*futs)
+        await joined
+        assert seen == [([1, 2], True)] * 3  # the join and the mark went ahead of all three
+        assert order == [0, 1, 2]
+    finally:
+        await s.stop()
+
+
+async def test_a_backlogged_actor_takes_as_long_a_turn_as_the_rest_of_the_loop(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """While commands wait, a turn of the actor lasts as long as the rest of the event loop took
+    since its last one (up to _TURN_MAX_S), not a fixed _TURN_S: with thousands of connections
+    the loop's other callbacks take far longer than _TURN_S, and the actor, left a sliver of the
+    loop, fell behind by thousands of commands a second (decision 107). A fake clock: each
+    command takes 0.1 ms, the rest of the loop 3 ms (then 30 ms) a round."""
+    import types
+
+    import router.scheduler as scheduler_module
+
+    now = [0.0]
+    monkeypatch.setattr(scheduler_module, "time", types.SimpleNamespace(perf_counter=lambda: now[0]))
+
+    def command(_: Scheduler) -> None:
+        now[0] += 0.0001
+
+    async def per_turn(others_s: float) -> list[int]:
+        s = _sched(Clock())
+        futs = [s.submit(Inspect(command)) for _ in range(1500)]
+        s.start()
+        done: list[int] = []
+        try:
+            while not futs[-1].done():
+                done.append(sum(f.done() for f in futs))
+                now[0] += others_s  # the loop's other callbacks of this round
+                await asyncio.sleep(0)
+        finally:
+            await s.stop()
+        return [b - a for a, b in itertools.pairwise(done) if b > a]
+
+    idle = await per_turn(0.0)
+    busy = await per_turn(0.003)
+    flooded = await per_turn(0.03)
+    assert max(idle) <= 6  # _TURN_S (0.5 ms): 5 commands, and the one that crosses it
+    assert 25 <= sorted(busy)[len(busy) // 2] <= 31  # as long as the loop's other 3 ms
+    assert 95 <= sorted(flooded)[len(flooded) // 2] <= 101  # capped at _TURN_MAX_S (10 ms)
 
 
 async def test_a_command_sent_to_an_idle_actor_is_handled_at_once_else_queued_in_order() -> None:
