@@ -72,6 +72,7 @@ class RawClient:
         self.host, self.port = host, port
         self.reader: asyncio.StreamReader | None = None
         self.writer: asyncio.StreamWriter | None = None
+        self.last_body = b""
 
     async def _connect(self) -> None:
         self.reader, self.writer = await asyncio.open_connection(self.host, self.port)
@@ -128,7 +129,7 @@ class RawClient:
                 if not ttft:
                     ttft = time.perf_counter() - t0
         else:
-            await r.readexactly(length)
+            self.last_body = await r.readexactly(length)  # an error's text (bench/overload.py)
             ttft = time.perf_counter() - t0
         total = time.perf_counter() - t0
         if close:
