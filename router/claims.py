@@ -36,6 +36,8 @@ no longer pulls the fit toward it), until the worker leaves or expires.
 
 from __future__ import annotations
 
+from collections import deque
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 from controlplane.protocol.events import MembershipEvent
@@ -147,30 +149,69 @@ class CacheOutcomes:
         self.quarantined.discard(instance_id)
 
 
+# Answers (of any worker) that a worker's peers' current delay is read from (TimingOutcomes).
+RECENT = 64
+
+
 class TimingOutcomes:
-    """Measured TTFT against the claimed prior's prediction, per worker (decayed sums)."""
+    """Measured TTFT against the claimed prior's prediction, per worker (decayed sums).
+
+    What no prior models is also measured: the HTTP stacks at both ends and the event loops'
+    lag, which grow with load on the router's host and the workers' (tens of ms past the slack
+    at concurrency 32 on a shared 2-core host, where honest workers lost their priors). That
+    delay comes and goes for a model's workers together, a lie stays with its worker: a worker
+    is judged on its delay beyond its peers' *at the same time* (the median unexplained time of
+    the other workers' answers among the last :data:`RECENT` reported, quarantined ones left
+    out), and alone, as before, when none of them answered lately; and only when it stays past
+    the bound for ``persist_s`` (docs/decisions.md 108)."""
 
     def __init__(self, *, max_ratio: float = 4.0, slack_ms: float = 20.0, min_weight: float = 8.0,
-                 decay: float = 0.95) -> None:
+                 decay: float = 0.95, persist_s: float = 3.0) -> None:
         self.max_ratio = max_ratio
+        # How long a worker's answers must read as slower than its claim, without a break, before
+        # it loses it: answers that arrive together (a batch's first tokens after one stall of
+        # its process) are one event, not many (decision 108).
+        self.persist_s = persist_s
+        self._since: dict[int, float] = {}  # instance id → since when, continuously, slower
         self.slack_ms = slack_ms
         self.min_weight = min_weight
         self.decay = decay
         self._sums: dict[int, tuple[float, float, float]] = {}  # instance id → (weight, predicted, measured)
+        self._recent: deque[tuple[int, float]] = deque(maxlen=RECENT)  # (instance id, measured - predicted)
         self.quarantined: set[int] = set()
 
-    def report(self, instance_id: int, predicted_ms: float, measured_ms: float) -> bool:
-        """One answer's figures; True when this report takes the worker's claimed prior away."""
+    def report(self, instance_id: int, predicted_ms: float, measured_ms: float, *, now: float,
+               peers: Iterable[int] = ()) -> bool:
+        """One answer's figures at ``now`` (seconds); True when this report takes the worker's
+        claimed prior away. ``peers``: the other workers of its model (those never reported are
+        ignored)."""
         if instance_id in self.quarantined or not (measured_ms >= 0 and predicted_ms >= 0):
             return False  # (NaN fails both comparisons)
         w, p, m = self._sums.get(instance_id, (0.0, 0.0, 0.0))
         d = self.decay
         w, p, m = w * d + 1.0, p * d + predicted_ms, m * d + measured_ms
         self._sums[instance_id] = (w, p, m)
-        if w >= self.min_weight and m > self.max_ratio * p + self.slack_ms * w:
-            self.quarantined.add(instance_id)
-            return True
-        return False
+        self._recent.append((instance_id, measured_ms - predicted_ms))
+        if w < self.min_weight or m <= self.max_ratio * p + (self.slack_ms + self.shared_ms(instance_id, peers)) * w:
+            self._since.pop(instance_id, None)
+            return False
+        if now - self._since.setdefault(instance_id, now) < self.persist_s:
+            return False
+        del self._since[instance_id]
+        self.quarantined.add(instance_id)
+        return True
+
+    def shared_ms(self, instance_id: int, peers: Iterable[int]) -> float:
+        """The delay beyond their claimed priors that ``instance_id``'s peers see now: the median
+        of their answers' among the last :data:`RECENT` reported, at least 0; 0 when none of
+        them (not quarantined) answered lately."""
+        others = {j for j in peers if j != instance_id and j not in self.quarantined}
+        delays = sorted(d for j, d in self._recent if j in others)
+        if not delays:
+            return 0.0
+        mid = len(delays) // 2
+        median = delays[mid] if len(delays) % 2 else (delays[mid - 1] + delays[mid]) / 2
+        return max(median, 0.0)
 
     def ratio(self, instance_id: int) -> float | None:
         """Measured over predicted so far (None before any prediction above 0)."""
@@ -179,4 +220,6 @@ class TimingOutcomes:
 
     def forget(self, instance_id: int) -> None:
         self._sums.pop(instance_id, None)
+        self._recent = deque(((j, d) for j, d in self._recent if j != instance_id), maxlen=RECENT)
+        self._since.pop(instance_id, None)
         self.quarantined.discard(instance_id)

@@ -617,9 +617,11 @@ class Scheduler:
         """A claimed prior against the TTFT measured: persistently slower than it predicts, and the
         worker loses it (the router's own prior, then the fit of what it measured)."""
         prior = self._claimed_prior(wid)
-        if prior is None:
+        state = self.discovery.get(wid)
+        if prior is None or state is None:
             return
-        if self.timing_outcomes.report(wid, obs.ttft_ms(prior), obs.measured_ms):
+        peers = (s.instance_id for s in self.discovery.of_model(state.record.model, state.record.role))
+        if self.timing_outcomes.report(wid, obs.ttft_ms(prior), obs.measured_ms, now=self.clock(), peers=peers):
             log.warning("worker %s: its claimed timing prior is not believed (measured TTFT %.1fx what it "
                         "predicts); the router's own prior and fit are used", wid,
                         self.timing_outcomes.ratio(wid) or 0.0)

@@ -113,16 +113,40 @@ def test_a_worker_delivering_less_than_half_its_predicted_hits_is_quarantined_on
 
 
 def test_a_worker_persistently_slower_than_its_claimed_prior_loses_it_once() -> None:
-    outcomes = TimingOutcomes(max_ratio=4.0, slack_ms=20.0, min_weight=8.0, decay=1.0)
-    for _ in range(50):  # honest, with HTTP overhead: 3 ms predicted, 10 ms measured (inside the slack)
-        assert not outcomes.report(1, 3.0, 10.0)
+    outcomes = TimingOutcomes(max_ratio=4.0, slack_ms=20.0, min_weight=8.0, decay=1.0, persist_s=0.0)
+    for i in range(50):  # honest, with HTTP overhead: 3 ms predicted, 10 ms measured (inside the slack)
+        assert not outcomes.report(1, 3.0, 10.0, now=i)
     assert 1 not in outcomes.quarantined
-    caught = [outcomes.report(2, 0.3, 30.0) for _ in range(10)]  # claims 100x faster than it is
+    caught = [outcomes.report(2, 0.3, 30.0, now=i) for i in range(10)]  # claims 100x faster than it is
     assert caught == [False] * 7 + [True, False, False]  # judged from min_weight answers on, once
     assert outcomes.quarantined == {2} and outcomes.ratio(2) == pytest.approx(100.0)
-    assert not outcomes.report(3, float("nan"), 5.0) and outcomes.ratio(3) is None
+    assert not outcomes.report(3, float("nan"), 5.0, now=0) and outcomes.ratio(3) is None
     outcomes.forget(2)
     assert outcomes.quarantined == set()
+
+
+def test_a_claim_is_taken_away_only_after_answers_read_slower_without_a_break_for_persist_s() -> None:
+    """A batch of first tokens that all waited on one stall of their worker arrives together: one
+    event, many answers. Past the bound for less than ``persist_s`` (answers 10 ms apart, then
+    quick ones), the claim stays; past it for ``persist_s`` without a break, it goes."""
+    outcomes = TimingOutcomes(max_ratio=4.0, slack_ms=20.0, min_weight=8.0, decay=0.95, persist_s=3.0)
+    t = 0.0
+    for _ in range(30):  # honest and quick
+        t += 0.1
+        assert not outcomes.report(1, 3.0, 5.0, now=t)
+    for _ in range(30):  # a stall: 30 first tokens 55 ms late, within 0.3 s
+        t += 0.01
+        assert not outcomes.report(1, 3.0, 60.0, now=t)
+    for _ in range(60):  # quick again: the window recovers, the clock restarts
+        t += 0.1
+        assert not outcomes.report(1, 3.0, 5.0, now=t)
+    assert outcomes.quarantined == set()
+    caught = []
+    for _ in range(60):  # slow for good (claims 20x faster than it is): caught after 3 s past the bound
+        t += 0.1
+        caught.append(outcomes.report(1, 3.0, 60.0, now=t))
+    assert caught.count(True) == 1 and outcomes.quarantined == {1}
+    assert 30 <= caught.index(True) <= 45  # ~0.5-1 s for the window to cross, then 3 s
 
 
 def test_the_claimed_prior_predicts_the_first_token_as_the_fit_models_it() -> None:
@@ -134,3 +158,18 @@ def test_the_claimed_prior_predicts_the_first_token_as_the_fit_models_it() -> No
     want = (DEFAULT_TIMING.prefill_step_ms(8192) + DEFAULT_TIMING.prefill_step_ms(512)
             + 2 * DEFAULT_TIMING.decode_step_ms(0.5))
     assert busy.ttft_ms(DEFAULT_TIMING) == pytest.approx(want)
+
+
+def test_a_delay_a_workers_peers_share_is_not_held_against_it_alone_it_is() -> None:
+    outcomes = TimingOutcomes(max_ratio=4.0, slack_ms=20.0, min_weight=8.0, decay=1.0, persist_s=0.0)
+    for i in range(50):  # a loaded host: every answer 30 ms past any prior (3 ms predicted)
+        for wid in (1, 2, 3):
+            assert not outcomes.report(wid, 3.0, 33.0, now=i, peers=(1, 2, 3, 4))
+    assert outcomes.quarantined == set() and outcomes.shared_ms(1, (1, 2, 3)) == pytest.approx(30.0)
+    # Claims 100x faster than it is, on the same host: judged on its delay past its peers'.
+    caught = [outcomes.report(4, 0.3, 30.0 + 30.0, now=50, peers=(1, 2, 3, 4)) for _ in range(10)]
+    assert caught == [False] * 7 + [True, False, False] and outcomes.quarantined == {4}
+    assert outcomes.shared_ms(1, (1, 2, 3, 4)) == pytest.approx(30.0)  # a quarantined peer counts no more
+    # With no peer to say the delay is shared, the same answers read as a lie (as before).
+    alone = TimingOutcomes(max_ratio=4.0, slack_ms=20.0, min_weight=8.0, decay=1.0, persist_s=0.0)
+    assert [alone.report(9, 3.0, 33.0, now=0, peers=(9,)) for _ in range(9)][-2:] == [True, False]

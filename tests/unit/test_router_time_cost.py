@@ -304,3 +304,35 @@ def test_booked_shared_blocks_are_counted_as_the_naive_count() -> None:
         assert got == want
         shared_seen += sum(got.values())
     assert shared_seen > 0
+
+
+def test_a_delay_all_workers_see_takes_no_claimed_prior_but_a_liar_among_them_loses_its() -> None:
+    """A loaded host (HTTP stacks, event loops) adds the same 30 ms to every first token, far past
+    what two honest fast workers' priors predict and past the slack: it is not a lie, and both
+    keep their priors (before decision 108 both lost them). A third worker claiming to be 100x
+    faster than it is, on the same host, is still caught, and only it."""
+    s = sched()
+    s.timing_outcomes.persist_s = 0.0  # this clock stands still (the persistence: test_router_claims)
+    join(s, 1, speedup=10.0)
+    join(s, 2, speedup=10.0)
+    shared_ms = 30.0
+    rng = random.Random(8)
+
+    def answer(i: int, n_tokens: int, really: dict[int, float]) -> int:
+        tokens = [rng.randrange(256) for _ in range(n_tokens)]
+        sel = s._dispatch(SelectWorker(req(i, tokens), seq=i))
+        real = DEFAULT_TIMING.prefill_ms(len(tokens), 8192)[0] / really[sel.instance_id]
+        s._dispatch(RequestFirstToken(sel.booking_id, ttft_ms=real + shared_ms))
+        s._dispatch(RequestDone(sel.booking_id))
+        return sel.instance_id
+
+    chosen = {answer(i, 100, {1: 10.0, 2: 10.0}) for i in range(60)}
+    assert chosen == {1, 2}
+    assert s.timing_outcomes.quarantined == set()
+    join(s, 3, speedup=100.0)  # runs at 1x
+    for i in range(60, 160):
+        answer(i, 3000, {1: 10.0, 2: 10.0, 3: 1.0})
+        if s.timing_outcomes.quarantined:
+            break
+    assert s.timing_outcomes.quarantined == {3}
+    assert s.calibration[3].prior == DEFAULT_TIMING and s.calibration[1].prior != DEFAULT_TIMING
