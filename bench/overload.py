@@ -7,8 +7,9 @@ connection of the client's pool, or on a new one (a client library's unbounded p
 many are in flight. Reported per phase: requests sent and served, the refusals by their text
 (``no worker available`` is the router mistaking its own backlog for silent workers; past
 ``MAX_CONNECTIONS`` the router answers 503 as designed), connection errors, goodput (served per
-second over the phase and its drain), TTFT p50/p99 of the served, and cores used by the router,
-the workers and the client. With ``--baseline``, a router of another checkout runs the same
+second over the phase and its drain), TTFT p50/p99 of the served, the workers' preemptions (a
+request evicted for KV space and computed again), and cores used by the router, the workers and
+the client. With ``--baseline``, a router of another checkout runs the same
 phases, alternating with this one's (the ratio is read against the run's own spread).
 
     python bench/overload.py                         # table, bench/results/overload.json
@@ -27,6 +28,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import httpx
 import psutil
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -100,6 +102,17 @@ async def open_loop(url: str, rate: float, seconds: float, max_tokens: int, seed
             "ttft_p99_ms": pct(ttfts, 0.99) * 1e3 if ttfts else None}
 
 
+async def preemptions(urls: list[str]) -> int:
+    """The mock workers' preemptions so far (a request evicted for KV space and recomputed)."""
+    total = 0
+    async with httpx.AsyncClient(timeout=10) as client:
+        for url in urls:
+            for line in (await client.get(url + "/metrics")).text.splitlines():
+                if line.startswith("rudder_mock_preemptions{"):
+                    total += int(float(line.rsplit(" ", 1)[1]))
+    return total
+
+
 def cpu_seconds(procs: dict[str, list[psutil.Process]]) -> dict[str, float]:
     return {name: sum(sum(p.cpu_times()[:2]) for p in ps) for name, ps in procs.items()}
 
@@ -130,10 +143,11 @@ async def main(args: argparse.Namespace) -> None:
                 for name, r in routers.items():
                     procs = {"router": [psutil.Process(r.proc.pid)], "workers": workers, "client": [psutil.Process()]}
                     for mult in multiples:
-                        before = cpu_seconds(procs)
+                        before, evicted = cpu_seconds(procs), await preemptions(fleet.urls)
                         res = await open_loop(r.url, mult * capacity, args.seconds, args.max_tokens, seed=run)
                         after = cpu_seconds(procs)
                         res.update(target=name, run=run, multiple=mult,
+                                   preemptions=await preemptions(fleet.urls) - evicted,
                                    cores={k: (after[k] - before[k]) / res["wall_s"] for k in procs})
                         phases.append(res)
                         print(f"  run {run} {name} {mult:g}x: served {res['served']}/{res['sent']}, "
@@ -144,14 +158,15 @@ async def main(args: argparse.Namespace) -> None:
             fleet.stop()
             bus.stop()
     print(f"\n{'target':<10}{'run':>4}{'x':>5}{'sent':>7}{'served':>8}{'no worker':>10}{'max conn':>9}"
-          f"{'other':>6}{'conn err':>9}{'goodput':>9}{'TTFT p50':>10}{'TTFT p99':>10}  cores router/workers/client")
+          f"{'other':>6}{'conn err':>9}{'goodput':>9}{'TTFT p50':>10}{'TTFT p99':>10}{'preempt':>9}"
+          f"  cores router/workers/client")
     for p in phases:
         c = p["cores"]
         ttft50 = f"{p['ttft_p50_ms']:.0f}ms" if p["ttft_p50_ms"] is not None else "-"
         ttft99 = f"{p['ttft_p99_ms']:.0f}ms" if p["ttft_p99_ms"] is not None else "-"
         print(f"{p['target']:<10}{p['run']:>4}{p['multiple']:>5g}{p['sent']:>7}{p['served']:>8}{p['no_worker']:>10}"
               f"{p['max_connections']:>9}{p['other_status']:>6}{p['conn_errors']:>9}{p['goodput_rps']:>9.0f}"
-              f"{ttft50:>10}{ttft99:>10}  {c['router']:.2f}/{c['workers']:.2f}/{c['client']:.2f}")
+              f"{ttft50:>10}{ttft99:>10}{p['preemptions']:>9}  {c['router']:.2f}/{c['workers']:.2f}/{c['client']:.2f}")
     out = {"benchmark": "overload", **machine(), "workers": args.workers, "speedup": args.speedup,
            "max_tokens": args.max_tokens, "seconds": args.seconds, "capacity_rps": capacity,
            "baseline": args.baseline or None, "phases": phases}
