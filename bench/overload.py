@@ -144,9 +144,10 @@ async def main(args: argparse.Namespace) -> None:
                     procs = {"router": [psutil.Process(r.proc.pid)], "workers": workers, "client": [psutil.Process()]}
                     for mult in multiples:
                         before, evicted = cpu_seconds(procs), await preemptions(fleet.urls)
+                        psutil.cpu_percent()  # the machine's busy share from here
                         res = await open_loop(r.url, mult * capacity, args.seconds, args.max_tokens, seed=run)
-                        after = cpu_seconds(procs)
-                        res.update(target=name, run=run, multiple=mult,
+                        after, busy = cpu_seconds(procs), psutil.cpu_percent()
+                        res.update(target=name, run=run, multiple=mult, machine_busy_pct=busy,
                                    preemptions=await preemptions(fleet.urls) - evicted,
                                    cores={k: (after[k] - before[k]) / res["wall_s"] for k in procs})
                         phases.append(res)
@@ -159,14 +160,15 @@ async def main(args: argparse.Namespace) -> None:
             bus.stop()
     print(f"\n{'target':<10}{'run':>4}{'x':>5}{'sent':>7}{'served':>8}{'no worker':>10}{'max conn':>9}"
           f"{'other':>6}{'conn err':>9}{'goodput':>9}{'TTFT p50':>10}{'TTFT p99':>10}{'preempt':>9}"
-          f"  cores router/workers/client")
+          f"  cores router/workers/client, machine busy")
     for p in phases:
         c = p["cores"]
         ttft50 = f"{p['ttft_p50_ms']:.0f}ms" if p["ttft_p50_ms"] is not None else "-"
         ttft99 = f"{p['ttft_p99_ms']:.0f}ms" if p["ttft_p99_ms"] is not None else "-"
         print(f"{p['target']:<10}{p['run']:>4}{p['multiple']:>5g}{p['sent']:>7}{p['served']:>8}{p['no_worker']:>10}"
               f"{p['max_connections']:>9}{p['other_status']:>6}{p['conn_errors']:>9}{p['goodput_rps']:>9.0f}"
-              f"{ttft50:>10}{ttft99:>10}{p['preemptions']:>9}  {c['router']:.2f}/{c['workers']:.2f}/{c['client']:.2f}")
+              f"{ttft50:>10}{ttft99:>10}{p['preemptions']:>9}  {c['router']:.2f}/{c['workers']:.2f}/{c['client']:.2f}, "
+              f"{p['machine_busy_pct']:.0f}%")
     out = {"benchmark": "overload", **machine(), "workers": args.workers, "speedup": args.speedup,
            "max_tokens": args.max_tokens, "seconds": args.seconds, "capacity_rps": capacity,
            "baseline": args.baseline or None, "phases": phases}
