@@ -303,6 +303,7 @@ def uvicorn_options(settings: ControlPlaneSettings) -> dict[str, Any]:
         header_timeout_s=settings.header_timeout_s, body_timeout_s=settings.body_timeout_s,
         write_timeout_s=settings.write_timeout_s, render=error_response,
         on_refused=lambda reason: log.debug("admin connection refused: %s", reason),
+        probe_paths=frozenset({"/healthz", "/readyz", "/metrics"}),
     )
     return {"http": protocol_class(limits)}
 

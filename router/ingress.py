@@ -6,7 +6,10 @@ Two layers, each where the thing it bounds is visible:
   an ASGI app only sees a request once its headers are complete, and a client that never
   completes them (slowloris) or stops reading its answer never reaches the app.
 
-  - open connections: past ``max_connections`` a new one is answered 503 and closed;
+  - open connections: past ``max_connections`` a new one may only ask for ``/health``, ``/live``
+    and ``/metrics`` (``IngressLimits.probe_paths``: a kubelet's probes and a scrape answered when
+    clients hold every connection; anything else is answered 503 and the connection closed), and
+    past ``max_connections`` + :data:`PROBE_RESERVE` it is answered 503 and closed at once;
   - the request head: at most ``max_header_bytes`` (431) and ``header_timeout_s`` from the
     connection's opening or the request's first byte (408); then the connection is closed;
   - the request body: all of it within ``body_timeout_s`` after the head (408, closed; the app,
@@ -36,7 +39,8 @@ from dataclasses import dataclass
 from typing import Any, ClassVar, cast
 
 from starlette.responses import Response
-from starlette.types import Receive
+from starlette.types import Receive, Scope, Send
+from uvicorn._types import ASGI3Application
 from uvicorn.config import Config
 from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol, RequestResponseCycle
 from uvicorn.server import ServerState
@@ -56,6 +60,10 @@ log = logging.getLogger(__name__)
 # How long the rest of a body is read and dropped after an early answer, before the connection
 # is closed (a client that is still writing gets time to read the answer).
 DISCARD_S = 5.0
+# Connections past max_connections kept for probes and scrapes (decision 109): a router whose
+# clients hold all its connections must still answer its kubelet, or it is restarted (liveness)
+# and taken out of its Service (readiness), which sends its load to the other replicas.
+PROBE_RESERVE = 32
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -67,6 +75,9 @@ class IngressLimits:
     write_timeout_s: float
     render: Callable[[RudderError], Response]  # the router's error mapping (OpenAI shape)
     on_refused: Callable[[str], None] = lambda reason: None  # counts refusals by reason
+    # What a connection past max_connections may ask for (the router's; the control plane's admin
+    # listener names its own).
+    probe_paths: frozenset[str] = frozenset({"/health", "/live", "/metrics"})
 
 
 def protocol_class(limits: IngressLimits) -> type[GuardedHttpProtocol]:
@@ -88,16 +99,16 @@ class GuardedHttpProtocol(HttpToolsProtocol):
         self._body_timer: asyncio.TimerHandle | None = None
         self._write_timer: asyncio.TimerHandle | None = None
         self._discard_until: float | None = None
+        self._probes_only = False  # opened past max_connections: probes and scrapes only
 
     # -- connection ----------------------------------------------------------------------------
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
-        if len(self.connections) >= self.limits.max_connections:
+        self._probes_only = len(self.connections) >= self.limits.max_connections
+        if len(self.connections) >= self.limits.max_connections + PROBE_RESERVE:
             self._refused = True
             self.transport = transport
-            self._refuse(ServiceUnavailable(
-                f"this router holds its limit of {self.limits.max_connections} connections",
-                retry_after=1), "max_connections")
+            self._refuse(self._limit_error(), "max_connections")
             return
         super().connection_made(transport)
         self._in_head = True  # a connection's first bytes are a request head
@@ -114,6 +125,24 @@ class GuardedHttpProtocol(HttpToolsProtocol):
         cycle = self.cycle
         if isinstance(cycle, DirectCycle) and cycle.disconnected:
             cycle.gone()
+
+    def _start_asgi_task(self, cycle: RequestResponseCycle, app: ASGI3Application) -> None:
+        """uvicorn starts each request's app here (at once, or after the answers pipelined before
+        it): on a connection opened past ``max_connections``, a request for anything but a probe
+        path is answered 503 instead (its connection then closed), as past the reserve."""
+        if self._probes_only and cycle.scope["path"] not in self.limits.probe_paths:
+            self.limits.on_refused("max_connections")
+            app = cast(ASGI3Application, self._over_the_limit)
+        super()._start_asgi_task(cycle, app)
+
+    async def _over_the_limit(self, scope: Scope, receive: Receive, send: Send) -> None:
+        response = self.limits.render(self._limit_error())
+        response.raw_headers.append((b"connection", b"close"))
+        await response(scope, receive, send)
+
+    def _limit_error(self) -> ServiceUnavailable:
+        return ServiceUnavailable(f"this router holds its limit of {self.limits.max_connections} connections",
+                                  retry_after=1)
 
     def _refuse(self, exc: RudderError, reason: str) -> None:
         """Answer ``exc`` on the raw connection and close it (no request is being served)."""

@@ -135,10 +135,14 @@ async def test_the_listener_has_the_routers_ingress_limits(nats_url: str, db: st
         answer = await asyncio.wait_for(reader.read(), 5)
         assert answer.startswith(b"HTTP/1.1 408") and time.monotonic() - started < 3
         writer.close()
-        # Half-sent requests hold at most max_connections; the next one is refused at once.
+        # Half-sent requests hold at most max_connections; past them a connection may ask for
+        # the probes only (decision 109): anything else is refused and the connection closed.
         held = [await _raw(cp.url, b"GET /healthz HTTP/1.1\r\n") for _ in range(16)]
-        reader, writer = await _raw(cp.url, b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n")
+        reader, writer = await _raw(cp.url, b"GET /audit HTTP/1.1\r\nHost: x\r\n\r\n")
         assert (await asyncio.wait_for(reader.read(), 5)).startswith(b"HTTP/1.1 503")
+        writer.close()
+        reader, writer = await _raw(cp.url, b"GET /healthz HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+        assert (await asyncio.wait_for(reader.read(), 5)).startswith(b"HTTP/1.1 200")
         writer.close()
         for _, w in held:
             w.close()

@@ -20,6 +20,7 @@ import openai
 import psutil
 import pytest
 
+from router.ingress import PROBE_RESERVE
 from tests import buskit
 from tests.support_router.workers import (
     InProcessRouter,
@@ -168,25 +169,57 @@ async def test_oversized_request_head_is_refused_with_431(fleet: InProcessRouter
     assert _status(raw) == 431, raw[:200]
 
 
-async def test_connections_past_the_cap_are_answered_503_and_closed(nats_url: str, fleet: InProcessRouter) -> None:
+async def _get(port: int, path: str) -> bytes:
+    sock = socket.create_connection(("127.0.0.1", port))
+    try:
+        sock.sendall(f"GET {path} HTTP/1.1\r\nHost: r\r\nConnection: close\r\n\r\n".encode())
+        sock.setblocking(False)
+        return await _read_to_eof(sock, within=10)
+    finally:
+        sock.close()
+
+
+async def test_connections_past_the_cap_serve_probes_only_and_past_the_reserve_none(
+        nats_url: str, fleet: InProcessRouter) -> None:
+    """Past ``max_connections`` a connection may ask for /health, /live and /metrics only (a
+    kubelet must still get its answers while clients hold every connection: else the router is
+    restarted and taken out of its Service, decision 109); an inference request on it is
+    answered 503 and the connection closed; past the reserve a connection is answered 503 and
+    closed at once."""
     capped = await InProcessRouter(router_settings(nats_url, MODEL, max_connections=4)).start()
     await wait_for(lambda: capped.runtime.scheduler.view.workers.get(MODEL) == 1, within=10)
-    held = [socket.create_connection(("127.0.0.1", capped.settings.port)) for _ in range(4)]
+    port = capped.settings.port
+    held = [socket.create_connection(("127.0.0.1", port)) for _ in range(4)]
+    reserve: list[socket.socket] = []
     try:
         await wait_for(lambda: _connections(capped) == 4, within=10)
-        extra = socket.create_connection(("127.0.0.1", capped.settings.port))
+        for path in ("/live", "/health", "/metrics"):
+            raw = await _get(port, path)
+            assert _status(raw) == 200, (path, raw[:200])
+        assert b"rudder_router_rejections_total" in raw
+        extra = socket.create_connection(("127.0.0.1", port))
+        extra.sendall(_request({"model": MODEL, "messages": [{"role": "user", "content": "past the cap"}],
+                                "max_tokens": 2}, close=False))
         extra.setblocking(False)
-        raw = await _read_to_eof(extra, within=10)
+        raw = await _read_to_eof(extra, within=10)  # closed after the answer, though keep-alive was asked
         extra.close()
         assert _status(raw) == 503 and _json_body(raw)["error"]["type"] == "service_unavailable"
-        assert _connections(capped) == 4
-        for sock in held:
+        assert b"holds its limit of 4 connections" in raw
+        # The reserve full too: answered 503 and closed before any request.
+        reserve = [socket.create_connection(("127.0.0.1", port)) for _ in range(PROBE_RESERVE)]
+        await wait_for(lambda: _connections(capped) == 4 + PROBE_RESERVE, within=10)
+        past = socket.create_connection(("127.0.0.1", port))
+        past.setblocking(False)
+        raw = await _read_to_eof(past, within=10)
+        past.close()
+        assert _status(raw) == 503 and _json_body(raw)["error"]["type"] == "service_unavailable"
+        for sock in held + reserve:
             sock.close()
         await wait_for(lambda: _connections(capped) == 0, within=10)
         # Below the cap again: served.
         assert await _chat(capped)
     finally:
-        for sock in held:
+        for sock in held + reserve:
             sock.close()
         await capped.stop()
 
