@@ -100,6 +100,12 @@ class RouterMetrics:
             "rudder_router_prefix_index_blocks", "Blocks the prefix index holds per worker (all its ranks)",
             ["model", "instance_id"], registry=r,
         )
+        # Requests this router has selected a worker for and not yet seen end (refreshed at each
+        # scrape): where its load is now, between two of the workers' own reports.
+        self.in_flight = Gauge(
+            "rudder_router_requests_in_flight", "Requests this router has in flight on each worker",
+            ["model", "instance_id"], registry=r,
+        )
         self.index_refused = Counter(
             "rudder_router_prefix_index_refused_blocks",
             "Blocks claimed in KV events past the worker's capped capacity (not indexed)", registry=r,
@@ -278,6 +284,12 @@ class RouterMetrics:
         if refused > self._refused_seen:
             self.index_refused.inc(refused - self._refused_seen)
             self._refused_seen = refused
+
+    def set_in_flight(self, rows: Iterable[tuple[str, int, int]]) -> None:
+        """Requests in flight per worker (known workers only: a departed one's series goes)."""
+        self.in_flight.clear()
+        for model, wid, n in rows:
+            self.in_flight.labels(model, str(wid)).set(n)
 
     def set_returns(self, status: Mapping[str, float]) -> None:
         self.returns.labels("open").set(status["open"])

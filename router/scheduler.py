@@ -600,6 +600,16 @@ class Scheduler:
         return [(st.record.model, wid, n) for wid, n in sorted(self.index.held().items())
                 if (st := self.discovery.get(wid)) is not None]
 
+    def in_flight(self) -> list[tuple[str, int, int]]:
+        """(model, instance id, requests this router has booked on it and not yet seen done, all
+        its ranks) of each known worker, idle ones included."""
+        counts: dict[int, int] = {}
+        for key in self.bookings.keys():
+            rank = self.bookings.rank(key)
+            if rank is not None:
+                counts[key[0]] = counts.get(key[0], 0) + rank.requests
+        return [(st.record.model, wid, counts.get(wid, 0)) for wid, st in sorted(self.discovery.workers.items())]
+
     def timing_quarantined(self) -> list[tuple[str, int]]:
         """(model, instance id) of each worker whose claimed timing prior is not believed."""
         return [(st.record.model, wid) for wid in sorted(self.timing_outcomes.quarantined)

@@ -250,3 +250,28 @@ async def test_a_client_that_expects_100_continue_gets_the_answer(
     assert head.startswith(b"HTTP/1.1 200 "), raw[:300]
     answer = json.loads(content)
     assert answer["choices"][0]["text"] == mock_answer(3)
+
+
+async def test_metrics_show_the_requests_in_flight_on_each_worker(nats_url: str) -> None:
+    """``rudder_router_requests_in_flight{model,instance_id}``: a stream in progress counts on the
+    worker that serves it and on no other, every known worker has a series, and the count is 0
+    once the stream has ended."""
+    async with routed_workers(nats_url, MODEL, 2, workers={"mock": {"speedup_ratio": 1.0}}) as (router, workers):
+        def in_flight(text: str) -> dict[str, float]:
+            return {m.group(1): float(m.group(2)) for m in re.finditer(
+                r'rudder_router_requests_in_flight\{instance_id="(\d+)",model="[^"]+"\} (\S+)', text)}
+
+        async with httpx.AsyncClient(base_url=router.url, timeout=30) as http:
+            async with http.stream("POST", "/v1/completions", json={
+                    "model": MODEL, "prompt": "in flight", "max_tokens": 400, "stream": True}) as stream:
+                worker = stream.headers["x-worker-instance-id"]
+                chunks = stream.aiter_bytes()
+                await anext(chunks)  # the stream has begun
+                during = in_flight((await http.get("/metrics")).text)
+                async for _ in chunks:
+                    pass
+            after = in_flight((await http.get("/metrics")).text)
+        ids = {str(w.instance_id) for w in workers}
+        assert set(during) == ids and set(after) == ids
+        assert during[worker] == 1 and sum(during.values()) == 1
+        assert sum(after.values()) == 0
