@@ -256,14 +256,15 @@ async def test_metrics_show_the_requests_in_flight_on_each_worker(nats_url: str)
     """``rudder_router_requests_in_flight{model,instance_id}``: a stream in progress counts on the
     worker that serves it and on no other, every known worker has a series, and the count is 0
     once the stream has ended."""
-    async with routed_workers(nats_url, MODEL, 2, workers={"mock": {"speedup_ratio": 1.0}}) as (router, workers):
+    model = "org/in-flight:v1"  # not the module's fleet's model: its workers would count here too
+    async with routed_workers(nats_url, model, 2, workers={"mock": {"speedup_ratio": 1.0}}) as (router, workers):
         def in_flight(text: str) -> dict[str, float]:
             return {m.group(1): float(m.group(2)) for m in re.finditer(
                 r'rudder_router_requests_in_flight\{instance_id="(\d+)",model="[^"]+"\} (\S+)', text)}
 
         async with httpx.AsyncClient(base_url=router.url, timeout=30) as http:
             async with http.stream("POST", "/v1/completions", json={
-                    "model": MODEL, "prompt": "in flight", "max_tokens": 400, "stream": True}) as stream:
+                    "model": model, "prompt": "in flight", "max_tokens": 400, "stream": True}) as stream:
                 worker = stream.headers["x-worker-instance-id"]
                 chunks = stream.aiter_bytes()
                 await anext(chunks)  # the stream has begun
