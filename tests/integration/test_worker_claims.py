@@ -126,7 +126,14 @@ async def _shares(f: Fleet, n: int) -> tuple[Counter[int], list[float]]:
     return seen, times
 
 
-FAIR = 1 / 3
+def assert_no_more_than_honest(f: Fleet, seen: Counter[int]) -> None:
+    """The hostile worker drew no more requests than an honest one did, give or take a tenth of
+    them. Believed, each claim here would draw (nearly) all of them; among three identical workers
+    the kv cost may favour one or two (each worker's timing fit, from a few noisy first tokens,
+    differs: a CI run saw 29, 28 and 3 of 60 with the hostile worker among the 29s), so the bound
+    is the honest workers' largest share, not a third."""
+    n = sum(seen.values())
+    assert seen[f.hostile] <= max(seen[w] for w in f.honest) + 0.10 * n, seen
 
 
 async def test_a_worker_claiming_1024_ranks_draws_no_more_than_its_fair_share(nats_url: str) -> None:
@@ -143,7 +150,7 @@ async def test_a_worker_claiming_1024_ranks_draws_no_more_than_its_fair_share(na
             ranks = await sched.inspect(lambda s: s.discovery.get(f.hostile).record.dp_size)
             assert ranks == 1
             seen, _ = await _shares(f, 60)
-        assert seen[f.hostile] / 60 <= FAIR + 0.10, seen
+        assert_no_more_than_honest(f, seen)
         async with httpx.AsyncClient(base_url=f.router.url, timeout=10) as http:
             metrics = (await http.get("/metrics")).text
         assert 'rudder_router_bus_dropped_total{kind="membership",reason="claim_capped"}' in metrics
@@ -165,7 +172,7 @@ async def test_a_zero_cost_timing_prior_is_not_believed(nats_url: str) -> None:
             prior = await sched.inspect(lambda s: s.timings.workers[f.hostile].prior)
             assert prior.p0 > 0 and prior.d0 > 0  # the router's own prior, not zero
             seen, _ = await _shares(f, 60)
-        assert seen[f.hostile] / 60 <= FAIR + 0.10, seen
+        assert_no_more_than_honest(f, seen)
 
 
 async def test_a_heartbeat_flood_is_dropped_and_the_other_workers_stay_listed(nats_url: str) -> None:
@@ -241,7 +248,7 @@ async def test_a_worker_claiming_blocks_it_never_computed_is_quarantined(nats_ur
                     assert r.status_code == 200, r.text
                     seen[int(r.headers["x-worker-instance-id"])] += 1
                 metrics = (await http.get("/metrics")).text
-        assert seen[f.hostile] / len(docs) <= FAIR + 0.10, seen
+        assert_no_more_than_honest(f, seen)
         assert await sched.inspect(lambda s: f.hostile in s.outcomes.quarantined)
         assert f'rudder_router_worker_cache_quarantined{{instance_id="{f.hostile}",model="{f.model}"}} 1.0' in metrics
 
