@@ -61,7 +61,14 @@ async def test_cas_writers_and_a_router_through_a_nats_restart(own_nats: Embedde
             await asyncio.sleep(0.5)
             await asyncio.to_thread(own_nats.start)
             last_fault_at = mono()
-            await asyncio.sleep(1.5)
+            # The writers go on until one of them is accepted after the fault (the clients'
+            # reconnection takes its own time: a fixed 1.5 s here was once too short in CI), and
+            # a moment more.
+            deadline = mono() + 20
+            while not any(a.answer is Answer.ACCEPTED and a.invoked > last_fault_at for a in attempts):
+                assert mono() < deadline, "no write accepted within 20 s of the fault"
+                await asyncio.sleep(0.05)
+            await asyncio.sleep(0.5)
             stop.set()
             await asyncio.gather(*writers)
 
