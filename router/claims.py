@@ -37,7 +37,7 @@ no longer pulls the fit toward it), until the worker leaves or expires.
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Container
 from dataclasses import dataclass
 
 from controlplane.protocol.events import MembershipEvent
@@ -181,10 +181,10 @@ class TimingOutcomes:
         self.quarantined: set[int] = set()
 
     def report(self, instance_id: int, predicted_ms: float, measured_ms: float, *, now: float,
-               peers: Iterable[int] = ()) -> bool:
+               peers: Container[int] = ()) -> bool:
         """One answer's figures at ``now`` (seconds); True when this report takes the worker's
-        claimed prior away. ``peers``: the other workers of its model (those never reported are
-        ignored)."""
+        claimed prior away. ``peers``: the workers of its model (asked only about those among the
+        recent answers)."""
         if instance_id in self.quarantined or not (measured_ms >= 0 and predicted_ms >= 0):
             return False  # (NaN fails both comparisons)
         w, p, m = self._sums.get(instance_id, (0.0, 0.0, 0.0))
@@ -201,12 +201,12 @@ class TimingOutcomes:
         self.quarantined.add(instance_id)
         return True
 
-    def shared_ms(self, instance_id: int, peers: Iterable[int]) -> float:
+    def shared_ms(self, instance_id: int, peers: Container[int]) -> float:
         """The delay beyond their claimed priors that ``instance_id``'s peers see now: the median
         of their answers' among the last :data:`RECENT` reported, at least 0; 0 when none of
         them (not quarantined) answered lately."""
-        others = {j for j in peers if j != instance_id and j not in self.quarantined}
-        delays = sorted(d for j, d in self._recent if j in others)
+        delays = sorted(d for j, d in self._recent
+                        if j != instance_id and j not in self.quarantined and j in peers)
         if not delays:
             return 0.0
         mid = len(delays) // 2

@@ -167,3 +167,19 @@ class Discovery:
             s for s in self.workers.values()
             if s.record.model == model and (role is None or s.record.role is role)
         ]
+
+
+class SamePool:
+    """The workers of one model and role, as a container whose membership is looked up when asked
+    (``wid in pool``): no list of a whole pool built for a question about a few of its workers."""
+
+    __slots__ = ("_discovery", "_model", "_role")
+
+    def __init__(self, discovery: Discovery, model: str, role: WorkerRole) -> None:
+        self._discovery = discovery
+        self._model = model
+        self._role = role
+
+    def __contains__(self, wid: object) -> bool:
+        state = self._discovery.workers.get(wid) if isinstance(wid, int) else None
+        return state is not None and state.record.model == self._model and state.record.role is self._role

@@ -84,7 +84,7 @@ from router.commands import (
 from router.cost.common import SelectionParams
 from router.cost.time import DEFAULT_TIMING, Timing, predict_row, time_row
 from router.decisions import DecisionLog
-from router.discovery import Change, Discovery, Health
+from router.discovery import Change, Discovery, Health, SamePool
 from router.index import KvApplied, PrefixIndex, WorkerKey
 from router.peers import Outbox, PeerLoads, apply_returns
 from router.policy_state import ApplyResult, Outcome, PolicyState
@@ -317,7 +317,7 @@ class Scheduler:
         fut: asyncio.Future[T] = asyncio.get_running_loop().create_future()
         cmd.future = fut
         cmd.seq = next(self._seq)
-        self._queue.put_nowait((0 if cmd.liveness else 1, cmd.seq, cmd))
+        self._enqueue(cmd)
         return fut
 
     def send(self, cmd: Command[Any]) -> None:
@@ -334,7 +334,11 @@ class Scheduler:
         if not self._handling and task is not None and not task.done() and self._queue.empty():
             self._handle_timed(cmd)
         else:
-            self._queue.put_nowait((0 if cmd.liveness else 1, cmd.seq, cmd))
+            self._enqueue(cmd)
+
+    def _enqueue(self, cmd: Command[Any]) -> None:
+        """Into its lane: liveness (0) ahead of the rest (1), each in the order sent."""
+        self._queue.put_nowait((0 if cmd.liveness else 1, cmd.seq, cmd))
 
     async def call(self, cmd: Command[T]) -> T:
         fut = self.submit(cmd)
@@ -630,7 +634,7 @@ class Scheduler:
         state = self.discovery.get(wid)
         if prior is None or state is None:
             return
-        peers = (s.instance_id for s in self.discovery.of_model(state.record.model, state.record.role))
+        peers = SamePool(self.discovery, state.record.model, state.record.role)
         if self.timing_outcomes.report(wid, obs.ttft_ms(prior), obs.measured_ms, now=self.clock(), peers=peers):
             log.warning("worker %s: its claimed timing prior is not believed (measured TTFT %.1fx what it "
                         "predicts); the router's own prior and fit are used", wid,
