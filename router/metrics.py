@@ -272,24 +272,18 @@ class RouterMetrics:
         """The workers whose cache claims (router.claims.CacheOutcomes) and whose timing priors
         (router.claims.TimingOutcomes) are not believed."""
         for gauge, listed in ((self.quarantined, workers), (self.timing_quarantined, timing)):
-            gauge.clear()
-            for model, wid in listed:
-                gauge.labels(model, str(wid)).set(1)
+            _per_worker(gauge, ((model, wid, 1) for model, wid in listed))
 
     def set_index(self, held: Iterable[tuple[str, int, int]], refused: int) -> None:
         """Blocks held per worker, and the index's count of refused blocks (monotonic)."""
-        self.index_blocks.clear()
-        for model, wid, n in held:
-            self.index_blocks.labels(model, str(wid)).set(n)
+        _per_worker(self.index_blocks, held)
         if refused > self._refused_seen:
             self.index_refused.inc(refused - self._refused_seen)
             self._refused_seen = refused
 
     def set_in_flight(self, rows: Iterable[tuple[str, int, int]]) -> None:
         """Requests in flight per worker (known workers only: a departed one's series goes)."""
-        self.in_flight.clear()
-        for model, wid, n in rows:
-            self.in_flight.labels(model, str(wid)).set(n)
+        _per_worker(self.in_flight, rows)
 
     def set_returns(self, status: Mapping[str, float]) -> None:
         self.returns.labels("open").set(status["open"])
@@ -323,3 +317,10 @@ class RouterMetrics:
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+def _per_worker(gauge: Gauge, rows: Iterable[tuple[str, int, float]]) -> None:
+    """A {model, instance_id} gauge set to ``rows`` as a whole (a worker not listed loses its series)."""
+    gauge.clear()
+    for model, wid, value in rows:
+        gauge.labels(model, str(wid)).set(value)
