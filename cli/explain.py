@@ -13,6 +13,7 @@ from cli.output import say as _say
 
 # The time cost's terms, in the order they add up to the cost (router/decisions.py).
 TERMS = (("queued_prefill_ms", "queued prefill"), ("prefill_ms", "prefill"), ("decode_ms", "decode"),
+         ("busy_ms", "running there"),
          ("interference_ms", "interference"), ("decode_growth_ms", "decode growth"),
          ("arrival_wait_ms", "arrival wait"))
 

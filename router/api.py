@@ -725,11 +725,12 @@ def build_api(rt: Runtime, app: RouterApp) -> None:
             rt.metrics.workers.labels(model).set(n)
         rt.metrics.queue_depth.set(rt.scheduler.queue_depth)
         with contextlib.suppress(RudderError):  # a stopping router still answers its metrics
-            calibration, returns, quarantined, slow, peers, held, refused, in_flight = await rt.scheduler.inspect(
-                lambda s: (s.calibration_status(), s.tables.returns.status(), s.quarantined(),
+            (calibration, expiries, returns, quarantined, slow, peers, held, refused,
+             in_flight) = await rt.scheduler.inspect(
+                lambda s: (s.calibration_status(), s.timings.expired, s.tables.returns.status(), s.quarantined(),
                            s.timing_quarantined(), len(s.peers), s.index_held(), s.index.refused,
                            s.in_flight()))
-            rt.metrics.set_calibration(calibration)
+            rt.metrics.set_calibration(calibration, expiries)
             rt.metrics.set_in_flight(in_flight)
             rt.metrics.set_quarantined(quarantined, slow)
             rt.metrics.set_index(held, refused)

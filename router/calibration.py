@@ -9,6 +9,13 @@ own is scored with its pool's scale (:class:`Calibrations`).
 The error of each TTFT prediction the router made (with the model in use at the time) is kept over
 the same window: mean absolute and p90.
 
+A worker's observations expire once its pool has moved on without it (decision 110): each is
+stamped with its model's count of first tokens, and one older than ``EXPIRE_WINDOWS`` windows per
+worker of the model (the span a window covers when each worker draws its share) is dropped, and
+the worker refitted from what is left, back to its prior (or the pool's scale) when nothing is.
+Without it a fit taken in a burst (every TTFT long, so the fit says every prefill is) kept a worker
+from being chosen, and so from being measured again: the other workers took all the traffic.
+
 A fit costs milliseconds (numpy medians and solves over the window), so a router never runs one on
 its scheduler actor (issue 16): recording an observation is O(1); :class:`router.fitting.Fitter`
 copies the due windows (:meth:`Calibrations.windows`), fits them in a thread at a bounded rate and
@@ -27,6 +34,7 @@ from typing import Any, NamedTuple
 from controlplane.protocol.events import WorkerCalibration
 from router.cost.time import DEFAULT_DECODE_TOKENS, Prediction, Timing
 from router.timing_fit import (
+    DecodeObservation,
     FitResult,
     FitWindow,
     PrefillObservation,
@@ -34,10 +42,15 @@ from router.timing_fit import (
     fit,
     pool_scale,
     scaled_decode,
+    scaled_prefill,
     source_of,
 )
 
 REFIT_EVERY = 4  # observations between two refits (inline; off the actor, at most one per round)
+# A worker's observations expire when its model's pool has seen this many windows per worker of
+# first tokens since (decision 110); the pool is swept every SWEEP_EVERY of its first tokens.
+EXPIRE_WINDOWS = 2
+SWEEP_EVERY = 64
 SCALE_REFERENCE_TOKENS = 2048.0  # a worker's scale, to lend to its pool: its step of this many tokens
 
 
@@ -61,8 +74,11 @@ class Calibration:
         self.min_samples = min_samples
         self.inline = inline
         self._prefill: deque[PrefillObservation] = deque(maxlen=window)
-        self._decode: deque[tuple[float, float]] = deque(maxlen=window)
+        self._decode: deque[DecodeObservation] = deque(maxlen=window)
         self._errors: deque[float] = deque(maxlen=window)
+        # When each observation was made, in the pool's count of first tokens (Calibrations).
+        self._prefill_at: deque[int] = deque(maxlen=window)
+        self._decode_at: deque[int] = deque(maxlen=window)
         self._since_fit = 0
         self._decode_since_fit = 0
         self._stale = False  # settings or prior changed: both parts are due (not inline)
@@ -83,6 +99,8 @@ class Calibration:
             self._prefill = deque(self._prefill, maxlen=window)
             self._decode = deque(self._decode, maxlen=window)
             self._errors = deque(self._errors, maxlen=window)
+            self._prefill_at = deque(self._prefill_at, maxlen=window)
+            self._decode_at = deque(self._decode_at, maxlen=window)
         if min_samples != self.min_samples:
             self.min_samples = min_samples
             self._refit_all()
@@ -99,6 +117,8 @@ class Calibration:
         self._prefill.clear()
         self._decode.clear()
         self._errors.clear()
+        self._prefill_at.clear()
+        self._decode_at.clear()
         self.timing = self.prior
         self.prefill_fitted = self.decode_fitted = self.own = False
         self.lent = 1.0
@@ -109,23 +129,42 @@ class Calibration:
 
     # -- observations ----------------------------------------------------------------------------
 
-    def observe_ttft(self, obs: PrefillObservation) -> None:
+    def observe_ttft(self, obs: PrefillObservation, *, at: int = 0) -> None:
+        """``at``: when, in the pool's count of first tokens (see :meth:`expire`)."""
         if not (math.isfinite(obs.measured_ms) and obs.measured_ms >= 0):
             return
         self._prefill.append(obs)
+        self._prefill_at.append(at)
         self._errors.append(abs(obs.predicted_ms - obs.measured_ms))
         self.observations += 1
         self._since_fit += 1
         if self.inline and self._prefill_due():
             self._refit(decode=False, prefill=True)
 
-    def observe_decode(self, kv_usage: float, itl_ms: float) -> None:
+    def observe_decode(self, kv_usage: float, itl_ms: float, *, running: int = 0, at: int = 0) -> None:
+        """``running``: the requests running there when this one was sent."""
         if not (math.isfinite(itl_ms) and itl_ms >= 0 and math.isfinite(kv_usage)):
             return
-        self._decode.append((min(max(kv_usage, 0.0), 1.0), itl_ms))
+        self._decode.append((min(max(kv_usage, 0.0), 1.0), itl_ms, float(max(running, 0))))
+        self._decode_at.append(at)
         self._decode_since_fit += 1
         if self.inline and self._decode_due():
             self._refit(decode=True, prefill=True)  # the prefill's decode term changed
+
+    def expire(self, before: int) -> bool:
+        """Drop the observations made before ``before`` (the pool's count of first tokens) and
+        refit from the rest, as after new settings (:meth:`_refit_all`: at once if inline or if
+        too few are left for a fit, back to the prior; else by the next window). True if any
+        were dropped. O(dropped)."""
+        dropped = False
+        for obs, at in ((self._prefill, self._prefill_at), (self._decode, self._decode_at)):
+            while at and at[0] < before:
+                at.popleft()
+                obs.popleft()
+                dropped = True
+        if dropped:
+            self._refit_all()
+        return dropped
 
     # -- fits ------------------------------------------------------------------------------------
 
@@ -205,7 +244,7 @@ class Calibration:
             return False
         self.lent = k
         p = self.prior
-        t = replace(self.timing, p0=k * p.p0, p1=k * p.p1, p2=k * p.p2)
+        t = scaled_prefill(p, self.timing, k)
         own_decode = len(self._decode) >= early_samples(self.min_samples)
         if not own_decode:
             t = scaled_decode(p, t, k)
@@ -278,6 +317,8 @@ class Calibrations:
         self._pending: dict[str, Pending] = {}
         self._cold: set[int] = set()  # workers with no TTFT of their own (Calibration.own)
         self.decode_tokens = {m: RunningMean() for m in models}
+        self.seen: dict[str, int] = {}  # first tokens observed, per model (observations' clock)
+        self.expired = 0  # sweeps that expired a worker's observations, so far
 
     def timing(self, wid: int) -> Timing | None:
         cal = self.workers.get(wid)
@@ -367,9 +408,30 @@ class Calibrations:
         cal = self.workers.get(instance_id)
         if cal is None:
             return []
+        model = self._model[instance_id]
+        seen = self.seen[model] = self.seen.get(model, 0) + 1
         before, own = cal.timing, cal.own
-        cal.observe_ttft(obs)
-        return self._changed(instance_id, cal, before, own)
+        cal.observe_ttft(obs, at=seen)
+        changed = self._changed(instance_id, cal, before, own)
+        if seen % SWEEP_EVERY == 0:
+            changed += self._expire(model, seen)
+        return changed
+
+    def _expire(self, model: str, seen: int) -> list[int]:
+        """Expire what the model's workers observed more than ``EXPIRE_WINDOWS`` windows per
+        worker of its first tokens ago; the workers whose timing model changed. O(workers of the
+        model), once every ``SWEEP_EVERY`` of its first tokens."""
+        pool = [(w, cal) for w, cal in self.workers.items() if self._model.get(w) == model]
+        changed, moved = [], []
+        for wid, cal in pool:
+            before, own = cal.timing, cal.own
+            if cal.expire(seen - EXPIRE_WINDOWS * cal.window_size * len(pool)):
+                self.expired += 1
+                if cal.timing != before:
+                    changed.append(wid)
+                if cal.timing != before or cal.own != own:
+                    moved.append(wid)
+        return list(dict.fromkeys(changed + self._settle(moved)))
 
     def first_token(self, booking_id: str, ttft_ms: float) -> list[int]:
         found = self.observation(booking_id, ttft_ms)
@@ -385,7 +447,8 @@ class Calibrations:
         if cal is None or itl_ms is None:
             return []
         before, own = cal.timing, cal.own
-        cal.observe_decode(pending.prediction.kv_usage, itl_ms)
+        cal.observe_decode(pending.prediction.kv_usage, itl_ms, running=pending.prediction.running,
+                           at=self.seen.get(pending.model, 0))
         return self._changed(pending.instance_id, cal, before, own)
 
     def _changed(self, wid: int, cal: Calibration, before: Timing, own: bool) -> list[int]:
@@ -427,7 +490,8 @@ class Calibrations:
             t = cal.timing
             out.append(WorkerCalibration(
                 model=self._model.get(wid, ""), instance_id=wid, source=t.source,
-                prefill_ms=(t.p0, t.p1, t.p2), decode_ms=(t.d0, t.d1, t.d2),
+                prefill_ms=(t.p0, t.p1, t.p2), decode_ms=(t.d0, t.d1, t.d2), running_ms=t.running_ms,
+                decode_running_ms=t.decode_running_ms,
                 prefill_fitted=cal.prefill_fitted, decode_fitted=cal.decode_fitted,
                 prefill_samples=snap["prefill_samples"], decode_samples=snap["decode_samples"],
                 ttft_mae_ms=snap["ttft_mae_ms"], ttft_p90_error_ms=snap["ttft_p90_error_ms"],

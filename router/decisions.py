@@ -9,6 +9,7 @@ with each term of the time cost (router.cost.time), which add up to the candidat
     cost = queued_prefill_ms      prefill(Q): the prefill already queued there
          + prefill_ms             D: this request's prefill of its uncached tokens
          + decode_ms              the decode pass of the steps it waits (ranks running requests)
+         + busy_ms                r · running: what the requests running there add (fitted)
          + interference_ms        what its prefill costs the requests running there
          + decode_growth_ms       what its blocks cost their decode steps (decode_slowdown_weight)
          + arrival_wait_ms        what it costs the requests expected back there
@@ -33,7 +34,7 @@ from router.cost.common import Overlap, SelectionParams
 from router.cost.time import TimeRow, predict_row
 
 MAX_CANDIDATES = 64  # candidates kept per record: the chosen one and the cheapest others
-TERMS = ("queued_prefill_ms", "prefill_ms", "decode_ms", "interference_ms", "decode_growth_ms",
+TERMS = ("queued_prefill_ms", "prefill_ms", "decode_ms", "busy_ms", "interference_ms", "decode_growth_ms",
          "arrival_wait_ms")
 
 
@@ -63,6 +64,7 @@ class CandidateTerms:
     queued_prefill_ms: float | None = None
     prefill_ms: float | None = None
     decode_ms: float | None = None
+    busy_ms: float | None = None  # the requests running there (the fit's r · running)
     interference_ms: float | None = None
     decode_growth_ms: float | None = None
     arrival_wait_ms: float | None = None
@@ -86,19 +88,20 @@ def time_terms(row: TimeRow, params: SelectionParams, prompt_tokens: int, ov: Ov
     added = prefill_all - ahead
     steps = -int(-(q + n) // m) if q + n > 0 else 0
     decode = steps * row.decode_step_ms if running else 0.0
+    busy = row.busy_ms if running else 0.0
     interference = running * params.prefill_interference_weight * added if running else 0.0
     wait = params.arrival_wait_weight * row.wait_rate * added * (added + 2.0 * ahead)
     growth = 0.0
     if running and params.decode_slowdown_weight:
         r = -(-p // row.block_size) if request_blocks is None else request_blocks
         rest = row.rest
-        grown = t.decode_step_ms((rest.decode_blocks + max(r - booked_shared, 0)) / rest.kv_blocks)
+        grown = t.decode_step_ms((rest.decode_blocks + max(r - booked_shared, 0)) / rest.kv_blocks, running + 1)
         if grown > row.decode_step_ms:
             growth = running * params.decode_slowdown_weight * (grown - row.decode_step_ms) * decode_tokens
     return CandidateTerms(
         instance_id=row.key[0], dp_rank=row.key[1], cost_ms=pred.cost_ms, overlap_blocks=ov.total,
         cached_tokens=p - n, uncached_tokens=n, queued_tokens=q, running=running, ttft_ms=pred.ttft_ms,
-        queued_prefill_ms=ahead, prefill_ms=added, decode_ms=decode, interference_ms=interference,
+        queued_prefill_ms=ahead, prefill_ms=added, decode_ms=decode, busy_ms=busy, interference_ms=interference,
         decode_growth_ms=growth, arrival_wait_ms=wait,
         cache_credit_ms=t.prefill_ms(q + p, m)[0] - prefill_all,
     )

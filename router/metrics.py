@@ -111,6 +111,11 @@ class RouterMetrics:
             "Blocks claimed in KV events past the worker's capped capacity (not indexed)", registry=r,
         )
         self._refused_seen = 0
+        self.calibration_expiries = Counter(
+            "rudder_router_calibration_expiries",
+            "Times a worker's timing observations expired because its pool moved on without it", registry=r,
+        )
+        self._expiries_seen = 0
         self.policy_resyncs = Counter(
             "rudder_router_policy_resyncs",
             "Re-syncs of the policy stream after its sequence went backwards (stream recreated)",
@@ -277,9 +282,7 @@ class RouterMetrics:
     def set_index(self, held: Iterable[tuple[str, int, int]], refused: int) -> None:
         """Blocks held per worker, and the index's count of refused blocks (monotonic)."""
         _per_worker(self.index_blocks, held)
-        if refused > self._refused_seen:
-            self.index_refused.inc(refused - self._refused_seen)
-            self._refused_seen = refused
+        self._refused_seen = _catch_up(self.index_refused, self._refused_seen, refused)
 
     def set_in_flight(self, rows: Iterable[tuple[str, int, int]]) -> None:
         """Requests in flight per worker (known workers only: a departed one's series goes)."""
@@ -297,8 +300,10 @@ class RouterMetrics:
         counts[1] += 1
         self.slo_met.labels(model).set(counts[0] / counts[1])
 
-    def set_calibration(self, workers: Iterable[WorkerCalibration]) -> None:
-        """Replace the per-worker calibration series (a worker gone drops its series)."""
+    def set_calibration(self, workers: Iterable[WorkerCalibration], expiries: int) -> None:
+        """Replace the per-worker calibration series (a worker gone drops its series); ``expiries``:
+        the scheduler's count so far (router.calibration, decision 110)."""
+        self._expiries_seen = _catch_up(self.calibration_expiries, self._expiries_seen, expiries)
         for gauge in (self.calibration, self.prediction_error, self.calibration_samples):
             gauge.clear()
         for w in workers:
@@ -308,6 +313,8 @@ class RouterMetrics:
                 self.calibration.labels(w.model, wid, name).set(value)
             for name, value in zip(("d0", "d1", "d2"), w.decode_ms, strict=True):
                 self.calibration.labels(w.model, wid, name).set(value)
+            self.calibration.labels(w.model, wid, "r").set(w.running_ms)
+            self.calibration.labels(w.model, wid, "dn").set(w.decode_running_ms)
             if w.ttft_mae_ms is not None:
                 self.prediction_error.labels(w.model, wid, "mae").set(w.ttft_mae_ms)
             if w.ttft_p90_error_ms is not None:
@@ -317,6 +324,15 @@ class RouterMetrics:
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+def _catch_up(counter: Counter, seen: int, value: int) -> int:
+    """Advance ``counter`` to a monotonic count kept elsewhere (``seen``: what it was last told);
+    returns the new ``seen``."""
+    if value > seen:
+        counter.inc(value - seen)
+        return value
+    return seen
 
 
 def _per_worker(gauge: Gauge, rows: Iterable[tuple[str, int, float]]) -> None:

@@ -12,12 +12,19 @@ worker's finished requests:
   measured time from sending the request to its first token. With ``x = Q + N`` run in steps of at
   most ``M`` tokens (``k`` steps, ``Σn²`` over their sizes), the model is
 
-      TTFT ≈ p0·k + p1·x + p2·Σn² + k·decode_step(u)·[running]
+      TTFT ≈ p0·k + p1·x + p2·Σn² + k·decode_step(u)·[running] + r·running
 
-  linear in (p0, p1, p2) once the decode term (from the decode fit) is subtracted;
-- **decode**: each streamed request's mean inter-token time against the KV usage it ran at:
-  ``ITL ≈ d0 + d1·u + d2·u²`` when the observed usage spans ``DECODE_SHAPE_SPAN`` or more, else
-  ``ITL ≈ k·prior(u)`` (a narrow range tells the curve's level, not its shape).
+  linear in (p0, p1, p2, r) once the decode term (from the decode fit) is subtracted. ``r`` is
+  what each request already running there adds beyond the decode pass (a step's per-sequence
+  work, the worker process's per-request overhead; 0 in every prior): without it, TTFTs that grow
+  with the requests running were fitted as a large ``p0``, an idle worker looked as slow as a busy
+  one and a busy one as quick as an idle one, and the cheapest worker drew bursts (decision 110);
+- **decode**: each streamed request's mean inter-token time against the KV usage it ran at and
+  the requests running there when it was sent (``n``):
+  ``ITL ≈ d0 + d1·u + d2·u² + dn·n`` when the observed usage spans ``DECODE_SHAPE_SPAN`` or more,
+  else ``ITL ≈ k·prior(u) + dn·n`` (a narrow range tells the curve's level, not its shape), with
+  ``dn ≥ 0`` (0 in every prior): a step's per-sequence work, which a curve over KV usage alone
+  put into its level, so that a worker measured busy looked slow when idle (decision 110).
 
 Both fits are robust and bounded: the last ``window`` observations only, Huber-weighted
 iteratively reweighted least squares (a slow outlier's pull is capped at 1.345 robust standard
@@ -64,6 +71,9 @@ SCALE_RANGE = (0.01, 100.0)
 SCALE_KEEP = 1.25
 
 
+DecodeObservation = tuple[float, float, float]  # (KV usage, mean inter-token ms, requests running)
+
+
 @dataclass(frozen=True, slots=True)
 class PrefillObservation:
     """One request's first token: what the router knew at selection and what it measured."""
@@ -78,20 +88,21 @@ class PrefillObservation:
 
     def ttft_ms(self, timing: Timing) -> float:
         """What ``timing`` predicts for this request's first token (the fit's linear model)."""
-        steps, tokens, squares, decode_steps = self.features()
-        return (timing.p0 * steps + timing.p1 * tokens + timing.p2 * squares
-                + decode_steps * timing.decode_step_ms(self.kv_usage))
+        steps, tokens, squares, decode_steps, running = self.features()
+        return (timing.p0 * steps + timing.p1 * tokens + timing.p2 * squares + timing.running_ms * running
+                + decode_steps * timing.decode_step_ms(self.kv_usage, running))
 
-    def features(self) -> tuple[float, float, float, float]:
-        """(steps, tokens, Σ step tokens², steps with a decode pass)."""
+    def features(self) -> tuple[float, float, float, float, float]:
+        """(steps, tokens, Σ step tokens², steps with a decode pass, requests running)."""
         x = max(self.queued_tokens + self.uncached_tokens, 0.0)
         if x <= 0:
-            return 0.0, 0.0, 0.0, 0.0
+            return 0.0, 0.0, 0.0, 0.0, 0.0
         m = self.budget
         full = int(x // m)
         rem = x - full * m
         steps = full + (1 if rem > 0 else 0)
-        return float(steps), x, full * float(m) * m + rem * rem, float(steps if self.running else 0)
+        return (float(steps), x, full * float(m) * m + rem * rem, float(steps if self.running else 0),
+                float(self.running))
 
 
 def robust_fit(x: Floats, y: Floats, prior: Floats, *, nonnegative: bool) -> Floats:
@@ -151,7 +162,7 @@ class FitWindow:
     min_samples: int
     decode_fitted: bool
     prefill_fitted: bool
-    decode: tuple[tuple[float, float], ...] | None
+    decode: tuple[DecodeObservation, ...] | None
     prefill: tuple[PrefillObservation, ...] | None
     decode_samples: int = 0  # observations held (copied or not): has a part data of its own?
     prefill_samples: int = 0
@@ -222,35 +233,45 @@ def pool_scale(scales: Iterable[float]) -> float:
 
 
 def scaled_decode(prior: Timing, t: Timing, k: float) -> Timing:
-    return replace(t, d0=k * prior.d0, d1=k * prior.d1, d2=k * prior.d2, decode_min_ms=k * prior.decode_min_ms)
+    return replace(t, d0=k * prior.d0, d1=k * prior.d1, d2=k * prior.d2, decode_min_ms=k * prior.decode_min_ms,
+                   decode_running_ms=k * prior.decode_running_ms)
 
 
-def _fit_decode(prior: Timing, t: Timing, obs: tuple[tuple[float, float], ...], min_samples: int,
+def _fit_decode(prior: Timing, t: Timing, obs: tuple[DecodeObservation, ...], min_samples: int,
                 ) -> tuple[Timing, bool]:
     if len(obs) < min_samples:
         if len(obs) < early_samples(min_samples):
-            return replace(t, d0=prior.d0, d1=prior.d1, d2=prior.d2, decode_min_ms=prior.decode_min_ms), False
-        k = scale_ratio((y for _, y in obs), (prior.decode_step_ms(u) for u, _ in obs))
+            return scaled_decode(prior, t, 1.0), False
+        k = scale_ratio((y for _, y, _ in obs), (prior.decode_step_ms(u, n) for u, _, n in obs))
         return scaled_decode(prior, t, k), False
     data = np.array(obs, dtype=np.float64)
-    u, y = data[:, 0], data[:, 1]
+    u, y, n = data[:, 0], data[:, 1], data[:, 2]
     coefs = np.array([prior.d0, prior.d1, prior.d2])
+    dn_prior = np.array([prior.decode_running_ms])
     if float(u.max() - u.min()) >= DECODE_SHAPE_SPAN:
         x = np.column_stack([np.ones_like(u), u, u * u])
-        d0, d1, d2 = (float(v) for v in robust_fit(x, y, coefs, nonnegative=False))
+        theta = robust_fit(np.column_stack([x, n]), y, np.concatenate([coefs, dn_prior]), nonnegative=False)
+        if theta[3] < 0:  # more requests never make a step quicker: fitted without them
+            theta = np.concatenate([robust_fit(x, y, coefs, nonnegative=False), [0.0]])
+        d0, d1, d2, dn = (float(v) for v in theta)
     else:
         # A narrow range of KV usage identifies the level of the curve, not its shape: the
         # prior's curve is scaled to the observations (one robust coefficient) instead of a
         # quadratic that would extrapolate anywhere outside the range.
         shape = np.maximum(coefs[0] + coefs[1] * u + coefs[2] * u * u, prior.decode_min_ms)
-        k = float(robust_fit(shape[:, None], y, np.ones(1), nonnegative=True)[0])
+        k, dn = (float(v) for v in robust_fit(np.column_stack([shape, n]), y,
+                                               np.concatenate([[1.0], dn_prior]), nonnegative=True))
         d0, d1, d2 = (float(v) for v in k * coefs)
-    return replace(t, d0=d0, d1=d1, d2=d2, decode_min_ms=prior.decode_min_ms), True
+    return replace(t, d0=d0, d1=d1, d2=d2, decode_min_ms=prior.decode_min_ms, decode_running_ms=dn), True
 
 
 def _prior_prefill_ms(prior: Timing, o: PrefillObservation) -> float:
-    steps, x, sq, _ = o.features()
-    return prior.p0 * steps + prior.p1 * x + prior.p2 * sq
+    steps, x, sq, _, running = o.features()
+    return prior.p0 * steps + prior.p1 * x + prior.p2 * sq + prior.running_ms * running
+
+
+def scaled_prefill(prior: Timing, t: Timing, k: float) -> Timing:
+    return replace(t, p0=k * prior.p0, p1=k * prior.p1, p2=k * prior.p2, running_ms=k * prior.running_ms)
 
 
 def _fit_prefill(prior: Timing, t: Timing, obs: tuple[PrefillObservation, ...], min_samples: int, *,
@@ -261,20 +282,20 @@ def _fit_prefill(prior: Timing, t: Timing, obs: tuple[PrefillObservation, ...], 
     early = early_samples(min_samples)
     if len(obs) < early:
         t = t if decode_own else scaled_decode(prior, t, lent)
-        return replace(t, p0=lent * prior.p0, p1=lent * prior.p1, p2=lent * prior.p2), False
+        return scaled_prefill(prior, t, lent), False
     if not decode_own:
         k = scale_ratio((o.measured_ms for o in obs), (
-            _prior_prefill_ms(prior, o) + o.features()[3] * prior.decode_step_ms(o.kv_usage) for o in obs))
+            _prior_prefill_ms(prior, o) + o.features()[3] * prior.decode_step_ms(o.kv_usage, o.running) for o in obs))
         t = scaled_decode(prior, t, k)
         if len(obs) < min_samples:
-            return replace(t, p0=k * prior.p0, p1=k * prior.p1, p2=k * prior.p2), False
+            return scaled_prefill(prior, t, k), False
     elif len(obs) < min_samples:
-        k = scale_ratio((o.measured_ms - o.features()[3] * t.decode_step_ms(o.kv_usage) for o in obs),
+        k = scale_ratio((o.measured_ms - o.features()[3] * t.decode_step_ms(o.kv_usage, o.running) for o in obs),
                         (_prior_prefill_ms(prior, o) for o in obs))
-        return replace(t, p0=k * prior.p0, p1=k * prior.p1, p2=k * prior.p2), False
+        return scaled_prefill(prior, t, k), False
     f = np.array([o.features() for o in obs], dtype=np.float64)
-    decode = np.array([t.decode_step_ms(o.kv_usage) for o in obs])
+    decode = np.array([t.decode_step_ms(o.kv_usage, o.running) for o in obs])
     y = np.array([o.measured_ms for o in obs]) - f[:, 3] * decode
-    coefs = np.array([prior.p0, prior.p1, prior.p2])
-    p0, p1, p2 = (float(v) for v in robust_fit(f[:, :3], y, coefs, nonnegative=True))
-    return replace(t, p0=p0, p1=p1, p2=p2), True
+    coefs = np.array([prior.p0, prior.p1, prior.p2, prior.running_ms])
+    p0, p1, p2, r = (float(v) for v in robust_fit(f[:, [0, 1, 2, 4]], y, coefs, nonnegative=True))
+    return replace(t, p0=p0, p1=p1, p2=p2, running_ms=r), True

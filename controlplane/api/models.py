@@ -279,6 +279,7 @@ class DecisionCandidate(Open):
     queued_prefill_ms: float | None = None
     prefill_ms: float | None = None
     decode_ms: float | None = None
+    busy_ms: float | None = None
     interference_ms: float | None = None
     decode_growth_ms: float | None = None
     arrival_wait_ms: float | None = None

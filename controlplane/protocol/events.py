@@ -203,6 +203,10 @@ class WorkerCalibration(BaseModel):
     source: str  # "fitted"; "scaled" or "pooled" before (router.calibration); or the prior's source
     prefill_ms: tuple[float, float, float]
     decode_ms: tuple[float, float, float]
+    # ms of a first token, and of a decode step, per request running on the worker (router.cost.time's
+    # r and dn; decision 110).
+    running_ms: float = 0.0
+    decode_running_ms: float = 0.0
     prefill_fitted: bool = False
     decode_fitted: bool = False
     prefill_samples: int = 0

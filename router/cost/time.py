@@ -9,20 +9,25 @@ by :mod:`router.calibration`), plus the time its decode costs the requests alrea
                  + disk_cache_hit_weight·disk + shared_cache_multiplier·shared, ⌊(P-1)/B⌋) · B
     N      = P - hit                                  uncached tokens of this request
     Q      = active prefill tokens ahead (the larger of this router's bookings and the worker's report)
-    TTFT   = prefill(Q + N) + steps(Q + N) · decode_step(u)      (decode pass only if it runs requests)
+    n      = requests running there
+    TTFT   = prefill(Q + N) + steps(Q + N) · decode_step(u, n) + r · n     (the last two only if n > 0)
     D      = prefill(Q + N) - prefill(Q)                  the time this request adds to the rank's work
-    slow   = running · (prefill_interference_weight · D
-                      + decode_slowdown_weight · (decode_step(u + R/K) - decode_step(u)) · L)
+    slow   = n · (prefill_interference_weight · D
+                  + decode_slowdown_weight · (decode_step(u + R/K, n + 1) - decode_step(u, n)) · L)
     wait   = arrival_wait_weight · λ · D · (prefill(Q) + D/2)
     cost   = TTFT + slow + wait
 
 ``prefill(x)`` runs ``x`` tokens in engine steps of at most ``max_num_batched_tokens`` (M), each
-costing ``p0 + p1·n + p2·n²`` for its ``n`` tokens; ``steps(x) = ⌈x/M⌉``; ``u`` is the rank's
-active blocks over its KV blocks ``K``; ``R`` the request's blocks (less those already booked
-there); ``L`` the model's expected decode tokens per request (observed). ``slow`` is what this
-request costs the requests already running there: its prefill lengthens the steps they decode in,
-and its blocks lengthen every later decode step, for about ``L`` steps; a worker with nothing
-running pays no such cost. Both weigh little by default (they are costs to other requests'
+costing ``p0 + p1·t + p2·t²`` for its ``t`` tokens; ``steps(x) = ⌈x/M⌉``; ``u`` is the rank's
+active blocks over its KV blocks ``K``; ``decode_step(u, n) = max(d0 + d1·u + d2·u², decode_min)
++ dn·n``. ``r`` (``running_ms``) and ``dn`` (``decode_running_ms``) are what each request running
+there adds to a first token and to a decode step beyond its KV (a step's per-sequence work, the
+worker process's own per-request overhead): fitted per worker, 0 in every prior (decision 110).
+``R`` is the request's blocks (less those already booked there); ``L`` the model's expected decode
+tokens per request (observed). ``slow`` is what this request costs the requests already running
+there: its prefill lengthens the steps they decode in, and its blocks (and itself, ``dn``)
+lengthen every later decode step, for about ``L`` steps; a worker with nothing running pays no
+such cost. Both weigh little by default (they are costs to other requests'
 inter-token latency, not to anyone's TTFT). ``wait`` is what it costs the requests that will
 arrive there before it is done: ``λ`` is the rank's expected arrival rate, the requests that
 finished there and are expected back (:mod:`router.returns`: the next turns of the sessions whose
@@ -84,6 +89,8 @@ class Timing:
     d2: float
     decode_min_ms: float = 0.0
     source: str = "default"
+    running_ms: float = 0.0  # r: ms of a first token per request running on the rank (fitted)
+    decode_running_ms: float = 0.0  # dn: ms of a decode step per request running on the rank (fitted)
 
     @classmethod
     def from_engine(cls, timing: EngineTiming | None) -> Timing:
@@ -98,9 +105,10 @@ class Timing:
             return 0.0
         return max(self.p0 + self.p1 * n + self.p2 * n * n, 0.0)
 
-    def decode_step_ms(self, usage: float) -> float:
+    def decode_step_ms(self, usage: float, running: float = 0.0) -> float:
+        """One decode step at KV usage ``usage`` with ``running`` requests in it (dn each)."""
         u = min(max(usage, 0.0), 1.0)
-        return max(self.d0 + self.d1 * u + self.d2 * u * u, self.decode_min_ms)
+        return max(self.d0 + self.d1 * u + self.d2 * u * u, self.decode_min_ms) + self.decode_running_ms * running
 
     def prefill_ms(self, tokens: float, budget: int) -> tuple[float, int]:
         """(time, steps) to compute ``tokens`` in steps of at most ``budget`` tokens."""
@@ -116,7 +124,8 @@ class Timing:
 
     def as_dict(self) -> dict[str, float | str]:
         return {"p0": self.p0, "p1": self.p1, "p2": self.p2, "d0": self.d0, "d1": self.d1,
-                "d2": self.d2, "decode_min_ms": self.decode_min_ms, "source": self.source}
+                "d2": self.d2, "decode_min_ms": self.decode_min_ms, "running_ms": self.running_ms,
+                "decode_running_ms": self.decode_running_ms, "source": self.source}
 
 
 DEFAULT_TIMING = Timing(*DEFAULT_PREFILL_MS, *DEFAULT_DECODE_MS, DEFAULT_DECODE_MIN_MS, "default")
@@ -159,11 +168,13 @@ class TimeRow(NamedTuple):
     running: int
     wait_rate: float  # λ/2, λ the rank's expected arrival rate (requests per ms, router.returns)
     decode_step_ms: float  # decode_step(u), 0 when nothing runs there
+    busy_ms: float  # r · running: what the requests running there add to a first token
     ahead_ms: float  # prefill(Q)
     # A lower bound of this row's cost for a request of P uncached tokens, when every prefill token
     # costs at least p1 (p0, p1, p2 ≥ 0: every fitted model, the defaults):
     # floor_ms + floor_slope · P · (1 + prefill_interference_weight · running) (the arrival-wait
-    # term is ≥ 0), with floor_ms = prefill(Q) + decode_step(u) and floor_slope = p1; else -inf, 0.
+    # term is ≥ 0), with floor_ms = prefill(Q) + decode_step(u) + r · running and floor_slope = p1;
+    # else -inf, 0.
     floor_ms: float
     floor_slope: float
     rest: TimeRest
@@ -174,13 +185,14 @@ def time_row(c: Candidate) -> TimeRow:
     m = c.batch_tokens or 8192
     kv = c.kv_total_blocks or 1
     q = c.active_prefill_tokens
-    step = t.decode_step_ms(c.decode_blocks / kv) if c.active_requests else 0.0
+    step = t.decode_step_ms(c.decode_blocks / kv, c.active_requests) if c.active_requests else 0.0
+    busy = t.running_ms * c.active_requests
     full = t.prefill_step_ms(m)
     ahead = t.prefill_ms(q, m)[0]
-    grows = t.p0 >= 0.0 and t.p1 >= 0.0 and t.p2 >= 0.0
+    grows = t.p0 >= 0.0 and t.p1 >= 0.0 and t.p2 >= 0.0 and busy >= 0.0
     return TimeRow(c.key, c.block_size, q, m, t.p0, t.p1, t.p2, full, c.active_requests,
-                   c.arrival_rate / 2, step, ahead, ahead + step if grows else -math.inf, t.p1 if grows else 0.0,
-                   TimeRest(c.decode_blocks, kv, t))
+                   c.arrival_rate / 2, step, busy, ahead, ahead + step + busy if grows else -math.inf,
+                   t.p1 if grows else 0.0, TimeRest(c.decode_blocks, kv, t))
 
 
 def time_costs(
@@ -294,7 +306,7 @@ def _plain_cost(row: TimeRow, p: float, inter_w: float, wait_w: float) -> tuple[
     """(cost, TTFT) of a row computing ``p`` ≥ 1 of the request's tokens (all of them where it
     holds nothing of the prompt): :func:`predict_row` without the decode-growth term, written for
     speed (integer token counts where it holds nothing)."""
-    _key, _b, q, m, p0, p1, p2, step_full, n_req, wait_rate, step, ahead, _floor, _slope, _rest = row
+    _key, _b, q, m, p0, p1, p2, step_full, n_req, wait_rate, step, busy, ahead, _floor, _slope, _rest = row
     x = q + p
     steps: float
     if x <= m:
@@ -314,7 +326,7 @@ def _plain_cost(row: TimeRow, p: float, inter_w: float, wait_w: float) -> tuple[
     wait = wait_w * wait_rate * added * (added + ahead + ahead)
     if not n_req:
         return prefill + wait, prefill
-    ttft = prefill + steps * step
+    ttft = prefill + steps * step + busy
     return ttft + n_req * inter_w * added + wait, ttft
 
 
@@ -327,7 +339,7 @@ def predict_row(
     is R at its block size, ``booked_shared`` the blocks of the request already booked there.
     ``uncached_tokens`` replaces the prediction's own count of tokens to compute (``P - hit``) in
     the result only."""
-    _key, b, q, m, _p0, _p1, _p2, _full, n_req, _wait, step, _ahead, _floor, _slope, rest = row
+    _key, b, q, m, _p0, _p1, _p2, _full, n_req, _wait, step, _busy, _ahead, _floor, _slope, rest = row
     p = prompt_tokens
     u = rest.decode_blocks / rest.kv_blocks
     if p <= 0:
@@ -338,7 +350,7 @@ def predict_row(
     cost, ttft = _plain_cost(row, n, params.prefill_interference_weight, params.arrival_wait_weight)
     if n_req and params.decode_slowdown_weight:
         r = -(-p // b) if request_blocks is None else request_blocks
-        grown = rest.timing.decode_step_ms((rest.decode_blocks + max(r - booked_shared, 0)) / rest.kv_blocks)
+        grown = rest.timing.decode_step_ms((rest.decode_blocks + max(r - booked_shared, 0)) / rest.kv_blocks, n_req + 1)
         if grown > step:
             cost += n_req * params.decode_slowdown_weight * (grown - step) * decode_tokens
     steps = -int(-(q + n) // m)
@@ -360,13 +372,15 @@ def predict(
 def timing_figures(tr: TimeRow) -> tuple[float, ...]:
     """A row's figures as :func:`vector_time_costs` reads them (a load table keeps them as
     :class:`router.cost.common.Columns` ``timing``, one array per figure), in this order: KV blocks,
-    step budget M, p0, p1, p2, d0, d1, d2, decode_min_ms, prefill(M), prefill(Q), decode_step(u), λ/2."""
+    step budget M, p0, p1, p2, d0, d1, d2, decode_min_ms, prefill(M), prefill(Q), decode_step(u), λ/2,
+    r · running, dn."""
     t = tr.rest.timing
     return (tr.rest.kv_blocks, tr.budget, tr.p0, tr.p1, tr.p2, t.d0, t.d1, t.d2,
-            t.decode_min_ms, tr.full_step_ms, tr.ahead_ms, tr.decode_step_ms, tr.wait_rate)
+            t.decode_min_ms, tr.full_step_ms, tr.ahead_ms, tr.decode_step_ms, tr.wait_rate, tr.busy_ms,
+            t.decode_running_ms)
 
 
-TIMING_FIGURES = 13  # len(timing_figures(row))
+TIMING_FIGURES = 15  # len(timing_figures(row))
 
 
 def vector_time_costs(
@@ -414,7 +428,7 @@ def vector_time_costs(
     has_rem = rem > 0
     prefill = full * step_full + np.where(has_rem, part, 0.0)
     steps = full + has_rem
-    ttft = prefill + steps * step  # step is 0 on a rank that runs nothing
+    ttft = prefill + steps * step + t[13]  # step and r · running are 0 on a rank that runs nothing
     cost = ttft
     added = prefill - ahead
     if params.arrival_wait_weight:
@@ -444,7 +458,7 @@ def vector_time_costs(
                     r_all = r_all.copy()
                     r_all[spos] = r_all[spos] - vals
             v = np.minimum((decode + np.maximum(r_all, 0)) / kv, 1.0)
-            grown = np.maximum(d0 + d1 * v + d2 * v * v, dmin)
+            grown = np.maximum(d0 + d1 * v + d2 * v * v, dmin) + t[14] * (requests + 1)
             extra = extra + np.where(grown > step, slow_w * (grown - step) * decode_tokens, 0.0)
         cost = cost + requests * extra  # requests = 0: no one to slow down
     return cost, ttft

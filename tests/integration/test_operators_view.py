@@ -287,7 +287,7 @@ async def test_a_patch_and_a_chat_are_traced_with_their_links(fleet: Fleet, span
     assert select.attributes["rudder.worker_id"] == worker_id
     assert select.attributes["rudder.policy_revision.selection"] == revision
     # the sampled decision's figures (router.decisions), as `rudder explain` shows them
-    terms = ("queued_prefill_ms", "prefill_ms", "decode_ms", "interference_ms", "decode_growth_ms",
+    terms = ("queued_prefill_ms", "prefill_ms", "decode_ms", "busy_ms", "interference_ms", "decode_growth_ms",
              "arrival_wait_ms")
     assert sum(select.attributes[f"rudder.decision.{t}"] for t in terms) == pytest.approx(
         select.attributes["rudder.decision.cost_ms"], rel=1e-9)
@@ -339,7 +339,7 @@ async def test_rudder_explain_shows_every_candidates_cost_terms_and_the_measured
     assert record["instance_id"] == worker and record["mode"] == "kv"
     assert record["why"][0] in ("lowest_cost", "tie")
     assert record["candidates_total"] == 2 and len(record["candidates"]) == 2
-    terms = ("queued_prefill_ms", "prefill_ms", "decode_ms", "interference_ms", "decode_growth_ms",
+    terms = ("queued_prefill_ms", "prefill_ms", "decode_ms", "busy_ms", "interference_ms", "decode_growth_ms",
              "arrival_wait_ms")
     for c in record["candidates"]:
         assert all(c[t] is not None for t in (*terms, "cache_credit_ms", "ttft_ms")), c

@@ -214,11 +214,14 @@ def test_prefill_interference_is_the_running_requests_delay() -> None:
 
 
 def _random_timing(rng: random.Random) -> Timing:
+    # A fitted model may charge each running request a first token's and a decode step's share.
+    per_request = {"running_ms": rng.choice((0.0, 0.3, 2.0)), "decode_running_ms": rng.choice((0.0, 0.05))}
     if rng.random() < 0.15:  # an advertised model whose prefill does not grow: never pruned
-        return Timing(rng.uniform(-5, 5), rng.uniform(-0.01, 0.02), rng.uniform(-1e-6, 1e-6), 5.0, 50.0, -20.0, 1.0)
+        return Timing(rng.uniform(-5, 5), rng.uniform(-0.01, 0.02), rng.uniform(-1e-6, 1e-6), 5.0, 50.0, -20.0, 1.0,
+                      **per_request)
     k = rng.choice((0.5, 1.0, 2.0))
     return Timing(*(k * v for v in (DEFAULT_TIMING.p0, DEFAULT_TIMING.p1, DEFAULT_TIMING.p2)),
-                  DEFAULT_TIMING.d0, DEFAULT_TIMING.d1, DEFAULT_TIMING.d2, 1.0)
+                  DEFAULT_TIMING.d0, DEFAULT_TIMING.d1, DEFAULT_TIMING.d2, 1.0, **per_request)
 
 
 @pytest.mark.parametrize("seed", range(30))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+from dataclasses import replace
 from datetime import UTC, datetime
 
 import pytest
@@ -57,6 +58,10 @@ def test_the_terms_add_up_to_each_candidates_cost_and_the_chosen_one_to_the_sele
     s = sched(log, decode_slowdown_weight=0.5, prefill_interference_weight=0.3)
     for wid in range(1, workers + 1):
         join(s, wid, prefill=(wid % 4) * 700, running=wid % 3)
+        if wid % 2:  # a fit that charges each running request (decision 110)
+            cal = s.timings.workers[wid]
+            cal.timing = replace(cal.timing, running_ms=0.7, decode_running_ms=0.05)
+            s._retime(wid)
     sel = s._select(request(1, 1500), 0)
     (record,) = log.get("q1")
     assert record.instance_id == sel.instance_id and record.cost_ms == sel.cost
@@ -72,7 +77,7 @@ def test_the_terms_add_up_to_each_candidates_cost_and_the_chosen_one_to_the_sele
     assert chosen is not None and chosen.instance_id == sel.instance_id
     assert sum(getattr(chosen, t) for t in TERMS) == pytest.approx(sel.cost, rel=1e-9)
     # every term is exercised by some candidate
-    for t in ("queued_prefill_ms", "prefill_ms", "decode_ms", "interference_ms", "decode_growth_ms"):
+    for t in ("queued_prefill_ms", "prefill_ms", "decode_ms", "busy_ms", "interference_ms", "decode_growth_ms"):
         assert any(getattr(c, t) > 0 for c in record.candidates), t
 
 
