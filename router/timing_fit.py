@@ -297,5 +297,10 @@ def _fit_prefill(prior: Timing, t: Timing, obs: tuple[PrefillObservation, ...], 
     decode = np.array([t.decode_step_ms(o.kv_usage, o.running) for o in obs])
     y = np.array([o.measured_ms for o in obs]) - f[:, 3] * decode
     coefs = np.array([prior.p0, prior.p1, prior.p2, prior.running_ms])
-    p0, p1, p2, r = (float(v) for v in robust_fit(f[:, [0, 1, 2, 4]], y, coefs, nonnegative=True))
+    theta = robust_fit(f[:, [0, 1, 2, 4]], y, coefs, nonnegative=True)
+    if theta[3] <= 0.0:
+        # The running requests explain nothing: the fit without them, as if the term did not exist
+        # (an active set pinned with it can differ from the one without it).
+        theta = np.concatenate([robust_fit(f[:, :3], y, coefs[:3], nonnegative=True), [0.0]])
+    p0, p1, p2, r = (float(v) for v in theta)
     return replace(t, p0=p0, p1=p1, p2=p2, running_ms=r), True
