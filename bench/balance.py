@@ -33,7 +33,7 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.common import Fleet, Router, machine, write_result
+from bench.common import Fleet, Router, kv_routers, machine, write_result
 from bench.overload import open_loop
 from bench.proxy_overhead import MODEL, throughput
 from cli.embedded import LocalBus
@@ -103,10 +103,7 @@ async def main(args: argparse.Namespace) -> None:
         phases: list[dict[str, Any]] = []
         try:
             await fleet.start()
-            routers["kv"] = Router(bus, MODEL, mode="kv", log=Path(tmp) / "kv.log")
-            if args.baseline:
-                routers["baseline kv"] = Router(bus, MODEL, mode="kv", src=Path(args.baseline),
-                                                log=Path(tmp) / "baseline.log")
+            routers.update(kv_routers(bus, MODEL, Path(tmp), args.baseline, names=("kv", "baseline kv")))
             routers["round_robin"] = Router(bus, MODEL, mode="round_robin", log=Path(tmp) / "rr.log")
             for r in routers.values():
                 await r.ready(args.workers)

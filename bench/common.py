@@ -260,6 +260,17 @@ class Router:
         stop_all([self.proc])
 
 
+def kv_routers(bus: LocalBus, model: str, logs: Path, baseline: str, *, names: tuple[str, str]) -> dict[str, Router]:
+    """This checkout's ``kv`` router and, given ``baseline`` (another checkout), that one's, under
+    ``names``; each logs to ``logs``/<name>.log. Not ready yet (:meth:`Router.ready`)."""
+    mine, theirs = names
+    routers = {mine: Router(bus, model, mode="kv", log=logs / f"{mine.replace(' ', '_')}.log")}
+    if baseline:
+        routers[theirs] = Router(bus, model, mode="kv", src=Path(baseline),
+                                 log=logs / f"{theirs.replace(' ', '_')}.log")
+    return routers
+
+
 class CpuSampler:
     """Machine CPU and per-process CPU seconds between :meth:`start` and :meth:`stop`."""
 

@@ -33,7 +33,7 @@ import psutil
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.common import Fleet, Router, machine, pct, write_result
+from bench.common import Fleet, Router, kv_routers, machine, pct, write_result
 from bench.proxy_overhead import MODEL, PROMPT, RawClient, split, throughput
 from cli.embedded import LocalBus
 
@@ -126,10 +126,7 @@ async def main(args: argparse.Namespace) -> None:
         routers: dict[str, Router] = {}
         try:
             await fleet.start()
-            routers["router"] = Router(bus, MODEL, mode="kv", log=Path(tmp) / "router.log")
-            if args.baseline:
-                routers["baseline"] = Router(bus, MODEL, mode="kv", src=Path(args.baseline),
-                                             log=Path(tmp) / "baseline.log")
+            routers.update(kv_routers(bus, MODEL, Path(tmp), args.baseline, names=("router", "baseline")))
             for r in routers.values():
                 await r.ready(args.workers)
             workers = [psutil.Process(p.pid) for p in fleet.procs]

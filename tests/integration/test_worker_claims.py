@@ -187,7 +187,9 @@ async def test_a_heartbeat_flood_is_dropped_and_the_other_workers_stay_listed(na
             listed.append(sched.view.workers.get(f.model, 0))
 
         async with hostile_publisher(nats_url, f, publish):
-            await wait_for(lambda: f.drops("membership", "rate_limited") >= 5000, within=30)
+            # Thousands dropped (alone ~15 s to 5,000; a loaded CI box took past 30 s): the
+            # flood is under way and refused while the chats below are routed.
+            await wait_for(lambda: f.drops("membership", "rate_limited") >= 2000, within=60)
             seen, _ = await _shares(f, 30)
         assert min(listed) == 3, listed
         assert sum(seen.values()) == 30
