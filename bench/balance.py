@@ -33,9 +33,10 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.common import Fleet, Router, kv_routers, machine, write_result
+from bench.common import Fleet, Router, kv_routers, machine, metric_sums, write_result
 from bench.overload import open_loop
 from bench.proxy_overhead import MODEL, throughput
+from bench.routing_quality import router_timing
 from cli.embedded import LocalBus
 
 SAMPLE_S = 0.2
@@ -46,26 +47,9 @@ async def engine_figures(client: httpx.AsyncClient, urls: list[str]) -> list[tup
     """(running, requests served so far) of each mock worker, from its /metrics."""
     out = []
     for url in urls:
-        running = served = 0.0
-        for line in (await client.get(url + "/metrics")).text.splitlines():
-            if line.startswith("rudder_mock_running{"):
-                running += float(line.rsplit(" ", 1)[1])
-            elif line.startswith("rudder_mock_requests_total "):
-                served = float(line.rsplit(" ", 1)[1])
-        out.append((running, served))
+        f = await metric_sums(client, url, ("rudder_mock_running", "rudder_mock_requests_total"))
+        out.append((f["rudder_mock_running"], f["rudder_mock_requests_total"]))
     return out
-
-
-async def prediction_error(client: httpx.AsyncClient, url: str) -> dict[str, float | None]:
-    """The router's TTFT prediction error (mean absolute, p90), averaged over its workers: each
-    worker's over its last calibration window of requests (router.calibration)."""
-    stats: dict[str, list[float]] = {"mae": [], "p90": []}
-    for line in (await client.get(url + "/metrics")).text.splitlines():
-        if line.startswith("rudder_router_ttft_prediction_error_ms{"):
-            stat = line.split('stat="', 1)[1].split('"', 1)[0]
-            if stat in stats:
-                stats[stat].append(float(line.rsplit(" ", 1)[1]))
-    return {f"prediction_{k}_ms": statistics.fmean(v) if v else None for k, v in stats.items()}
 
 
 async def phase(url: str, urls: list[str], rate: float, seconds: float, max_tokens: int, seed: int) -> dict[str, Any]:
@@ -84,7 +68,8 @@ async def phase(url: str, urls: list[str], rate: float, seconds: float, max_toke
         finally:
             watcher.cancel()
         after = [s for _, s in await engine_figures(client, urls)]
-        error = await prediction_error(client, url)
+        timing = await router_timing(url)  # each worker's error over its calibration window
+        error = {"prediction_mae_ms": timing["mean_worker_mae_ms"], "prediction_p90_ms": timing["mean_worker_p90_ms"]}
     served = [b - a for a, b in zip(before, after, strict=True)]
     busy = [s for s in samples if sum(s) >= BUSY]
     imbalance = [(max(s) - min(s)) / sum(s) for s in busy]

@@ -271,6 +271,17 @@ def kv_routers(bus: LocalBus, model: str, logs: Path, baseline: str, *, names: t
     return routers
 
 
+async def metric_sums(client: httpx.AsyncClient, url: str, names: Iterable[str]) -> dict[str, float]:
+    """Each named series of ``url``'s /metrics summed over its labels (a worker's ranks); 0 for one
+    it does not export."""
+    totals = dict.fromkeys(names, 0.0)
+    for line in (await client.get(url + "/metrics")).text.splitlines():
+        name = line.split("{", 1)[0].split(" ", 1)[0]
+        if name in totals:
+            totals[name] += float(line.rsplit(" ", 1)[1])
+    return totals
+
+
 class CpuSampler:
     """Machine CPU and per-process CPU seconds between :meth:`start` and :meth:`stop`."""
 

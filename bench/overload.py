@@ -33,7 +33,7 @@ import psutil
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.common import Fleet, Router, kv_routers, machine, pct, write_result
+from bench.common import Fleet, Router, kv_routers, machine, metric_sums, pct, write_result
 from bench.proxy_overhead import MODEL, PROMPT, RawClient, split, throughput
 from cli.embedded import LocalBus
 
@@ -107,9 +107,7 @@ async def preemptions(urls: list[str]) -> int:
     total = 0
     async with httpx.AsyncClient(timeout=10) as client:
         for url in urls:
-            for line in (await client.get(url + "/metrics")).text.splitlines():
-                if line.startswith("rudder_mock_preemptions{"):
-                    total += int(float(line.rsplit(" ", 1)[1]))
+            total += int((await metric_sums(client, url, ("rudder_mock_preemptions",)))["rudder_mock_preemptions"])
     return total
 
 

@@ -58,7 +58,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import httpx
 
-from bench.common import CpuSampler, Fleet, Router, machine, pct, write_result
+from bench.common import CpuSampler, Fleet, Router, machine, metric_sums, pct, write_result
 from cli.embedded import LocalBus
 from controlplane.protocol.hashing import chain_hashes
 from controlplane.protocol.tokenizer import encode_chat
@@ -325,14 +325,12 @@ def _mean_ms(values: list[float | None]) -> float | None:
 
 async def worker_totals(fleet: Fleet) -> dict[str, float]:
     """Sum of a few mock counters/gauges over the fleet (steps, preemptions, cached blocks)."""
-    totals: dict[str, float] = {}
-    async with httpx.AsyncClient() as client:
+    names = ("rudder_mock_steps", "rudder_mock_preemptions", "rudder_mock_kv_cached_blocks")
+    totals = dict.fromkeys(names, 0.0)
+    async with httpx.AsyncClient(timeout=5) as client:
         for url in fleet.urls:
-            text = (await client.get(url + "/metrics", timeout=5)).text
-            for line in text.splitlines():
-                for name in ("rudder_mock_steps", "rudder_mock_preemptions", "rudder_mock_kv_cached_blocks"):
-                    if line.startswith(name + "{"):
-                        totals[name] = totals.get(name, 0.0) + float(line.rsplit(" ", 1)[1])
+            for name, value in (await metric_sums(client, url, names)).items():
+                totals[name] += value
     return totals
 
 

@@ -76,7 +76,8 @@ class Calibration:
         self._prefill: deque[PrefillObservation] = deque(maxlen=window)
         self._decode: deque[DecodeObservation] = deque(maxlen=window)
         self._errors: deque[float] = deque(maxlen=window)
-        # When each observation was made, in the pool's count of first tokens (Calibrations).
+        # When each observation was made, in the pool's count of first tokens (Calibrations): kept
+        # beside the observations, not paired with them, so a window's copy stays tuple(deque).
         self._prefill_at: deque[int] = deque(maxlen=window)
         self._decode_at: deque[int] = deque(maxlen=window)
         self._since_fit = 0

@@ -88,7 +88,6 @@ def time_terms(row: TimeRow, params: SelectionParams, prompt_tokens: int, ov: Ov
     added = prefill_all - ahead
     steps = -int(-(q + n) // m) if q + n > 0 else 0
     decode = steps * row.decode_step_ms if running else 0.0
-    busy = row.busy_ms if running else 0.0
     interference = running * params.prefill_interference_weight * added if running else 0.0
     wait = params.arrival_wait_weight * row.wait_rate * added * (added + 2.0 * ahead)
     growth = 0.0
@@ -101,7 +100,7 @@ def time_terms(row: TimeRow, params: SelectionParams, prompt_tokens: int, ov: Ov
     return CandidateTerms(
         instance_id=row.key[0], dp_rank=row.key[1], cost_ms=pred.cost_ms, overlap_blocks=ov.total,
         cached_tokens=p - n, uncached_tokens=n, queued_tokens=q, running=running, ttft_ms=pred.ttft_ms,
-        queued_prefill_ms=ahead, prefill_ms=added, decode_ms=decode, busy_ms=busy, interference_ms=interference,
+        queued_prefill_ms=ahead, prefill_ms=added, decode_ms=decode, busy_ms=row.busy_ms, interference_ms=interference,
         decode_growth_ms=growth, arrival_wait_ms=wait,
         cache_credit_ms=t.prefill_ms(q + p, m)[0] - prefill_all,
     )

@@ -308,13 +308,9 @@ class RouterMetrics:
             gauge.clear()
         for w in workers:
             wid = str(w.instance_id)
-            names = ("p0", "p1", "p2")
-            for name, value in zip(names, w.prefill_ms, strict=True):
+            values = (*w.prefill_ms, *w.decode_ms, w.running_ms, w.decode_running_ms)
+            for name, value in zip(("p0", "p1", "p2", "d0", "d1", "d2", "r", "dn"), values, strict=True):
                 self.calibration.labels(w.model, wid, name).set(value)
-            for name, value in zip(("d0", "d1", "d2"), w.decode_ms, strict=True):
-                self.calibration.labels(w.model, wid, name).set(value)
-            self.calibration.labels(w.model, wid, "r").set(w.running_ms)
-            self.calibration.labels(w.model, wid, "dn").set(w.decode_running_ms)
             if w.ttft_mae_ms is not None:
                 self.prediction_error.labels(w.model, wid, "mae").set(w.ttft_mae_ms)
             if w.ttft_p90_error_ms is not None:

@@ -74,6 +74,18 @@ SCALE_KEEP = 1.25
 DecodeObservation = tuple[float, float, float]  # (KV usage, mean inter-token ms, requests running)
 
 
+def fit_with_running(x: Floats, running: Floats, y: Floats, prior: Floats, prior_running: float, *,
+                     nonnegative: bool) -> Floats:
+    """:func:`robust_fit` of ``y ≈ [x, running]·θ``; where the requests running come out adding
+    nothing (their coefficient ≤ 0), the fit of ``x`` alone with that coefficient 0, as if the
+    column did not exist (more requests never make a step quicker, and an active set pinned with
+    the column can differ from the one without it)."""
+    theta = robust_fit(np.column_stack([x, running]), y, np.append(prior, prior_running), nonnegative=nonnegative)
+    if theta[-1] <= 0.0:
+        theta = np.append(robust_fit(x, y, prior, nonnegative=nonnegative), 0.0)
+    return theta
+
+
 @dataclass(frozen=True, slots=True)
 class PrefillObservation:
     """One request's first token: what the router knew at selection and what it measured."""
@@ -247,20 +259,17 @@ def _fit_decode(prior: Timing, t: Timing, obs: tuple[DecodeObservation, ...], mi
     data = np.array(obs, dtype=np.float64)
     u, y, n = data[:, 0], data[:, 1], data[:, 2]
     coefs = np.array([prior.d0, prior.d1, prior.d2])
-    dn_prior = np.array([prior.decode_running_ms])
     if float(u.max() - u.min()) >= DECODE_SHAPE_SPAN:
         x = np.column_stack([np.ones_like(u), u, u * u])
-        theta = robust_fit(np.column_stack([x, n]), y, np.concatenate([coefs, dn_prior]), nonnegative=False)
-        if theta[3] < 0:  # more requests never make a step quicker: fitted without them
-            theta = np.concatenate([robust_fit(x, y, coefs, nonnegative=False), [0.0]])
-        d0, d1, d2, dn = (float(v) for v in theta)
+        d0, d1, d2, dn = (float(v) for v in fit_with_running(x, n, y, coefs, prior.decode_running_ms,
+                                                             nonnegative=False))
     else:
         # A narrow range of KV usage identifies the level of the curve, not its shape: the
         # prior's curve is scaled to the observations (one robust coefficient) instead of a
         # quadratic that would extrapolate anywhere outside the range.
         shape = np.maximum(coefs[0] + coefs[1] * u + coefs[2] * u * u, prior.decode_min_ms)
-        k, dn = (float(v) for v in robust_fit(np.column_stack([shape, n]), y,
-                                               np.concatenate([[1.0], dn_prior]), nonnegative=True))
+        k, dn = (float(v) for v in fit_with_running(shape[:, None], n, y, np.ones(1), prior.decode_running_ms,
+                                                    nonnegative=True))
         d0, d1, d2 = (float(v) for v in k * coefs)
     return replace(t, d0=d0, d1=d1, d2=d2, decode_min_ms=prior.decode_min_ms, decode_running_ms=dn), True
 
@@ -296,11 +305,7 @@ def _fit_prefill(prior: Timing, t: Timing, obs: tuple[PrefillObservation, ...], 
     f = np.array([o.features() for o in obs], dtype=np.float64)
     decode = np.array([t.decode_step_ms(o.kv_usage, o.running) for o in obs])
     y = np.array([o.measured_ms for o in obs]) - f[:, 3] * decode
-    coefs = np.array([prior.p0, prior.p1, prior.p2, prior.running_ms])
-    theta = robust_fit(f[:, [0, 1, 2, 4]], y, coefs, nonnegative=True)
-    if theta[3] <= 0.0:
-        # The running requests explain nothing: the fit without them, as if the term did not exist
-        # (an active set pinned with it can differ from the one without it).
-        theta = np.concatenate([robust_fit(f[:, :3], y, coefs[:3], nonnegative=True), [0.0]])
-    p0, p1, p2, r = (float(v) for v in theta)
+    coefs = np.array([prior.p0, prior.p1, prior.p2])
+    p0, p1, p2, r = (float(v) for v in fit_with_running(f[:, :3], f[:, 4], y, coefs, prior.running_ms,
+                                                        nonnegative=True))
     return replace(t, p0=p0, p1=p1, p2=p2, running_ms=r), True
