@@ -346,6 +346,16 @@ def start_rust(package: str, python: Path, policy: str, worker_url: str, log: Pa
     return Target(f"{package} {policy}", f"http://127.0.0.1:{port}", proc)
 
 
+def start_floor(worker_url: str, log: Path | None, *, asgi: bool = False) -> Target:
+    """The Python floor (``bench/python_floor.py``): the least a reverse proxy in Python does per
+    request, with none of a router's work; what Rudder costs above it is its own."""
+    port = free_port()
+    script = Path(__file__).resolve().parent / "python_floor.py"
+    proc = spawn([sys.executable, str(script), "--port", str(port), "--upstream", worker_url,
+                  *(["--asgi"] if asgi else [])], {}, log=log)
+    return Target("python floor (asgi)" if asgi else "python floor", f"http://127.0.0.1:{port}", proc)
+
+
 async def wait_ok(url: str, *, within: float = 60.0) -> None:
     """Poll GET ``url`` until it answers 200 (any body)."""
     deadline = time.monotonic() + within
@@ -406,6 +416,10 @@ async def main(args: argparse.Namespace) -> None:
                 routers.append(r)
                 await r.ready(1)
                 targets.append(Target("baseline", r.url, r.proc))
+            for asgi in (False, True) if args.floor else ():
+                t = start_floor(fleet.urls[0], log_dir / f"python-floor{'-asgi' if asgi else ''}.log", asgi=asgi)
+                targets.append(t)
+                await wait_ok(t.url + "/health")
             for policy in policies:
                 assert rust is not None
                 t = start_rust(args.rust, rust, policy, fleet.urls[0], log_dir / f"rust-{policy}.log")
@@ -486,7 +500,7 @@ async def main(args: argparse.Namespace) -> None:
             server.stop()
     out = {
         "benchmark": "proxy_overhead", **machine(), "mode": args.mode, "modes": modes, "launcher": args.launcher,
-        "servers": args.servers.split(","),
+        "servers": args.servers.split(","), "python_floor": args.floor,
         "rust_router": {"package": args.rust, "policies": policies,
                         "version": rust_version(rust, args.rust) if rust is not None else None},
         "speedup_ratio": args.speedup, "prompt_chars": len(PROMPT), "max_tokens": args.max_tokens,
@@ -532,6 +546,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--profile-native", action="store_true", help="the router's profile with native frames")
     p.add_argument("--servers", default="uvicorn",
                    help="uvicorn (as shipped), or uvicorn,granian: also Rudder --mode under granian's ASGI server")
+    p.add_argument("--floor", action="store_true",
+                   help="also the Python floors (bench/python_floor.py): a bare reverse proxy in Python, "
+                        "on raw protocols and as an ASGI app under uvicorn")
     p.add_argument("--baseline", default="", help="also run a Rudder router from this checkout (e.g. /work/main)")
     p.add_argument("--output", default="proxy_overhead")
     return p.parse_args(argv)
