@@ -126,14 +126,34 @@ async def wait_until(url: str, ok: Any = None, *, within: float = 60.0) -> Any:
     raise RuntimeError(f"{url} not ready within {within:.0f}s (last answer {last!r})")
 
 
-def serve_command(kind: str, launcher: str) -> list[str]:
+def serve_command(kind: str, launcher: str, *, count_calls: Path | None = None) -> list[str]:
     """``python -m <kind>`` (asyncio loop) or ``rudder serve <kind>`` (uvloop when installed,
-    as ``rudder up`` runs it); both read their settings from the RUDDER_* environment."""
+    as ``rudder up`` runs it); both read their settings from the RUDDER_* environment.
+    ``count_calls``: run it under ``bench/count_calls.py``, which counts its calls from SIGUSR1 on
+    and writes them there when the process exits (:func:`python_calls`)."""
+    python = [sys.executable, *((str(ROOT / "bench" / "count_calls.py"), str(count_calls)) if count_calls else ())]
     if launcher == "module":
-        return [sys.executable, "-m", kind]
+        return [*python, "-m", kind]
     if launcher == "cli":
-        return [sys.executable, "-m", "cli.main", "serve", kind]
+        return [*python, "-m", "cli.main", "serve", kind]
     raise ValueError(f"launcher must be 'module' or 'cli', not {launcher!r}")
+
+
+def python_calls(path: Path, requests: int, *, top: int = 12) -> dict[str, Any]:
+    """Python function calls per request of a process run under ``bench/count_calls.py``
+    (``serve_command``'s ``count_calls``), which served ``requests`` after its SIGUSR1: a count,
+    not a time, so the same on a busy machine as on a quiet one (within what the load changes of
+    the code's path: how many commands the scheduler finds queued in a turn, how many chunks
+    arrive in one read); read against another process's count in the same run, never its
+    timings (cProfile slows it)."""
+    import pstats
+
+    stats = pstats.Stats(str(path)).stats  # type: ignore[attr-defined]
+    calls = sum(v[1] for v in stats.values())
+    rows = sorted(stats.items(), key=lambda kv: -kv[1][1])[:top]
+    return {"requests": requests, "calls_per_request": calls / max(requests, 1),
+            "top": [{"function": f"{name} ({Path(file).name}:{line})", "calls_per_request": v[1] / max(requests, 1)}
+                    for (file, line, name), v in rows]}
 
 
 def worker_env(bus: LocalBus, model: str, port: int, *, instance_id: int | None = None,
@@ -243,13 +263,13 @@ class Router:
     def __init__(self, bus: LocalBus, model: str, *, mode: str = "kv",
                  selection: dict[str, float] | None = None, kv_events: bool = True,
                  log: Path | None = None, launcher: str = "cli", src: Path | None = None,
-                 env: dict[str, str] | None = None) -> None:
+                 env: dict[str, str] | None = None, count_calls: Path | None = None) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.model = model
         env = {**router_env(bus, model, self.port, mode=mode, selection=selection, kv_events=kv_events),
                **(env or {})}
-        self.proc = spawn(serve_command("router", launcher), env, log=log, src=src)
+        self.proc = spawn(serve_command("router", launcher, count_calls=count_calls), env, log=log, src=src)
 
     async def ready(self, workers: int) -> None:
         await wait_until(self.url + "/health")

@@ -42,6 +42,7 @@ import asyncio
 import json
 import os
 import shutil
+import signal
 import statistics
 import subprocess
 import sys
@@ -57,12 +58,25 @@ import psutil
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
-from bench.common import CpuSampler, Fleet, Router, machine, pct, router_env, spawn, stop_all, wait_until, write_result
+from bench.common import (
+    CpuSampler,
+    Fleet,
+    Router,
+    machine,
+    pct,
+    python_calls,
+    router_env,
+    spawn,
+    stop_all,
+    wait_until,
+    write_result,
+)
 from cli.embedded import LocalBus, free_port
 
 MODEL = "bench-proxy"
 PROMPT = "Tell me about prefix caching in large language model serving. " * 2  # ~120 tokens
 MAX_TOKENS = 8
+WARM_UP = 20  # requests to each target before the latency phase measures
 
 
 class RawClient:
@@ -154,7 +168,7 @@ async def latency(targets: list[Target], n: int, max_tokens: int = MAX_TOKENS) -
     clients = {t.name: RawClient(*split(t.url)) for t in targets}
     samples: dict[str, dict[str, list[float]]] = {k: {"ttft": [], "total": []} for k in clients}
     try:
-        for _ in range(20):  # warm up every path (connections, caches, allocators)
+        for _ in range(WARM_UP):  # warm up every path (connections, caches, allocators)
             for c in clients.values():
                 await c.post_stream("/v1/completions", body)
         for _ in range(n):
@@ -219,6 +233,14 @@ class Target:
     name: str
     url: str
     proc: subprocess.Popen[bytes] | None = None  # the router's process (CPU is its and its children's)
+    calls: Path | None = None  # where cProfile writes its call counts (--count-calls)
+
+
+def served(name: str, phases: list[dict[str, Any]], lat: dict[str, Any]) -> int:
+    """Requests ``name`` answered in this run: the latency phase's (with its 20 warm-up requests)
+    and every throughput phase's (answered or failed)."""
+    return int(lat["requests_each"] + WARM_UP
+               + sum(p["requests"] + p["errors"] for p in phases if p["target"] == name))
 
 
 def compare(phases: list[dict[str, Any]], concurrencies: list[int], router: str) -> dict[str, Any]:
@@ -346,14 +368,15 @@ def start_rust(package: str, python: Path, policy: str, worker_url: str, log: Pa
     return Target(f"{package} {policy}", f"http://127.0.0.1:{port}", proc)
 
 
-def start_floor(worker_url: str, log: Path | None, *, asgi: bool = False) -> Target:
+def start_floor(worker_url: str, log: Path | None, *, asgi: bool = False, count_calls: Path | None = None) -> Target:
     """The Python floor (``bench/python_floor.py``): the least a reverse proxy in Python does per
     request, with none of a router's work; what Rudder costs above it is its own."""
     port = free_port()
     script = Path(__file__).resolve().parent / "python_floor.py"
-    proc = spawn([sys.executable, str(script), "--port", str(port), "--upstream", worker_url,
+    profiler = [str(Path(__file__).resolve().parent / "count_calls.py"), str(count_calls)] if count_calls else []
+    proc = spawn([sys.executable, *profiler, str(script), "--port", str(port), "--upstream", worker_url,
                   *(["--asgi"] if asgi else [])], {}, log=log)
-    return Target("python floor (asgi)" if asgi else "python floor", f"http://127.0.0.1:{port}", proc)
+    return Target("python floor (asgi)" if asgi else "python floor", f"http://127.0.0.1:{port}", proc, count_calls)
 
 
 async def wait_ok(url: str, *, within: float = 60.0) -> None:
@@ -404,20 +427,33 @@ async def main(args: argparse.Namespace) -> None:
         try:
             await fleet.start()
             targets.append(Target("direct", fleet.urls[0]))
+            counts = Path(args.count_calls) if args.count_calls else None
+            if counts is not None:
+                counts.mkdir(parents=True, exist_ok=True)
+
+            def counted(name: str, counting: bool = True) -> Path | None:
+                return counts / f"{name.replace(' ', '_')}.prof" if counts is not None and counting else None
+
             for mode in modes:
-                r = Router(server, MODEL, mode=mode, launcher=args.launcher, log=log_dir / f"rudder-{mode}.log")
+                calls = counted(f"rudder {mode}", mode == args.mode)
+                r = Router(server, MODEL, mode=mode, launcher=args.launcher, log=log_dir / f"rudder-{mode}.log",
+                           count_calls=calls)
                 routers.append(r)
                 await r.ready(1)
-                targets.append(Target(f"rudder {mode}", r.url, r.proc))
+                targets.append(Target(f"rudder {mode}", r.url, r.proc, calls))
             if "granian" in args.servers.split(","):
                 targets.append(await start_granian(server, args.mode, log_dir / "rudder-granian.log"))
             if args.baseline:
-                r = Router(server, MODEL, mode=args.mode, launcher=args.launcher, src=Path(args.baseline))
+                calls = counted("baseline")
+                r = Router(server, MODEL, mode=args.mode, launcher=args.launcher, src=Path(args.baseline),
+                           count_calls=calls)
                 routers.append(r)
                 await r.ready(1)
-                targets.append(Target("baseline", r.url, r.proc))
+                targets.append(Target("baseline", r.url, r.proc, calls))
             for asgi in (False, True) if args.floor else ():
-                t = start_floor(fleet.urls[0], log_dir / f"python-floor{'-asgi' if asgi else ''}.log", asgi=asgi)
+                name = f"python floor{' (asgi)' if asgi else ''}"
+                t = start_floor(fleet.urls[0], log_dir / f"python-floor{'-asgi' if asgi else ''}.log", asgi=asgi,
+                                count_calls=counted(name))
                 targets.append(t)
                 await wait_ok(t.url + "/health")
             for policy in policies:
@@ -426,6 +462,9 @@ async def main(args: argparse.Namespace) -> None:
                 targets.append(t)
                 await wait_ok(t.url + "/health")
             names = [t.name for t in targets]
+            for t in targets:  # counting from here: what each served, not its start-up
+                if t.calls is not None and t.proc is not None:
+                    os.kill(t.proc.pid, signal.SIGUSR1)
 
             lat = await latency(targets, args.requests, args.max_tokens)
             print(f"latency, {args.requests} sequential requests to each target (alternating):")
@@ -498,6 +537,14 @@ async def main(args: argparse.Namespace) -> None:
                 r.stop()
             fleet.stop()
             server.stop()
+    call_counts = {t.name: python_calls(t.calls, served(t.name, phases, lat)) for t in targets
+                   if t.calls is not None and t.calls.exists()}
+    if call_counts:
+        print("\nPython function calls per request (cProfile; a count, steady on a busy machine; this "
+              "run's timings of these targets are not to be read):")
+        for name, counted_calls in call_counts.items():
+            print(f"  {name:<28}{counted_calls['calls_per_request']:>9.0f}   top: "
+                  + ", ".join(f"{row['function']} {row['calls_per_request']:.1f}" for row in counted_calls["top"][:4]))
     out = {
         "benchmark": "proxy_overhead", **machine(), "mode": args.mode, "modes": modes, "launcher": args.launcher,
         "servers": args.servers.split(","), "python_floor": args.floor,
@@ -514,6 +561,8 @@ async def main(args: argparse.Namespace) -> None:
     }
     if comparison is not None:
         out["baseline"] = {"src": args.baseline, **comparison}
+    if call_counts:
+        out["python_calls"] = call_counts
     path = write_result(args.output, out)
     print(f"wrote {path}")
 
@@ -549,6 +598,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--floor", action="store_true",
                    help="also the Python floors (bench/python_floor.py): a bare reverse proxy in Python, "
                         "on raw protocols and as an ASGI app under uvicorn")
+    p.add_argument("--count-calls", default="",
+                   help="run Rudder --mode, the baseline and the floors under cProfile, their profiles here, and "
+                        "report Python function calls per request (a count: steady where timings are noise)")
     p.add_argument("--baseline", default="", help="also run a Rudder router from this checkout (e.g. /work/main)")
     p.add_argument("--output", default="proxy_overhead")
     return p.parse_args(argv)

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import signal
 from collections import deque
 from typing import Any
 from urllib.parse import urlsplit
@@ -235,8 +236,11 @@ async def serve(port: int, upstream: str) -> None:
     loop = asyncio.get_running_loop()
     server = await loop.create_server(lambda: Downstream(pool), "127.0.0.1", port, backlog=2048)
     print(f"python floor on 127.0.0.1:{port} -> {upstream}", flush=True)
+    stop = asyncio.Event()
+    loop.add_signal_handler(signal.SIGTERM, stop.set)  # a clean exit (bench/count_calls.py writes its counts)
+    loop.add_signal_handler(signal.SIGINT, stop.set)
     async with server:
-        await server.serve_forever()
+        await stop.wait()
 
 
 def main() -> None:
