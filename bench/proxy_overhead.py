@@ -77,6 +77,10 @@ MODEL = "bench-proxy"
 PROMPT = "Tell me about prefix caching in large language model serving. " * 2  # ~120 tokens
 MAX_TOKENS = 8
 WARM_UP = 20  # requests to each target before the latency phase measures
+# The routers at their startup values: bench.common's router_env turns the debug headers on (the
+# routing benches read which worker answered from them); here they would add five headers to
+# every answer that a router in production does not send.
+STARTUP = {"RUDDER_DEBUG_HEADERS": "false"}
 
 
 class RawClient:
@@ -345,7 +349,7 @@ async def start_granian(bus: LocalBus, mode: str, log: Path) -> Target:
     except ImportError as exc:
         raise SystemExit("--servers granian needs granian in this environment: pip install granian") from exc
     port = free_port()
-    env = router_env(bus, MODEL, port, mode=mode)
+    env = {**router_env(bus, MODEL, port, mode=mode), **STARTUP}
     proc = spawn([sys.executable, "-m", "granian", "--interface", "asgi", "--factory", "--host", "127.0.0.1",
                   "--port", str(port), "--loop", "uvloop", "--workers", "1", "--http", "1", "--no-ws",
                   "--log-level", "warning", "router.app:asgi_app"], env, log=log)
@@ -437,7 +441,7 @@ async def main(args: argparse.Namespace) -> None:
             for mode in modes:
                 calls = counted(f"rudder {mode}", mode == args.mode)
                 r = Router(server, MODEL, mode=mode, launcher=args.launcher, log=log_dir / f"rudder-{mode}.log",
-                           count_calls=calls)
+                           count_calls=calls, env=STARTUP)
                 routers.append(r)
                 await r.ready(1)
                 targets.append(Target(f"rudder {mode}", r.url, r.proc, calls))
@@ -446,7 +450,7 @@ async def main(args: argparse.Namespace) -> None:
             if args.baseline:
                 calls = counted("baseline")
                 r = Router(server, MODEL, mode=args.mode, launcher=args.launcher, src=Path(args.baseline),
-                           count_calls=calls)
+                           count_calls=calls, env=STARTUP)
                 routers.append(r)
                 await r.ready(1)
                 targets.append(Target("baseline", r.url, r.proc, calls))
