@@ -12,6 +12,7 @@ import asyncio
 import json
 import os
 import platform
+import pstats
 import secrets
 import signal
 import subprocess
@@ -129,14 +130,22 @@ async def wait_until(url: str, ok: Any = None, *, within: float = 60.0) -> Any:
 def serve_command(kind: str, launcher: str, *, count_calls: Path | None = None) -> list[str]:
     """``python -m <kind>`` (asyncio loop) or ``rudder serve <kind>`` (uvloop when installed,
     as ``rudder up`` runs it); both read their settings from the RUDDER_* environment.
-    ``count_calls``: run it under ``bench/count_calls.py``, which counts its calls from SIGUSR1 on
-    and writes them there when the process exits (:func:`python_calls`)."""
-    python = [sys.executable, *((str(ROOT / "bench" / "count_calls.py"), str(count_calls)) if count_calls else ())]
+    ``count_calls``: see :func:`python_command`."""
+    python = python_command(count_calls)
     if launcher == "module":
         return [*python, "-m", kind]
     if launcher == "cli":
         return [*python, "-m", "cli.main", "serve", kind]
     raise ValueError(f"launcher must be 'module' or 'cli', not {launcher!r}")
+
+
+def python_command(count_calls: Path | None = None) -> list[str]:
+    """This Python, or with ``count_calls`` this Python under ``bench/count_calls.py``, which
+    counts the process's calls from SIGUSR1 on and writes them there when it exits
+    (:func:`python_calls`); the module or script and its arguments follow."""
+    if count_calls is None:
+        return [sys.executable]
+    return [sys.executable, str(ROOT / "bench" / "count_calls.py"), str(count_calls)]
 
 
 def python_calls(path: Path, requests: int, *, top: int = 12) -> dict[str, Any]:
@@ -146,8 +155,6 @@ def python_calls(path: Path, requests: int, *, top: int = 12) -> dict[str, Any]:
     the code's path: how many commands the scheduler finds queued in a turn, how many chunks
     arrive in one read); read against another process's count in the same run, never its
     timings (cProfile slows it)."""
-    import pstats
-
     stats = pstats.Stats(str(path)).stats  # type: ignore[attr-defined]
     calls = sum(v[1] for v in stats.values())
     rows = sorted(stats.items(), key=lambda kv: -kv[1][1])[:top]

@@ -65,6 +65,7 @@ from bench.common import (
     machine,
     pct,
     python_calls,
+    python_command,
     router_env,
     spawn,
     stop_all,
@@ -241,8 +242,8 @@ class Target:
 
 
 def served(name: str, phases: list[dict[str, Any]], lat: dict[str, Any]) -> int:
-    """Requests ``name`` answered in this run: the latency phase's (with its 20 warm-up requests)
-    and every throughput phase's (answered or failed)."""
+    """Requests ``name`` answered in this run: the latency phase's (with its ``WARM_UP``
+    requests) and every throughput phase's (answered or failed)."""
     return int(lat["requests_each"] + WARM_UP
                + sum(p["requests"] + p["errors"] for p in phases if p["target"] == name))
 
@@ -377,8 +378,7 @@ def start_floor(worker_url: str, log: Path | None, *, asgi: bool = False, count_
     request, with none of a router's work; what Rudder costs above it is its own."""
     port = free_port()
     script = Path(__file__).resolve().parent / "python_floor.py"
-    profiler = [str(Path(__file__).resolve().parent / "count_calls.py"), str(count_calls)] if count_calls else []
-    proc = spawn([sys.executable, *profiler, str(script), "--port", str(port), "--upstream", worker_url,
+    proc = spawn([*python_command(count_calls), str(script), "--port", str(port), "--upstream", worker_url,
                   *(["--asgi"] if asgi else [])], {}, log=log)
     return Target("python floor (asgi)" if asgi else "python floor", f"http://127.0.0.1:{port}", proc, count_calls)
 

@@ -26,61 +26,75 @@ import argparse
 import asyncio
 import signal
 from collections import deque
-from typing import Any
+from typing import Any, Protocol
 from urllib.parse import urlsplit
 
 import httptools
 import uvloop
 
+HEAD = b"HTTP/1.1 %d OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n"
+
+
+class Client(Protocol):
+    """Where an answer goes: a client connection, or (under ASGI) the request's task."""
+
+    def write(self, data: bytes) -> None: ...
+
+    def end(self) -> None: ...  # the answer is complete (written before)
+
+    def close(self) -> None: ...  # the worker connection broke
+
 
 class Upstream(asyncio.Protocol):
-    """One keep-alive connection to the worker; relays one answer at a time to its client."""
+    """One keep-alive connection to the worker; relays one answer at a time to its client, the
+    head with the first body bytes, each read's chunks re-framed and written at once."""
 
     def __init__(self, pool: Pool) -> None:
         self.pool = pool
         self.transport: asyncio.Transport | None = None
         self.parser = httptools.HttpResponseParser(self)
-        self.client: Downstream | None = None
+        self.client: Client | None = None
         self.head = b""
         self.out: list[bytes] = []
+        self.ended = False
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]  # uvloop's is not asyncio's class
 
-    def send(self, client: Downstream, request: bytes) -> None:
+    def send(self, client: Client, request: bytes) -> None:
         self.client = client
         assert self.transport is not None
         self.transport.write(request)
 
     def data_received(self, data: bytes) -> None:
         self.parser.feed_data(data)
-        if self.out and self.client is not None:
-            self.client.write(b"".join(self.out))
-        self.out.clear()
-        if self.client is not None and self.client.done:
-            self.client.done = False
+        client = self.client
+        if client is None:
+            return
+        if self.out:
+            client.write(b"".join(self.out))
+            self.out.clear()
+        if self.ended:
+            self.ended = False
             self.client = None
             self.pool.idle.append(self)
+            client.end()
 
     def on_headers_complete(self) -> None:
-        status = self.parser.get_status_code()
-        self.head = (b"HTTP/1.1 %d OK\r\ncontent-type: text/event-stream\r\n"
-                     b"transfer-encoding: chunked\r\n\r\n" % status)
+        self.head = HEAD % self.parser.get_status_code()
 
-    def on_body(self, body: bytes) -> None:
-        framed = b"%x\r\n%b\r\n" % (len(body), body)
+    def on_body(self, body: bytes) -> None:  # inline, as the rest: the floor counts its calls
         if self.head:
             self.out.append(self.head)
             self.head = b""
-        self.out.append(framed)
+        self.out.append(b"%x\r\n%b\r\n" % (len(body), body))
 
     def on_message_complete(self) -> None:
         if self.head:
             self.out.append(self.head)
             self.head = b""
         self.out.append(b"0\r\n\r\n")
-        if self.client is not None:
-            self.client.done = True
+        self.ended = True
 
     def connection_lost(self, exc: Exception | None) -> None:
         if self in self.pool.idle:
@@ -89,19 +103,39 @@ class Upstream(asyncio.Protocol):
             self.client.close()
 
 
-class Pool:
-    def __init__(self, host: str, port: int) -> None:
-        self.host, self.port = host, port
-        self.idle: deque[Upstream] = deque()
-        self.protocol: type[Upstream] = Upstream
+class BodyOnly(Upstream):
+    """Hands the ASGI side the body alone: its server writes the head and frames the chunks."""
 
-    def send(self, client: Downstream, request: bytes) -> None:
+    def on_headers_complete(self) -> None:
+        pass
+
+    def on_body(self, body: bytes) -> None:
+        self.out.append(body)
+
+    def on_message_complete(self) -> None:
+        self.ended = True
+
+
+class Pool:
+    """Keep-alive connections to the one upstream (``protocol`` each)."""
+
+    def __init__(self, upstream: str, protocol: type[Upstream] = Upstream) -> None:
+        url = urlsplit(upstream)
+        self.host, self.port = url.hostname or "127.0.0.1", url.port or 80
+        self.protocol = protocol
+        self.idle: deque[Upstream] = deque()
+
+    def request(self, method: bytes, path: bytes, ctype: bytes, body: bytes) -> bytes:
+        return (b"%b %b HTTP/1.1\r\nhost: %b:%d\r\ncontent-type: %b\r\ncontent-length: %d\r\n\r\n%b"
+                % (method, path, self.host.encode(), self.port, ctype, len(body), body))
+
+    def send(self, client: Client, request: bytes) -> None:
         if self.idle:
             self.idle.pop().send(client, request)
             return
         asyncio.get_running_loop().create_task(self._connect(client, request))
 
-    async def _connect(self, client: Downstream, request: bytes) -> None:
+    async def _connect(self, client: Client, request: bytes) -> None:
         loop = asyncio.get_running_loop()
         _, conn = await loop.create_connection(lambda: self.protocol(self), self.host, self.port)
         conn.send(client, request)
@@ -117,7 +151,6 @@ class Downstream(asyncio.Protocol):
         self.url = b""
         self.ctype = b"application/json"
         self.body: list[bytes] = []
-        self.done = False
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]  # uvloop's is not asyncio's class
@@ -141,14 +174,14 @@ class Downstream(asyncio.Protocol):
 
     def on_message_complete(self) -> None:
         body = b"".join(self.body)
-        method = self.parser.get_method()
-        request = (b"%b %b HTTP/1.1\r\nhost: %b:%d\r\ncontent-type: %b\r\ncontent-length: %d\r\n\r\n%b"
-                   % (method, self.url, self.pool.host.encode(), self.pool.port, self.ctype, len(body), body))
-        self.pool.send(self, request)
+        self.pool.send(self, self.pool.request(self.parser.get_method(), self.url, self.ctype, body))
 
     def write(self, data: bytes) -> None:
         if self.transport is not None and not self.transport.is_closing():
             self.transport.write(data)
+
+    def end(self) -> None:
+        pass
 
     def close(self) -> None:
         if self.transport is not None:
@@ -161,7 +194,6 @@ class Waiting:
 
     def __init__(self) -> None:
         self.chunks: list[bytes] = []
-        self.done = False
         self.complete = False
         self.waiter: asyncio.Future[None] | None = None
 
@@ -170,30 +202,15 @@ class Waiting:
         if self.waiter is not None and not self.waiter.done():
             self.waiter.set_result(None)
 
-    def close(self) -> None:
+    def end(self) -> None:
         self.complete = True
-        self.write(b"")
+        if self.waiter is not None and not self.waiter.done():
+            self.waiter.set_result(None)
 
-
-class AsgiUpstream(Upstream):
-    """Hands the ASGI side the body alone (its server frames the chunks)."""
-
-    def on_headers_complete(self) -> None:
-        self.head = b""
-
-    def on_body(self, body: bytes) -> None:
-        self.out.append(body)
-
-    def on_message_complete(self) -> None:
-        self.out.append(b"")  # wakes the request's task even when no body came in this read
-        if self.client is not None:
-            self.client.done = True
-            self.client.complete = True  # type: ignore[attr-defined]
+    close = end
 
 
 def asgi_app(pool: Pool) -> Any:
-    loop_pool = pool
-
     async def app(scope: dict[str, Any], receive: Any, send: Any) -> None:
         if scope["type"] != "http":
             return
@@ -204,12 +221,9 @@ def asgi_app(pool: Pool) -> Any:
             if not msg.get("more_body"):
                 break
         ctype = next((v for k, v in scope["headers"] if k == b"content-type"), b"application/json")
-        path = scope["raw_path"] or scope["path"].encode()
-        request = (b"%b %b HTTP/1.1\r\nhost: %b:%d\r\ncontent-type: %b\r\ncontent-length: %d\r\n\r\n%b"
-                   % (scope["method"].encode(), path, loop_pool.host.encode(), loop_pool.port, ctype,
-                      len(body), body))
         sink = Waiting()
-        loop_pool.send(sink, request)  # type: ignore[arg-type]
+        pool.send(sink, pool.request(scope["method"].encode(), scope["raw_path"] or scope["path"].encode(),
+                                     ctype, body))
         started = False
         while True:
             if not sink.chunks and not sink.complete:
@@ -221,7 +235,7 @@ def asgi_app(pool: Pool) -> Any:
                 await send({"type": "http.response.start", "status": 200,
                             "headers": [(b"content-type", b"text/event-stream")]})
                 started = True
-            if sink.complete and not sink.chunks:
+            if sink.complete:
                 await send({"type": "http.response.body", "body": data, "more_body": False})
                 return
             if data:
@@ -231,8 +245,7 @@ def asgi_app(pool: Pool) -> Any:
 
 
 async def serve(port: int, upstream: str) -> None:
-    url = urlsplit(upstream)
-    pool = Pool(url.hostname or "127.0.0.1", url.port or 80)
+    pool = Pool(upstream)
     loop = asyncio.get_running_loop()
     server = await loop.create_server(lambda: Downstream(pool), "127.0.0.1", port, backlog=2048)
     print(f"python floor on 127.0.0.1:{port} -> {upstream}", flush=True)
@@ -254,11 +267,8 @@ def main() -> None:
         return
     import uvicorn
 
-    url = urlsplit(args.upstream)
-    pool = Pool(url.hostname or "127.0.0.1", url.port or 80)
-    pool.protocol = AsgiUpstream
-    uvicorn.run(asgi_app(pool), host="127.0.0.1", port=args.port, loop="uvloop", http="httptools",
-                log_level="warning", access_log=False, lifespan="off")
+    uvicorn.run(asgi_app(Pool(args.upstream, BodyOnly)), host="127.0.0.1", port=args.port, loop="uvloop",
+                http="httptools", log_level="warning", access_log=False, lifespan="off")
 
 
 if __name__ == "__main__":
