@@ -46,7 +46,6 @@ from controlplane.telemetry import logs, traces
 from router.commands import (
     MarkUnavailable,
     Phase,
-    ReportCached,
     RequestDone,
     RequestFirstToken,
     RoutingRequest,
@@ -149,11 +148,14 @@ def _sampled(rt: Runtime, sel: Selection) -> dict[str, Any] | None:
 _CACHED = re.compile(rb'"cached_tokens"\s*:\s*(\d+)')
 
 
-def _observe_answer(rt: Runtime, sel: Selection, status: str, tail: bytes, ttft_ms: float | None) -> None:
+def _answer_ended(rt: Runtime, sel: Selection, status: str, tail: bytes, ttft_ms: float | None, *,
+                  itl_ms: float | None = None, decode_tokens: int | None = None) -> None:
     """A worker's answer ended: count it by worker and status, compare the cached tokens the
     worker reported (``usage``, in ``tail``: the whole answer, or a stream's last chunks) with
-    the prediction (a byte scan, no JSON parse), and complete the decision's record if it was
-    sampled (router.decisions) with the measured TTFT (sent to the worker → first token)."""
+    the prediction (a byte scan, no JSON parse), end the booking (one ``RequestDone``, with the
+    stream's timing and the cached tokens for the worker's checks), and complete the decision's
+    record if it was sampled (router.decisions) with the measured TTFT (sent to the worker →
+    first token)."""
     rt.metrics.worker_answered(sel.model, sel.instance_id, status)
     found = _CACHED.search(tail) if b'"cached_tokens"' in tail else None
     cached = int(found.group(1)) if found is not None else None
@@ -161,7 +163,9 @@ def _observe_answer(rt: Runtime, sel: Selection, status: str, tail: bytes, ttft_
         series = rt.metrics.model(sel.model)
         series.predicted_cached.inc(sel.cached_tokens)
         series.reported_cached.inc(cached)
-        rt.scheduler.send(ReportCached(sel.instance_id, sel.cached_tokens, cached))
+    rt.scheduler.send(RequestDone(sel.booking_id, itl_ms=itl_ms, decode_tokens=decode_tokens,
+                                  instance_id=sel.instance_id, predicted_cached=sel.cached_tokens,
+                                  reported_cached=cached))
     if rt.decisions.sample > 0.0:
         record = rt.decisions.finish(sel.request_id, sel.instance_id, ttft_ms=ttft_ms,
                                      cached_tokens=cached, status=status)
@@ -266,16 +270,21 @@ async def _open(
 
 
 async def _read_all(rt: Runtime, opened: _Opened) -> bytes:
-    """The whole answer of a non-streamed exchange; frees its booking whatever happens."""
+    """The whole answer of a non-streamed exchange. Frees its booking if it fails; else the
+    caller ends it (:func:`_answer_ended`, or a ``RequestDone`` of its own)."""
     sel, resp = opened.sel, opened.resp
+    read = False
     try:
-        return await resp.aread()
+        content = await resp.aread()
+        read = True
+        return content
     except UpstreamError as exc:
         raise ServiceUnavailable(f"worker {sel.instance_id} failed: {exc}") from exc
     finally:
         await resp.aclose()
         rt.scheduler.send(RequestFirstToken(sel.booking_id))
-        rt.scheduler.send(RequestDone(sel.booking_id))
+        if not read:
+            rt.scheduler.send(RequestDone(sel.booking_id))
 
 
 def _kv_transfer_params(content: bytes) -> Any:
@@ -394,13 +403,14 @@ async def _completion(request: Request, rt: Runtime, path: str, chat: bool) -> R
         if status >= 400:
             log.warning("request %s: prefill worker %s answered %d", request_id, sel.instance_id, status)
             rt.metrics.answered(model, path, str(status))
-            _observe_answer(rt, sel, str(status), b"", None)
+            _answer_ended(rt, sel, str(status), b"", None)
             if tr is not None:
                 tr.done(str(status))
             return Response(
                 content, status_code=status, headers=out_headers,
                 media_type=opened.resp.headers.get("content-type", "application/json"),
             )
+        rt.scheduler.send(RequestDone(sel.booking_id))
         kv_params = _kv_transfer_params(content)
 
         def decode_body(s: Selection) -> bytes:
@@ -441,7 +451,7 @@ async def _completion(request: Request, rt: Runtime, path: str, chat: bool) -> R
         answered = time.perf_counter()
         observe_first_token(answered)
         rt.metrics.answered(model, path, str(resp.status_code))
-        _observe_answer(rt, sel, str(resp.status_code), content, (answered - opened.sent_at) * 1e3)
+        _answer_ended(rt, sel, str(resp.status_code), content, (answered - opened.sent_at) * 1e3)
         if tr is not None:
             tr.done(str(resp.status_code))
         return Response(content, status_code=resp.status_code, media_type=content_type, headers=out_headers)
@@ -463,10 +473,9 @@ async def _completion(request: Request, rt: Runtime, path: str, chat: bool) -> R
         finished = True
         await resp.aclose()
         itl_ms = (last - first_at) * 1e3 / (chunks - 1) if chunks > 1 and status == "200" else None
-        rt.scheduler.send(RequestDone(booking, itl_ms=itl_ms, decode_tokens=chunks or None))
         rt.metrics.answered(model, path, status)
-        _observe_answer(rt, sel, status, previous + tail,
-                        (first_at - opened.sent_at) * 1e3 if chunks else None)
+        _answer_ended(rt, sel, status, previous + tail, (first_at - opened.sent_at) * 1e3 if chunks else None,
+                      itl_ms=itl_ms, decode_tokens=chunks or None)
         if tr is not None:
             tr.done(status)
 

@@ -32,7 +32,7 @@ from dataclasses import replace
 from typing import Any, NamedTuple
 
 from controlplane.protocol.events import WorkerCalibration
-from router.cost.time import DEFAULT_DECODE_TOKENS, Prediction, Timing
+from router.cost.time import DEFAULT_DECODE_TOKENS, DEFAULT_TIMING, Prediction, Timing
 from router.timing_fit import (
     DecodeObservation,
     FitResult,
@@ -54,6 +54,12 @@ SWEEP_EVERY = 64
 SCALE_REFERENCE_TOKENS = 2048.0  # a worker's scale, to lend to its pool: its step of this many tokens
 
 
+def _claimed(prior: Timing) -> bool:
+    """Whether a prior is a worker's own claim: anything but the generic default (whatever its
+    source says). Computed when the prior is set, not on each first token."""
+    return replace(prior, source=DEFAULT_TIMING.source) != DEFAULT_TIMING
+
+
 class Calibration:
     """One worker's timing model: prior, observations, fitted coefficients, prediction error.
 
@@ -70,6 +76,7 @@ class Calibration:
 
     def __init__(self, prior: Timing, *, window: int = 256, min_samples: int = 16, inline: bool = True) -> None:
         self.prior = prior
+        self.claimed = _claimed(prior)
         self.window_size = window
         self.min_samples = min_samples
         self.inline = inline
@@ -111,6 +118,7 @@ class Calibration:
         if prior == self.prior:
             return
         self.prior = prior
+        self.claimed = _claimed(prior)
         self._refit_all()
 
     def reset(self) -> None:

@@ -205,6 +205,12 @@ class RequestDone(Command[None]):
     # A streamed request that completed: its mean inter-token time and its decode tokens.
     itl_ms: float | None = None
     decode_tokens: int | None = None
+    # The answer reported ``reported_cached`` cached tokens (usage) where the router predicted
+    # ``predicted_cached`` for ``instance_id``: the check of the worker's cache claims
+    # (router.claims), in the request's one end command rather than a command of its own.
+    instance_id: int = 0
+    predicted_cached: int = 0
+    reported_cached: int | None = None
 
 
 @dataclass(slots=True)
@@ -217,15 +223,6 @@ class ApplyFits(Command[None]):
     """Finished calibration fits: the workers' slots score with the new timing models."""
 
     results: list[FitResult]
-
-
-@dataclass(slots=True)
-class ReportCached(Command[None]):
-    """A worker's answer reported ``cached_tokens``; the router had predicted ``predicted``."""
-
-    instance_id: int
-    predicted: int
-    reported: int
 
 
 @dataclass(slots=True)

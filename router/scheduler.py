@@ -26,7 +26,6 @@ import logging
 import random
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import replace
 from datetime import datetime
 from typing import Any, TypeVar
 
@@ -67,7 +66,6 @@ from router.commands import (
     LoadKvDump,
     MarkUnavailable,
     PolicyApplied,
-    ReportCached,
     RequestDone,
     RequestFirstToken,
     RestorePolicy,
@@ -363,8 +361,34 @@ class Scheduler:
 
     def _dispatch(self, cmd: Command[Any]) -> Any:
         match cmd:
+            # A request's own commands first (a match tries its cases in order).
             case SelectWorker():
                 return self._select(cmd.request, cmd.seq)
+            case RequestFirstToken():
+                booking = self.bookings.first_token(cmd.request_id)
+                if booking is not None:
+                    self._returned(booking)
+                    self.tables.refresh_slot(booking.model, booking.key)
+                    if cmd.ttft_ms is not None:
+                        found = self.timings.observation(cmd.request_id, cmd.ttft_ms)
+                        if found is not None:
+                            self._timing_outcome(*found)
+                            for wid in self.timings.observe_first_token(*found):
+                                self._retime(wid)
+                return None
+            case RequestDone():
+                booking = self.bookings.free(cmd.request_id)
+                if booking is not None:
+                    now = self.clock()
+                    self.tables.returns.finished(booking.key, booking.hashes, now)
+                    if self.peer_sync and booking.hashes:
+                        self.outbox.finish(booking.key, booking.hashes[-1], now)
+                    self.tables.refresh_slot(booking.model, booking.key)
+                for wid in self.timings.done(cmd.request_id, cmd.itl_ms, cmd.decode_tokens):
+                    self._retime(wid)
+                if cmd.reported_cached is not None:
+                    self._cache_outcome(cmd.instance_id, cmd.predicted_cached, cmd.reported_cached)
+                return None
             case ApplyPolicy():
                 return self._apply_policy(cmd)
             case RestorePolicy():
@@ -388,29 +412,6 @@ class Scheduler:
                 return self._apply_kv(cmd.events)
             case LoadKvDump():
                 return self._load_dump(cmd.instance_id, cmd.reply)
-            case RequestFirstToken():
-                booking = self.bookings.first_token(cmd.request_id)
-                if booking is not None:
-                    self._returned(booking)
-                    self.tables.refresh_slot(booking.model, booking.key)
-                    if cmd.ttft_ms is not None:
-                        found = self.timings.observation(cmd.request_id, cmd.ttft_ms)
-                        if found is not None:
-                            self._timing_outcome(*found)
-                            for wid in self.timings.observe_first_token(*found):
-                                self._retime(wid)
-                return None
-            case RequestDone():
-                booking = self.bookings.free(cmd.request_id)
-                if booking is not None:
-                    now = self.clock()
-                    self.tables.returns.finished(booking.key, booking.hashes, now)
-                    if self.peer_sync and booking.hashes:
-                        self.outbox.finish(booking.key, booking.hashes[-1], now)
-                    self.tables.refresh_slot(booking.model, booking.key)
-                for wid in self.timings.done(cmd.request_id, cmd.itl_ms, cmd.decode_tokens):
-                    self._retime(wid)
-                return None
             case TakeFitWindows():
                 return self.timings.windows()
             case ApplyFits():
@@ -421,9 +422,6 @@ class Scheduler:
                 return self.outbox.take(self.bookings, cmd.since, self.clock())
             case ApplyPeerLoad():
                 self._apply_peer(cmd)
-                return None
-            case ReportCached():
-                self._cache_outcome(cmd)
                 return None
             case MarkUnavailable():
                 if self.discovery.mark_unreachable(cmd.instance_id):
@@ -580,17 +578,18 @@ class Scheduler:
         return [(st.record.model, wid) for wid in sorted(self.outcomes.quarantined)
                 if (st := self.discovery.get(wid)) is not None]
 
-    def _cache_outcome(self, cmd: ReportCached) -> None:
-        """Only claims from KV events are checked (approximate mode predicts from its own
-        decisions, which no worker asserted)."""
-        if not (self.use_index and self.kv_events) or self.discovery.get(cmd.instance_id) is None:
+    def _cache_outcome(self, wid: int, predicted: int, reported: int) -> None:
+        """A worker's answer reported ``reported`` cached tokens where the router predicted
+        ``predicted``. Only claims from KV events are checked (approximate mode predicts from its
+        own decisions, which no worker asserted)."""
+        if not (self.use_index and self.kv_events) or self.discovery.get(wid) is None:
             return
-        if self.outcomes.report(cmd.instance_id, cmd.predicted, cmd.reported):
+        if self.outcomes.report(wid, predicted, reported):
             log.warning("worker %s quarantined: its cache claims are not delivered (%.0f%% of predicted "
-                        "cached tokens reported); its blocks leave the prefix index", cmd.instance_id,
-                        100 * (self.outcomes.ratio(cmd.instance_id) or 0.0))
-            self.index.clear_worker(cmd.instance_id)
-            self._bound_index(cmd.instance_id)
+                        "cached tokens reported); its blocks leave the prefix index", wid,
+                        100 * (self.outcomes.ratio(wid) or 0.0))
+            self.index.clear_worker(wid)
+            self._bound_index(wid)
 
     def quarantine_status(self) -> list[WorkerQuarantine]:
         """Every worker whose cache claims or timing prior this router does not believe (its
@@ -624,8 +623,7 @@ class Scheduler:
         cal = self.timings.workers.get(wid)
         if cal is None or wid in self.timing_outcomes.quarantined:
             return None
-        prior = cal.prior
-        return None if replace(prior, source=DEFAULT_TIMING.source) == DEFAULT_TIMING else prior
+        return cal.prior if cal.claimed else None
 
     def _timing_outcome(self, wid: int, obs: PrefillObservation) -> None:
         """A claimed prior against the TTFT measured: persistently slower than it predicts, and the
