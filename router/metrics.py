@@ -4,13 +4,13 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Summary, generate_latest
 
 from controlplane.protocol.events import WorkerCalibration
 from controlplane.telemetry.build import build_info
 from router.decisions import DecisionRecord
+from router.fastmetrics import Count, FastCounter, FastHistogram, Observed
 
 _LATENCY = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
 _OVERHEAD = (0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.1)
@@ -18,36 +18,35 @@ _OVERHEAD = (0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025
 
 @dataclass(frozen=True, slots=True)
 class ModelSeries:
-    """One model's labelled series of the request path, looked up once (``labels()`` builds a
-    key, takes a lock and searches a dict: on every request and every streamed chunk, it showed
-    in the router's profile)."""
+    """One model's labelled series of the request path, looked up once per model."""
 
-    ttft: Any
-    itl: Any
-    overhead: Any
-    hit_rate: Any
-    selection: Any
-    predicted_cached: Any
-    reported_cached: Any
+    ttft: Observed
+    itl: Observed
+    overhead: Observed
+    hit_rate: Observed
+    selection: Observed
+    predicted_cached: Count
+    reported_cached: Count
 
 
 class RouterMetrics:
     def __init__(self) -> None:
         self._series: dict[str, ModelSeries] = {}
-        self._counted: dict[tuple[str, ...], Any] = {}
         self.registry = CollectorRegistry()
         r = self.registry
-        self.requests = Counter(
+        # The request path's series (per request, per chunk) keep plain numbers, no lock
+        # (router.fastmetrics); the rest are prometheus_client's.
+        self.requests = FastCounter(
             "rudder_router_requests", "Requests answered", ["model", "endpoint", "status"], registry=r
         )
-        self.ttft = Histogram(
+        self.ttft = FastHistogram(
             "rudder_router_ttft_seconds", "Time to first token", ["model"], buckets=_LATENCY, registry=r
         )
-        self.itl = Histogram(
+        self.itl = FastHistogram(
             "rudder_router_itl_seconds", "Inter-token latency (between streamed chunks)", ["model"],
             buckets=_LATENCY, registry=r,
         )
-        self.overhead = Histogram(
+        self.overhead = FastHistogram(
             "rudder_router_routing_overhead_seconds",
             "Request received to worker selected (tokenize, hash, queue, select)", ["model"],
             buckets=_OVERHEAD, registry=r,
@@ -64,7 +63,7 @@ class RouterMetrics:
             "Disaggregated requests: time to select the worker of each phase", ["model", "phase"],
             buckets=_OVERHEAD, registry=r,
         )
-        self.hit_rate = Histogram(
+        self.hit_rate = FastHistogram(
             "rudder_router_predicted_kv_hit_rate", "Predicted prefix-cache hit rate per request",
             ["model"], buckets=(0.0, 0.1, 0.25, 0.5, 0.75, 0.9, 1.0), registry=r,
         )
@@ -166,21 +165,21 @@ class RouterMetrics:
             "rudder_router_scheduler_queue_depth", "Commands waiting in the scheduler actor's queue",
             registry=r,
         )
-        self.selection = Histogram(
+        self.selection = FastHistogram(
             "rudder_router_selection_seconds",
             "Selection asked of the scheduler to its answer (queue wait and scoring)", ["model"],
             buckets=_OVERHEAD, registry=r,
         )
-        self.predicted_cached = Counter(
+        self.predicted_cached = FastCounter(
             "rudder_router_predicted_cached_tokens", "Prompt tokens predicted cached on the chosen "
             "worker (requests whose worker reported its cached tokens)", ["model"], registry=r,
         )
-        self.reported_cached = Counter(
+        self.reported_cached = FastCounter(
             "rudder_router_reported_cached_tokens",
             "Prompt tokens the worker reported cached (usage.prompt_tokens_details.cached_tokens)",
             ["model"], registry=r,
         )
-        self.worker_requests = Counter(
+        self.worker_requests = FastCounter(
             "rudder_router_worker_requests", "Requests forwarded, by worker and answer status",
             ["model", "instance_id", "status"], registry=r,
         )
@@ -256,21 +255,12 @@ class RouterMetrics:
         return series
 
     def answered(self, model: str, endpoint: str, status: str) -> None:
-        """Count a request answered (``model`` served by this router; refusals of unknown
-        models go through ``requests.labels``)."""
-        self._count(self.requests, "answered", model, endpoint, status)
+        """Count a request answered."""
+        self.requests.labels(model, endpoint, status).inc()
 
     def worker_answered(self, model: str, instance_id: int, status: str) -> None:
         """Count a worker's answer by worker and status (``rudder_router_worker_requests``)."""
-        self._count(self.worker_requests, "worker", model, str(instance_id), status)
-
-    def _count(self, counter: Any, kind: str, *labels: str) -> None:
-        """Increment ``counter``'s series of ``labels``, looked up once per series."""
-        key = (kind, *labels)
-        child = self._counted.get(key)
-        if child is None:
-            child = self._counted[key] = counter.labels(*labels)
-        child.inc()
+        self.worker_requests.labels(model, str(instance_id), status).inc()
 
     def set_quarantined(self, workers: Iterable[tuple[str, int]],
                         timing: Iterable[tuple[str, int]] = ()) -> None:

@@ -87,7 +87,7 @@ async def test_a_storm_of_streams_ended_every_way_leaves_nothing_behind(nats_url
         pools = router.runtime.http._pools.values()
         assert all(not c.active and not c.lost and c.sink is None for p in pools for c in p.idle)
         requests = router.runtime.metrics.requests
-        assert requests.labels(MODEL, "/v1/completions", "499")._value.get() == STREAMS
+        assert requests.labels(MODEL, "/v1/completions", "499").value == STREAMS
         served = await stream(port, "read", 0)  # and the router serves as before
         assert _text(served) == mock_answer(40)
 

@@ -47,7 +47,7 @@ async def test_predicted_hit_matches_cached_tokens_with_the_folders_tokenizer(
             {"role": "system", "content": system}, {"role": "user", "content": "first"}]})
         assert first.status_code == 200, first.text
         owner = int(first.headers["x-worker-instance-id"])
-        assert hit_rate._sum.get() == 0.0
+        assert hit_rate.sum == 0.0
         w = next(x for x in workers if x.instance_id == owner)
         sched = router.runtime.scheduler
         await wait_for(lambda: sched.inspect(lambda s: s.index.blocks_of((owner, 0)) == w.cached_blocks()))
@@ -64,4 +64,4 @@ async def test_predicted_hit_matches_cached_tokens_with_the_folders_tokenizer(
     cached = usage["prompt_tokens_details"]["cached_tokens"]
     assert cached >= 4 * BLOCK
     # The router's prediction (hit rate of this request) is exactly the worker's reported hit.
-    assert hit_rate._sum.get() == pytest.approx(cached / usage["prompt_tokens"])
+    assert hit_rate.sum == pytest.approx(cached / usage["prompt_tokens"])
