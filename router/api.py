@@ -335,7 +335,7 @@ async def _completion(request: Request, rt: Runtime, path: str, chat: bool) -> R
     if model not in settings.models:
         raise NotFound(f"The model `{model}` does not exist on this router", field="model")
     stream = body.get("stream", False) is True
-    targets = parse_targets(body.get("nvext"), hdrs)
+    targets = parse_targets(body.get("nvext"), hdrs, lowered=True)
     slo = parse_ttft_slo(body.get("nvext"), hdrs)
     view = rt.scheduler.view
     tok = await rt.tokenizers.get(view.tokenizers.get(model, frozenset()))
@@ -377,7 +377,7 @@ async def _completion(request: Request, rt: Runtime, path: str, chat: bool) -> R
     # What the router predicted for the worker that computes the prompt (the prefill worker when
     # disaggregated), and which policy revisions scored it: an operator (or a test) compares the
     # first with usage.prompt_tokens_details.cached_tokens.
-    revisions = ",".join(f"{k}={v}" for k, v in sorted(sel.revisions.items()))
+    revisions = sel.revisions.text
     logs.bind(worker_id=sel.instance_id, revision=revisions)
     # Headers naming the worker, the revisions and the predicted cache state are a debugging aid
     # and an oracle (a client could confirm, block by block, what prefixes other users sent):

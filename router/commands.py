@@ -61,6 +61,21 @@ class RoutingRequest:
     ttft_slo_ms: float | None = None
 
 
+class Revisions(dict[str, int]):
+    """The revision of each document kind a model's selections run with (one shared mapping until
+    a policy event or a re-sync changes one), with its text (``kind=revision,...``, sorted) made
+    once: the request's log context, its trace and a debug header name it on every request."""
+
+    __slots__ = ("text",)
+
+    def __init__(self, revisions: Mapping[str, int]) -> None:
+        super().__init__(revisions)
+        self.text = ",".join(f"{k}={v}" for k, v in sorted(self.items()))
+
+
+NO_REVISIONS = Revisions({})
+
+
 class Selection(NamedTuple):
     """The scheduler's answer to a :class:`SelectWorker` (a named tuple: built on every request)."""
 
@@ -69,7 +84,7 @@ class Selection(NamedTuple):
     instance_id: int
     dp_rank: int
     url: str
-    revisions: Mapping[str, int]  # kind → revision of the document it was scored with (shared)
+    revisions: Revisions  # kind → revision of the document it was scored with (shared)
     seq: int  # position of the command in the queue
     cost: float | None
     overlap_blocks: int

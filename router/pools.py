@@ -121,9 +121,13 @@ class Pools:
             for rank in range(state.record.dp_size):
                 self.refresh_slot(state.record.model, (wid, rank), state)
 
-    def refresh_slot(self, model: str, key: WorkerKey, state: WorkerState | None = None) -> None:
+    def refresh_slot(self, model: str, key: WorkerKey, state: WorkerState | None = None, *,
+                     liveness: bool = True) -> None:
         """Re-read a slot's load figures (the larger of the bookings, this router's and its peers',
-        and the worker's last report: router.peers), health and busy flag."""
+        and the worker's last report: router.peers) and busy flag, and with ``liveness`` its health
+        and expected returns' rate. A booking that starts or reaches its first token changes
+        neither of the latter (the request path leaves them out; :meth:`refresh_health` re-reads
+        them every tick)."""
         slot = self.slots[model].get(key)
         if slot is None:
             return
@@ -144,9 +148,10 @@ class Pools:
             blocks = max(blocks, reported.active_decode_blocks)
             requests = max(requests, reported.running + reported.waiting)
         slot.active_prefill_tokens, slot.decode_blocks, slot.active_requests = prefill, blocks, requests
-        now = self.clock()
-        slot.healthy = self.discovery.health(state, now) is Health.LIVE
-        slot.arrival_rate = self.returns.rate(key, now)
+        if liveness:
+            now = self.clock()
+            slot.healthy = self.discovery.health(state, now) is Health.LIVE
+            slot.arrival_rate = self.returns.rate(key, now)
         self.refresh_busy(model, slot, state)
 
     def refresh_busy(self, model: str, slot: Slot, state: WorkerState | None = None) -> None:

@@ -25,7 +25,7 @@ import itertools
 import logging
 import random
 import time
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from datetime import datetime
 from typing import Any, TypeVar
 
@@ -70,6 +70,7 @@ from router.commands import (
     RequestFirstToken,
     RestorePolicy,
     ResyncPolicy,
+    Revisions,
     RouterView,
     RoutingRequest,
     Selection,
@@ -169,7 +170,7 @@ class Scheduler:
                                index=self.index if self.use_index else None, rng=rng or random.Random(),
                                decisions=decisions)
         self._params: dict[str, SelectionParams] = {}
-        self._revisions: dict[str, dict[str, int]] = {}  # model → revisions (Scheduler.revisions)
+        self._revisions: dict[str, Revisions] = {}  # model → revisions (Scheduler.revisions)
         for m in models:
             self._refresh_policy(m)
         self.view = RouterView(applied=self.policy.applied())
@@ -367,8 +368,8 @@ class Scheduler:
             case RequestFirstToken():
                 booking = self.bookings.first_token(cmd.request_id)
                 if booking is not None:
-                    self._returned(booking)
-                    self.tables.refresh_slot(booking.model, booking.key)
+                    back = self._returned(booking)
+                    self.tables.refresh_slot(booking.model, booking.key, liveness=back == booking.key)
                     if cmd.ttft_ms is not None:
                         found = self.timings.observation(cmd.request_id, cmd.ttft_ms)
                         if found is not None:
@@ -478,12 +479,13 @@ class Scheduler:
             self._publish_view()
         return PolicyApplied(result, seq)
 
-    def revisions(self, model: str) -> Mapping[str, int]:
+    def revisions(self, model: str) -> Revisions:
         """Revision of each document kind the model's selections run with (one shared mapping
         until a policy event or a re-sync changes one)."""
         revs = self._revisions.get(model)
         if revs is None:
-            revs = self._revisions[model] = {k.value: self.policy.get(model, k).revision for k in PolicyKind}
+            revs = self._revisions[model] = Revisions({k.value: self.policy.get(model, k).revision
+                                                       for k in PolicyKind})
         return revs
 
     def params(self, model: str) -> SelectionParams:
@@ -721,7 +723,7 @@ class Scheduler:
         return self._book(req, seq, revisions, choice, pinned=pin is not None, disaggregated=then_decode)
 
     def _book(
-        self, req: RoutingRequest, seq: int, revisions: Mapping[str, int], choice: Choice, *, pinned: bool,
+        self, req: RoutingRequest, seq: int, revisions: Revisions, choice: Choice, *, pinned: bool,
         disaggregated: bool,
     ) -> Selection:
         slot, overlap, cost = choice.slot, choice.overlap, choice.cost
@@ -747,7 +749,7 @@ class Scheduler:
         )
         if self.approximate and hashes:
             self.index.record(slot.key, hashes, now=now, ttl=self.approx_ttl_s)
-        self.tables.refresh_slot(req.model, slot.key)
+        self.tables.refresh_slot(req.model, slot.key, liveness=False)
         self.stats["selections"] += 1
         if log.isEnabledFor(logging.DEBUG):
             log.debug(
@@ -763,19 +765,21 @@ class Scheduler:
             disaggregated=disaggregated, predicted_ttft_ms=pred.ttft_ms, slo_predicted_met=choice.slo_met,
         )
 
-    def _returned(self, booking: Booking) -> None:
+    def _returned(self, booking: Booking) -> WorkerKey | None:
         """A request that got its first token: if it is the return of one that finished earlier
-        (router.returns), the rank that held it expects it no more. Matched here rather than at
-        selection, off the selection's path (the request's own entry counts for its holder in the
-        meantime: its wait term there is about λ·D², a D of tens of ms for a cached turn)."""
+        (router.returns), the rank that held it expects it no more (re-read here unless it is the
+        booking's own, which the caller re-reads); that rank, else None. Matched here rather than
+        at selection, off the selection's path (the request's own entry counts for its holder in
+        the meantime: its wait term there is about λ·D², a D of tens of ms for a cached turn)."""
         entry = self.tables.returns.arrived_entry(booking.hashes, booking.booked_at)
         if entry is None:
-            return
+            return None
         back, h = entry
         if self.peer_sync:
             self.outbox.close(h)
         if back != booking.key:
             self.tables.refresh_slot(booking.model, back)
+        return back
 
     # -- the view the HTTP side reads -----------------------------------------------------------
 

@@ -44,6 +44,7 @@ _HEADER_OF = {
     "dp_rank": HDR_DP_RANK,
     "prefill_dp_rank": HDR_PREFILL_DP_RANK,
 }
+_TARGET_HEADERS = frozenset(_HEADER_OF.values())
 
 
 @dataclass(frozen=True, slots=True)
@@ -124,14 +125,17 @@ def _rank_without_worker(rank: _Value) -> InvalidRequest:
     return InvalidRequest(f"{rank.field} names a dp rank but no worker id is given", field=rank.field)
 
 
-def parse_targets(nvext: Any, headers: Mapping[str, str]) -> Targets:
+def parse_targets(nvext: Any, headers: Mapping[str, str], *, lowered: bool = False) -> Targets:
     """Both phases' explicit targets of a request. Raises InvalidRequest for a malformed id or
-    rank, ``nvext`` not an object, or a rank that no given worker id can use."""
+    rank, ``nvext`` not an object, or a rank that no given worker id can use. ``lowered``: the
+    header names are lower case already (ASGI's)."""
     if nvext is None:
+        if lowered and _TARGET_HEADERS.isdisjoint(headers):
+            return NO_TARGETS  # the common request: nothing to look up
         nvext = {}
     if not isinstance(nvext, Mapping):
         raise InvalidRequest("nvext must be an object", field="nvext")
-    lower = {k.lower(): v for k, v in headers.items()}
+    lower = headers if lowered else {k.lower(): v for k, v in headers.items()}
     backend = _lookup(nvext, lower, "backend_instance_id")
     prefill_id = _lookup(nvext, lower, "prefill_worker_id")
     decode_worker = _lookup(nvext, lower, "decode_worker_id") or backend

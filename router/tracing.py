@@ -54,7 +54,7 @@ class RequestTrace:
             "rudder.pool": sel.pool.value, "rudder.candidates": sel.candidates,
             "rudder.cost": sel.cost, "rudder.predicted_cached_tokens": sel.cached_tokens,
             "rudder.prompt_tokens": sel.prompt_tokens, "rudder.predicted_ttft_ms": sel.predicted_ttft_ms,
-            "rudder.policy_revisions": ",".join(f"{k}={v}" for k, v in sorted(sel.revisions.items())),
+            "rudder.policy_revisions": sel.revisions.text,
             **{f"rudder.policy_revision.{k}": v for k, v in sel.revisions.items()},
         }
         if figures:

@@ -12,12 +12,12 @@ from typing import Any
 import pytest
 
 from router.api import RelayResponse, _target_body
-from router.commands import Selection
+from router.commands import NO_REVISIONS, Selection
 from router.upstream import UpstreamBroken, UpstreamClient
 
 pytestmark = pytest.mark.timeout(30)
 
-SEL = Selection("r", "m", 12345, 2, "http://w", {}, 1, None, 0, 0, 0, 0)
+SEL = Selection("r", "m", 12345, 2, "http://w", NO_REVISIONS, 1, None, 0, 0, 0, 0)
 
 
 @pytest.mark.parametrize("raw", [
