@@ -296,7 +296,7 @@ def _kv_transfer_params(content: bytes) -> Any:
     return answer.get("kv_transfer_params") if isinstance(answer, dict) else None
 
 
-def _parse(raw: bytearray) -> dict[str, Any]:
+def _parse(raw: bytes | bytearray) -> dict[str, Any]:
     """The body as a JSON object. Raises InvalidRequest."""
     try:
         body = json.loads(raw)
@@ -338,7 +338,10 @@ async def _completion(request: Request, rt: Runtime, path: str, chat: bool) -> R
     targets = parse_targets(body.get("nvext"), hdrs, lowered=True)
     slo = parse_ttft_slo(body.get("nvext"), hdrs)
     view = rt.scheduler.view
-    tok = await rt.tokenizers.get(view.tokenizers.get(model, frozenset()))
+    names = view.tokenizers.get(model, frozenset())
+    tok = rt.tokenizers.ready(names)
+    if tok is None:
+        tok = await rt.tokenizers.get(names)
     block_sizes = tuple(view.block_sizes.get(model, ()))
     if offload:
         _, n_prompt, hashes = await asyncio.to_thread(_tokenize, tok, body, chat, block_sizes)

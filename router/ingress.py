@@ -258,7 +258,7 @@ class GuardedHttpProtocol(HttpToolsProtocol):
         self.transport.abort()  # connection_lost: the app sees http.disconnect
 
 
-async def read_body(receive: Receive, content_length: str | None, *, max_bytes: int) -> bytearray:
+async def read_body(receive: Receive, content_length: str | None, *, max_bytes: int) -> bytes | bytearray:
     """The request body, read as it arrives and never past ``max_bytes`` (its time is bounded by
     the protocol's body timeout, which disconnects a client too slow to send it).
 
@@ -274,10 +274,13 @@ async def read_body(receive: Receive, content_length: str | None, *, max_bytes: 
         message = await receive()
         if message["type"] == "http.disconnect":
             raise ClientGone("client disconnected while sending the body")
-        chunk = message.get("body", b"")
+        chunk: bytes = message.get("body", b"")
         if len(buf) + len(chunk) > max_bytes:
             raise PayloadTooLarge(f"body exceeds the limit of {max_bytes} bytes", field="body",
                                   limit=max_bytes)
+        more = message.get("more_body", False)
+        if not more and not buf:
+            return chunk  # the whole body in one message (the common case): no copy
         buf += chunk
-        if not message.get("more_body", False):
+        if not more:
             return buf

@@ -184,15 +184,20 @@ class TokenizerRegistry:
     def loaded(self, name: str) -> Tokenizer | None:
         return self._ready.get(name)
 
-    async def get(self, names: frozenset[str]) -> Tokenizer:
-        """The tokenizer every worker of a model shares; the estimate when they differ."""
+    def ready(self, names: frozenset[str]) -> Tokenizer | None:
+        """What :meth:`get` answers without waiting, else None (a tokenizer still to load)."""
         if names == _BYTE_NAMES:
             return BYTES
         if len(names) != 1:
             return ESTIMATE
         (name,) = names
-        tok = self._ready.get(name)
+        return self._ready.get(name)
+
+    async def get(self, names: frozenset[str]) -> Tokenizer:
+        """The tokenizer every worker of a model shares; the estimate when they differ."""
+        tok = self.ready(names)
         if tok is not None:
             return tok
+        (name,) = names
         fut = self._loading.get(name) or self._start(name)
         return await asyncio.shield(fut)

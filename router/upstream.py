@@ -68,7 +68,7 @@ class _Conn(asyncio.Protocol):
         self.parser = httptools.HttpResponseParser(self)
         self.received = 0  # bytes of this exchange's response
         self.status = 0
-        self.headers: dict[str, str] = {}
+        self.raw_headers: list[tuple[bytes, bytes]] = []  # as they came (decoded when asked: headers())
         self.head_done = False
         self.extra = False  # bytes past this exchange's answer arrived
         self.reusable = False
@@ -93,18 +93,23 @@ class _Conn(asyncio.Protocol):
             return
         if not self.head_done and self.received > _MAX_HEAD:
             self._fail("response head too large")
-        elif self.body and self.sink is not None and not self.complete and not self.lost:
-            # A chunk that ends the answer is left to the reader (it ends the client's answer).
-            data = self.take()
-            if not self.sink(data):
+        elif self.body:
+            if self.sink is not None and not self.complete and not self.lost:
+                # A chunk that ends the answer is left to the reader (it ends the client's answer).
+                data = self.take()
+                if self.sink(data):
+                    return
                 self.sink = None
                 self._hold(data)
-                self._wake()
+            elif self.held > _HIGH_WATER:
+                self._pause()
+            self._wake()
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.lost = True
-        if (self.head_done and not self.complete and "content-length" not in self.headers
-                and "chunked" not in self.headers.get("transfer-encoding", "").lower()):
+        headers = self.headers() if self.head_done and not self.complete else {}
+        if (self.head_done and not self.complete and "content-length" not in headers
+                and "chunked" not in headers.get("transfer-encoding", "").lower()):
             self.complete = True  # a body framed by the connection's close ends here
         elif not self.why:
             self.why = type(exc).__name__ if exc is not None else "connection closed"
@@ -123,16 +128,15 @@ class _Conn(asyncio.Protocol):
             self.reusable = False
 
     def on_header(self, name: bytes, value: bytes) -> None:
-        if self.extra:
-            return
-        self.headers[name.decode("latin-1").strip().lower()] = value.decode("latin-1").strip()
+        if not self.extra:
+            self.raw_headers.append((name, value))
 
     def on_headers_complete(self) -> None:
         if self.extra:
             return
         status = self.parser.get_status_code()
         if 100 <= status < 200:  # informational (100 Continue): the answer's head follows
-            self.headers = {}
+            self.raw_headers = []
             return
         self.status = status
         self.reusable = self.parser.should_keep_alive()  # what the head says (HTTP/1.1, Connection)
@@ -140,18 +144,24 @@ class _Conn(asyncio.Protocol):
         self._wake()
 
     def on_body(self, body: bytes) -> None:
-        if self.extra:
-            return
-        self._hold(body)
-        if self.sink is None:
-            self._wake()
+        if not self.extra:  # held: data_received hands it on once the read is parsed
+            self.body.append(body)
+            self.held += len(body)
 
     def _hold(self, body: bytes) -> None:
         self.body.append(body)
         self.held += len(body)
-        if self.held > _HIGH_WATER and not self._paused and self.transport is not None:
+        if self.held > _HIGH_WATER:
+            self._pause()
+
+    def _pause(self) -> None:
+        if not self._paused and self.transport is not None:
             self._paused = True
             self.transport.pause_reading()
+
+    def headers(self) -> dict[str, str]:
+        """The answer's head, names in lower case."""
+        return _decoded(self.raw_headers)
 
     def on_message_complete(self) -> None:
         if not self.head_done or self.extra:
@@ -196,6 +206,10 @@ class _Conn(asyncio.Protocol):
     def close(self) -> None:
         if self.transport is not None:
             self.transport.close()
+
+
+def _decoded(raw: list[tuple[bytes, bytes]]) -> dict[str, str]:
+    return {name.decode("latin-1").strip().lower(): value.decode("latin-1").strip() for name, value in raw}
 
 
 @dataclass(slots=True)
@@ -294,7 +308,7 @@ class UpstreamClient:
             if conn.received:
                 raise UpstreamBroken(f"connection closed in the response head from {where}: {conn.why}")
             raise UpstreamUnreachable(f"no response from {where}: {conn.why}")
-        return UpstreamResponse(self, key, conn, conn.status, conn.headers)
+        return UpstreamResponse(self, key, conn, conn.status)
 
     async def aclose(self) -> None:
         self._closed = True
@@ -351,13 +365,13 @@ class UpstreamResponse:
     connection goes back to the pool when the body has been read to its end, and is closed if
     the response is closed early."""
 
-    def __init__(self, client: UpstreamClient, key: tuple[str, int], conn: _Conn, status: int,
-                 headers: dict[str, str]) -> None:
+    def __init__(self, client: UpstreamClient, key: tuple[str, int], conn: _Conn, status: int) -> None:
         self._client = client
         self._key = key
         self._conn: _Conn | None = conn
         self.status_code = status
-        self.headers = headers
+        self._raw_headers = conn.raw_headers
+        self._headers: dict[str, str] | None = None
         self._done = False
         # True from the moment the body's end has been read: the chunk being handed out is the
         # last (the relay then ends the client's answer with it, in one write).
@@ -366,6 +380,13 @@ class UpstreamResponse:
         # the body that arrives (but the end of the answer) goes to it as it arrives, without
         # waking the reader; ``aiter_raw`` hands out only what it did not take.
         self.sink: Callable[[bytes], bool] | None = None
+
+    @property
+    def headers(self) -> dict[str, str]:
+        """The head's fields, names in lower case (decoded on first use)."""
+        if self._headers is None:
+            self._headers = _decoded(self._raw_headers)
+        return self._headers
 
     async def aiter_raw(self) -> AsyncIterator[bytes]:
         """The body, as it arrives (framing removed): whatever arrived since the last chunk, at
