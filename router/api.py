@@ -411,7 +411,7 @@ async def _completion(request: Request, rt: Runtime, path: str, chat: bool) -> R
                 tr.done(str(status))
             return Response(
                 content, status_code=status, headers=out_headers,
-                media_type=opened.resp.headers.get("content-type", "application/json"),
+                media_type=opened.resp.header(b"content-type", "application/json"),
             )
         rt.scheduler.send(RequestDone(sel.booking_id))
         kv_params = _kv_transfer_params(content)
@@ -448,7 +448,7 @@ async def _completion(request: Request, rt: Runtime, path: str, chat: bool) -> R
     if debug:
         out_headers[HDR_WORKER] = str(sel.instance_id)
         out_headers[HDR_DP_RANK] = str(sel.dp_rank)
-    content_type = resp.headers.get("content-type", "application/json")
+    content_type = resp.header(b"content-type", "application/json")
     if not stream or resp.status_code >= 400:
         content = await _read_all(rt, opened)
         answered = time.perf_counter()

@@ -388,6 +388,15 @@ class UpstreamResponse:
             self._headers = _decoded(self._raw_headers)
         return self._headers
 
+    def header(self, name: bytes, default: str) -> str:
+        """One field of the head (``name`` in lower case), without decoding the others."""
+        if self._headers is None:
+            for raw, value in reversed(self._raw_headers):  # the last wins, as in headers
+                if raw.lower() == name:
+                    return value.decode("latin-1").strip()
+            return default
+        return self._headers.get(name.decode("latin-1"), default)
+
     async def aiter_raw(self) -> AsyncIterator[bytes]:
         """The body, as it arrives (framing removed): whatever arrived since the last chunk, at
         once (fewer awaits here and fewer sends to the client when the worker is quick). While a
