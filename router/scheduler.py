@@ -319,6 +319,21 @@ class Scheduler:
         self._enqueue(cmd)
         return fut
 
+    def select_now(self, request: RoutingRequest) -> Selection | None:
+        """The selection made at once, by the caller, when the actor is idle (nothing queued, not
+        inside a handler: where the queue would have put it, first) as :meth:`send` does; else
+        None, and the caller submits it. Raises what a selection raises."""
+        task = self._task
+        if self._stopping or self._handling or task is None or task.done() or not self._queue.empty():
+            return None
+        cmd = SelectWorker(request)
+        fut: asyncio.Future[Selection] = asyncio.get_running_loop().create_future()
+        cmd.future = fut
+        cmd.seq = next(self._seq)
+        self._queued_selections += 1  # as submit counts it (the handler counts it out)
+        self._handle_timed(cmd)
+        return fut.result()
+
     def send(self, cmd: Command[Any]) -> None:
         """A command nobody waits for (completions, KV events). Dropped when stopping.
 

@@ -65,6 +65,12 @@ class _Conn(asyncio.Protocol):
     def begin(self) -> None:
         """A new exchange: a fresh parser and nothing received."""
         self.active = True  # an exchange runs (bytes while none does are not an answer to anything)
+        # The parser hands the body straight to the list (its callbacks are read when it is made):
+        # held until data_received hands it on once the read is parsed; a second answer's bytes
+        # (``extra``) are cut off there, after the first answer's end (``_ended``).
+        self.body: list[bytes] = []
+        self.on_body = self.body.append
+        self._ended = -1
         self.parser = httptools.HttpResponseParser(self)
         self.received = 0  # bytes of this exchange's response
         self.status = 0
@@ -72,8 +78,7 @@ class _Conn(asyncio.Protocol):
         self.head_done = False
         self.extra = False  # bytes past this exchange's answer arrived
         self.reusable = False
-        self.body: list[bytes] = []
-        self.held = 0
+        self._taken = 0  # self.received when the body was last taken (what is held: the rest)
         self.complete = False
 
     # -- the protocol --------------------------------------------------------------------------
@@ -94,14 +99,16 @@ class _Conn(asyncio.Protocol):
         if not self.head_done and self.received > _MAX_HEAD:
             self._fail("response head too large")
         elif self.body:
+            if self.extra and self._ended >= 0:
+                del self.body[self._ended:]  # not this exchange's answer
             if self.sink is not None and not self.complete and not self.lost:
                 # A chunk that ends the answer is left to the reader (it ends the client's answer).
                 data = self.take()
                 if self.sink(data):
                     return
                 self.sink = None
-                self._hold(data)
-            elif self.held > _HIGH_WATER:
+                self.body.append(data)
+            if self.received - self._taken > _HIGH_WATER:
                 self._pause()
             self._wake()
 
@@ -143,17 +150,6 @@ class _Conn(asyncio.Protocol):
         self.head_done = True
         self._wake()
 
-    def on_body(self, body: bytes) -> None:
-        if not self.extra:  # held: data_received hands it on once the read is parsed
-            self.body.append(body)
-            self.held += len(body)
-
-    def _hold(self, body: bytes) -> None:
-        self.body.append(body)
-        self.held += len(body)
-        if self.held > _HIGH_WATER:
-            self._pause()
-
     def _pause(self) -> None:
         if not self._paused and self.transport is not None:
             self._paused = True
@@ -166,6 +162,7 @@ class _Conn(asyncio.Protocol):
     def on_message_complete(self) -> None:
         if not self.head_done or self.extra:
             return  # an informational answer's end, or one after the answer
+        self._ended = len(self.body)
         self.complete = True
         self._wake()
 
@@ -175,8 +172,10 @@ class _Conn(asyncio.Protocol):
         """The body that arrived since the last take, all of it."""
         body = self.body
         data = body[0] if len(body) == 1 else b"".join(body)
-        self.body = []
-        self.held = 0
+        body.clear()  # the same list: the parser appends to it
+        if self._ended >= 0:
+            self._ended = 0
+        self._taken = self.received
         if self._paused and self.transport is not None:
             self._paused = False
             self.transport.resume_reading()

@@ -20,6 +20,7 @@ import openai
 import psutil
 import pytest
 
+from router.commands import Inspect
 from router.ingress import PROBE_RESERVE
 from tests import buskit
 from tests.support_router.workers import (
@@ -234,8 +235,19 @@ async def test_full_scheduler_queue_answers_the_overload_status(fleet: InProcess
         assert before >= 0
         request = _request({"model": MODEL, "messages": [{"role": "user", "content": "burst"}],
                             "max_tokens": 2})
-        # Every request is in the router's socket buffers before its event loop runs again, so
-        # all of them reach the scheduler's queue before the actor handles the first.
+        # An idle actor's selections are made at once by their requests (Scheduler.select_now):
+        # only a busy actor's wait in its queue. Here it stays busy (a command that queues itself
+        # again) until the bound has refused one, so every request of the burst, in the router's
+        # socket buffers before its event loop runs again, queues behind the actor's work.
+        sched = router.runtime.scheduler
+        refused_so_far = router.runtime.metrics.rejections.labels("queue_full")
+        until = time.monotonic() + 20
+
+        def busy(s: Any) -> None:
+            if refused_so_far._value.get() == 0 and time.monotonic() < until:
+                s.submit(Inspect(busy))
+
+        sched.submit(Inspect(busy))
         for sock in socks:
             sock.sendall(request)
         for sock in socks:
@@ -253,7 +265,6 @@ async def test_full_scheduler_queue_answers_the_overload_status(fleet: InProcess
     assert error["code"] == "queue_full" and error["type"] == "overloaded_error"
     assert b"retry-after: 1" in refused[0].lower()
     # The queue's places were all given back.
-    sched = router.runtime.scheduler
     assert await sched.inspect(lambda s: s._queued_selections) == 0
     assert await sched.inspect(lambda s: len(s.bookings)) == 0
 

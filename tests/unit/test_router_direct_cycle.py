@@ -240,10 +240,13 @@ async def test_disconnect_callbacks_run_once_when_the_client_goes_and_at_once_af
 
 
 class Scheduler:
-    """The one thing ``_select`` asks of the scheduler: a future for the selection."""
+    """What ``_select`` asks of a busy scheduler: no selection at once, a future for it queued."""
 
     def __init__(self) -> None:
         self.future: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+
+    def select_now(self, request: Any) -> None:
+        return None
 
     def submit(self, command: Any) -> asyncio.Future[Any]:
         return self.future

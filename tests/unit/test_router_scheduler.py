@@ -8,6 +8,7 @@ import json
 import random
 import time
 import uuid
+from dataclasses import replace
 from datetime import UTC, datetime
 
 import pytest
@@ -232,6 +233,26 @@ async def test_a_command_sent_to_an_idle_actor_is_handled_at_once_else_queued_in
         assert await s.inspect(lambda x: ("q3" in x.bookings, len(x.bookings))) == (True, 1)
     finally:
         await s.stop()
+
+
+async def test_a_selection_is_made_by_its_caller_only_when_the_actor_is_idle() -> None:
+    s = _sched(Clock(), RoutingMode.LEAST_LOADED)
+    s.send(ApplyMembership(_join(1)))
+    assert s.select_now(_req(0)) is None  # not started: the queue holds a command
+    s.start()
+    try:
+        await s.inspect(lambda x: None)  # the join is handled
+        sel = s.select_now(_req(1))  # idle: made before the call returns, booked as submit's
+        assert sel is not None and sel.instance_id == 1 and s.queue_depth == 0
+        assert len(s.bookings) == 1 and s.stats["selections"] == 1
+        queued = s.submit(SelectWorker(_req(2)))  # a command waits: a selection goes behind it
+        assert s.select_now(_req(3)) is None
+        await queued
+        with pytest.raises(InvalidRequest):  # what a selection raises, raised to the caller
+            s.select_now(replace(_req(4), model="not/served"))
+    finally:
+        await s.stop()
+    assert s.select_now(_req(5)) is None  # stopped: submit answers it (refused)
 
 
 async def test_stop_answers_every_waiter() -> None:
