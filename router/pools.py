@@ -122,12 +122,12 @@ class Pools:
                 self.refresh_slot(state.record.model, (wid, rank), state)
 
     def refresh_slot(self, model: str, key: WorkerKey, state: WorkerState | None = None, *,
-                     liveness: bool = True) -> None:
+                     health: bool = True, rate: bool = True) -> None:
         """Re-read a slot's load figures (the larger of the bookings, this router's and its peers',
-        and the worker's last report: router.peers) and busy flag, and with ``liveness`` its health
-        and expected returns' rate. A booking that starts or reaches its first token changes
-        neither of the latter (the request path leaves them out; :meth:`refresh_health` re-reads
-        them every tick)."""
+        and the worker's last report: router.peers) and busy flag, with ``health`` its health and
+        with ``rate`` its expected returns' rate. A request's own commands change neither its
+        worker's health nor, but for the returns it opens and closes, the rate: they leave them
+        out (:meth:`refresh_health` re-reads both every tick)."""
         slot = self.slots[model].get(key)
         if slot is None:
             return
@@ -148,10 +148,12 @@ class Pools:
             blocks = max(blocks, reported.active_decode_blocks)
             requests = max(requests, reported.running + reported.waiting)
         slot.active_prefill_tokens, slot.decode_blocks, slot.active_requests = prefill, blocks, requests
-        if liveness:
+        if health or rate:
             now = self.clock()
-            slot.healthy = self.discovery.health(state, now) is Health.LIVE
-            slot.arrival_rate = self.returns.rate(key, now)
+            if health:
+                slot.healthy = self.discovery.health(state, now) is Health.LIVE
+            if rate:
+                slot.arrival_rate = self.returns.rate(key, now)
         self.refresh_busy(model, slot, state)
 
     def refresh_busy(self, model: str, slot: Slot, state: WorkerState | None = None) -> None:

@@ -384,7 +384,7 @@ class Scheduler:
                 booking = self.bookings.first_token(cmd.request_id)
                 if booking is not None:
                     back = self._returned(booking)
-                    self.tables.refresh_slot(booking.model, booking.key, liveness=back == booking.key)
+                    self.tables.refresh_slot(booking.model, booking.key, health=False, rate=back == booking.key)
                     if cmd.ttft_ms is not None:
                         found = self.timings.observation(cmd.request_id, cmd.ttft_ms)
                         if found is not None:
@@ -399,7 +399,7 @@ class Scheduler:
                     self.tables.returns.finished(booking.key, booking.hashes, now)
                     if self.peer_sync and booking.hashes:
                         self.outbox.finish(booking.key, booking.hashes[-1], now)
-                    self.tables.refresh_slot(booking.model, booking.key)
+                    self.tables.refresh_slot(booking.model, booking.key, health=False)
                 for wid in self.timings.done(cmd.request_id, cmd.itl_ms, cmd.decode_tokens):
                     self._retime(wid)
                 if cmd.reported_cached is not None:
@@ -673,7 +673,7 @@ class Scheduler:
         for key in keys:
             state = self.discovery.get(key[0])
             if state is not None:
-                self.tables.refresh_slot(state.record.model, key, state)
+                self.tables.refresh_slot(state.record.model, key, state, health=False)
 
     def _retime(self, wid: int | None) -> None:
         """A worker's timing model changed: its slots score with the new one."""
@@ -764,7 +764,7 @@ class Scheduler:
         )
         if self.approximate and hashes:
             self.index.record(slot.key, hashes, now=now, ttl=self.approx_ttl_s)
-        self.tables.refresh_slot(req.model, slot.key, liveness=False)
+        self.tables.refresh_slot(req.model, slot.key, health=False, rate=False)
         self.stats["selections"] += 1
         if log.isEnabledFor(logging.DEBUG):
             log.debug(
@@ -793,7 +793,7 @@ class Scheduler:
         if self.peer_sync:
             self.outbox.close(h)
         if back != booking.key:
-            self.tables.refresh_slot(booking.model, back)
+            self.tables.refresh_slot(booking.model, back, health=False)
         return back
 
     # -- the view the HTTP side reads -----------------------------------------------------------
