@@ -749,6 +749,8 @@ class Scheduler:
         cached = min(hit, max(p - 1, 0) // slot.block_size) * slot.block_size
         hashes = req.hashes.get(slot.block_size, ())
         booking_id = req.request_id + PREFILL_BOOKING if disaggregated else req.request_id
+        if booking_id in self.bookings:  # a request id is the client's to choose (x-request-id): one
+            booking_id = f"{booking_id}#{seq}"  # in flight already keeps its booking, this gets its own
         # What the chosen worker's timing model predicts (before this request is booked there),
         # kept until the first token and the end to feed its calibration.
         params = self._params[req.model]

@@ -6,6 +6,7 @@ stays booked afterwards. A table, not Hypothesis: the router lives on the test's
 
 from __future__ import annotations
 
+import asyncio
 import json
 from collections.abc import AsyncIterator
 from typing import Any
@@ -77,4 +78,30 @@ async def test_odd_fields_are_refused_or_passed_on_never_an_internal_error(
     assert bugs._value.get() == before
     assert seen.get(200, 0) > 0 and sum(n for s, n in seen.items() if s >= 400) > 0, seen
     sched = router.runtime.scheduler
+    await wait_for(lambda: sched.inspect(lambda s: len(s.bookings) == 0), within=10)
+
+
+async def test_concurrent_requests_with_one_client_request_id_are_each_served_and_freed(
+    fleet: tuple[InProcessRouter, list[MockWorker]],
+) -> None:
+    """``x-request-id`` is the client's to choose, so it names no booking on its own: requests
+    that share one, in flight together, are each routed, answered and freed (a retrying client or
+    a proxy that stamps one id on a whole session does this)."""
+    router, _ = fleet
+    bugs = router.runtime.metrics.rejections.labels("internal_error")
+    before = bugs._value.get()
+    sched = router.runtime.scheduler
+    body = {"model": MODEL, "prompt": "the same id twice", "max_tokens": 40, "stream": True}
+    async with httpx.AsyncClient(base_url=router.url, timeout=30) as http:
+        async def one() -> tuple[int, str, str]:
+            async with http.stream("POST", "/v1/completions", json=body,
+                                   headers={"x-request-id": "shared-id"}) as resp:
+                text = "".join([line async for line in resp.aiter_lines()])
+                return resp.status_code, resp.headers.get("x-request-id", ""), text
+        answers = await asyncio.gather(*(one() for _ in range(4)))
+    for status, request_id, text in answers:
+        assert status == 200, text[:300]
+        assert request_id == "shared-id"  # the client's id is kept on its answer
+        assert text.endswith("data: [DONE]")
+    assert bugs._value.get() == before
     await wait_for(lambda: sched.inspect(lambda s: len(s.bookings) == 0), within=10)
