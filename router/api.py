@@ -59,7 +59,7 @@ from router.metrics import RouterMetrics
 from router.proxy import Proxy, WorkerUnreachable, forward_headers
 from router.scheduler import Scheduler
 from router.settings import RouterSettings
-from router.sse import FirstTokenDetector
+from router.sse import FirstTokenDetector, json_bytes
 from router.targets import (
     HDR_DP_RANK,
     HDR_POLICY_REVISIONS,
@@ -307,7 +307,7 @@ def _kv_transfer_params(content: bytes) -> Any:
 def _parse(raw: bytes | bytearray) -> dict[str, Any]:
     """The body as a JSON object. Raises InvalidRequest."""
     try:
-        body = json.loads(raw)
+        body = json_bytes(raw)
     except (ValueError, UnicodeDecodeError) as exc:
         raise InvalidRequest(f"body is not valid JSON: {exc}") from exc
     if not isinstance(body, dict):

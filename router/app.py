@@ -397,8 +397,10 @@ def uvicorn_options(app: FastAPI) -> dict[str, Any]:
     )
     # No X-Forwarded-For rewriting of the client address: nothing in the router reads it (its
     # ingress limits and logs use the socket's peer), and uvicorn's middleware for it is one
-    # more layer every request and every chunk of a stream passes through.
-    return {"http": protocol_class(limits), "proxy_headers": False}
+    # more layer every request and every chunk of a stream passes through. No ``server: uvicorn``
+    # on every answer either: it names the server software to whoever asks, and is one more
+    # header checked and written per answer (``date`` stays: RFC 9110 asks it of origin servers).
+    return {"http": protocol_class(limits), "proxy_headers": False, "server_header": False}
 
 
 def run(settings: RouterSettings | None = None) -> None:

@@ -14,6 +14,16 @@ from typing import Any
 _CONTENT_KEYS = ("content", "reasoning_content", "text", "tool_calls")
 
 
+def json_bytes(raw: bytes | bytearray) -> Any:
+    """``json.loads(raw)``, without its encoding sniffing when ``raw`` opens with an ASCII byte
+    other than NUL followed by no NUL (UTF-8, which is all RFC 8259 allows between systems): the
+    same answer and errors, a few calls fewer on every request and stream. Anything else (UTF-16
+    or 32, a BOM) goes through ``json.loads`` as it is."""
+    if raw and 0 < raw[0] < 128 and raw[1:2] != b"\x00":
+        return json.loads(raw.decode("utf-8", "surrogatepass"))
+    return json.loads(raw)
+
+
 def _carries_token(event: Any) -> bool:
     if not isinstance(event, dict):
         return False
@@ -59,7 +69,7 @@ class FirstTokenDetector:
                 self._found = True
                 return True
             try:
-                event = json.loads(data)
+                event = json_bytes(data)
             except ValueError:
                 continue
             if _carries_token(event):

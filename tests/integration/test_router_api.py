@@ -111,6 +111,7 @@ async def test_same_prefix_goes_to_the_worker_that_cached_it(
     async with httpx.AsyncClient(base_url=router.url) as http:
         first = await http.post("/v1/completions", json={"model": MODEL, "prompt": prompt})
         assert first.status_code == 200
+        assert "server" not in first.headers and "date" in first.headers  # no server software named
         owner = int(first.headers["x-worker-instance-id"])
         # Wait until the router has indexed the worker's KV event.
         sched = router.runtime.scheduler

@@ -1,6 +1,12 @@
 from __future__ import annotations
 
-from router.sse import FirstTokenDetector
+import json
+from typing import Any
+
+from hypothesis import given
+from hypothesis import strategies as st
+
+from router.sse import FirstTokenDetector, json_bytes
 
 ROLE = b'data: {"choices":[{"index":0,"delta":{"role":"assistant","content":""}}]}\n\n'
 TOKEN = b'data: {"choices":[{"index":0,"delta":{"content":"a"}}]}\n\n'
@@ -45,3 +51,24 @@ def test_non_sse_bytes_count_once_the_buffer_is_large() -> None:
     d = FirstTokenDetector(max_buffer=16)
     assert d.feed(b"x" * 8) is False
     assert d.feed(b"x" * 16) is True
+
+
+def _outcome(parse: Any, raw: bytes) -> tuple[str, Any]:
+    try:
+        return "ok", parse(raw)
+    except (ValueError, UnicodeDecodeError) as exc:
+        return type(exc).__name__, str(exc)
+
+
+_TEXTS = st.recursive(st.none() | st.booleans() | st.integers() | st.text(), lambda inner: st.lists(inner)
+                      | st.dictionaries(st.text(), inner), max_leaves=8).map(json.dumps)
+
+
+@given(st.binary(max_size=16) | _TEXTS.flatmap(lambda t: st.sampled_from(
+    [t.encode(), t.encode("utf-16"), t.encode("utf-16-le"), t.encode("utf-32-le"), t.encode("utf-8-sig"),
+     (" " + t).encode()])))
+def test_json_bytes_answers_as_json_loads_does(raw: bytes) -> None:
+    """The request path's parse skips json.loads' encoding sniffing for UTF-8: the same values
+    and the same errors, whatever the bytes."""
+    assert _outcome(json_bytes, raw) == _outcome(json.loads, raw)
+    assert _outcome(json_bytes, bytearray(raw)) == _outcome(json.loads, raw)  # a body read in parts
