@@ -143,10 +143,13 @@ class Pools:
         if peer is not None:
             prefill, blocks, requests = (prefill + peer.prefill_tokens, blocks + peer.blocks,
                                          requests + peer.requests)
-        if reported is not None:
-            prefill = max(prefill, reported.active_prefill_tokens)
-            blocks = max(blocks, reported.active_decode_blocks)
-            requests = max(requests, reported.running + reported.waiting)
+        if reported is not None:  # the larger of each (compared inline: three calls a refresh fewer)
+            if reported.active_prefill_tokens > prefill:
+                prefill = reported.active_prefill_tokens
+            if reported.active_decode_blocks > blocks:
+                blocks = reported.active_decode_blocks
+            if reported.running + reported.waiting > requests:
+                requests = reported.running + reported.waiting
         slot.active_prefill_tokens, slot.decode_blocks, slot.active_requests = prefill, blocks, requests
         if health or rate:
             now = self.clock()

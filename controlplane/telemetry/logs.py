@@ -39,7 +39,9 @@ _ids: ContextVar[Mapping[str, Any]] = ContextVar("rudder_log_ids", default=_NONE
 def bind(**ids: Any) -> Token[Mapping[str, Any]]:
     """Add ``ids`` to the current context's (None removes one); returns the token to reset."""
     merged = {**_ids.get(), **ids}
-    return _ids.set({k: v for k, v in merged.items() if v is not None})
+    if None in ids.values():  # the bound ids hold no None: only what is given here may
+        merged = {k: v for k, v in merged.items() if v is not None}
+    return _ids.set(merged)
 
 
 def reset(token: Token[Mapping[str, Any]]) -> None:

@@ -47,6 +47,14 @@ def test_json_lines_carry_bound_ids_and_extra(restore_root: object, monkeypatch:
     assert "request_id" not in outside
 
 
+def test_binding_none_removes_an_id_and_binding_adds_to_the_context() -> None:
+    with logs.bound(request_id="r-1", worker_id=5):
+        with logs.bound(worker_id=None, revision="selection=3"):
+            assert logs.current_ids() == {"request_id": "r-1", "revision": "selection=3"}
+        assert logs.current_ids() == {"request_id": "r-1", "worker_id": 5}
+    assert logs.current_ids() == {}
+
+
 def test_a_bad_format_is_refused_naming_the_setting() -> None:
     with pytest.raises(ValueError, match="RUDDER_LOG_FORMAT"):
         logs.log_format("yaml")
