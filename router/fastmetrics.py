@@ -17,11 +17,14 @@ from __future__ import annotations
 import time
 from bisect import bisect_left
 from collections.abc import Iterator, Sequence
+from typing import Generic, TypeVar
 
 from prometheus_client import CollectorRegistry
 from prometheus_client.core import CounterMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
+
+S = TypeVar("S")
 
 
 class Count:
@@ -55,74 +58,75 @@ class Observed:
         self.sum += value
 
 
-class _Family(Collector):
-    """A labelled metric's series, each made on first use and kept."""
+class _Family(Collector, Generic[S]):
+    """A labelled metric's series (``S``), each made on first use (:meth:`_new`) and kept."""
 
     def __init__(self, name: str, documentation: str, labelnames: Sequence[str],
                  registry: CollectorRegistry) -> None:
         self.name = name
         self.documentation = documentation
         self.labelnames = tuple(labelnames)
+        self._series: dict[tuple[str, ...], S] = {}
         registry.register(self)
 
-    def describe(self) -> list[Metric]:
-        return [self._family()]
-
-    def _family(self) -> Metric:
-        raise NotImplementedError
-
-
-class FastCounter(_Family):
-    def __init__(self, name: str, documentation: str, labelnames: Sequence[str], *,
-                 registry: CollectorRegistry) -> None:
-        self._series: dict[tuple[str, ...], Count] = {}
-        super().__init__(name, documentation, labelnames, registry)
-
-    def labels(self, *values: str) -> Count:
+    def labels(self, *values: str) -> S:
         series = self._series.get(values)
         if series is None:
             if len(values) != len(self.labelnames):
                 raise ValueError(f"{self.name}: labels {self.labelnames} expected, got {values}")
-            series = self._series[values] = Count()
+            series = self._series[values] = self._new()
         return series
 
-    def _family(self) -> Metric:
-        return CounterMetricFamily(self.name, self.documentation, labels=self.labelnames)
+    def describe(self) -> list[Metric]:
+        return [self._family()]
 
     def collect(self) -> Iterator[Metric]:
-        family = CounterMetricFamily(self.name, self.documentation, labels=self.labelnames)
+        family = self._family()
         for values, series in list(self._series.items()):
-            family.add_metric(values, series.value, created=series.created)
+            self._add(family, values, series)
         yield family
 
+    def _new(self) -> S:
+        raise NotImplementedError
 
-class FastHistogram(_Family):
+    def _family(self) -> Metric:
+        raise NotImplementedError
+
+    def _add(self, family: Metric, values: tuple[str, ...], series: S) -> None:
+        raise NotImplementedError
+
+
+class FastCounter(_Family[Count]):
+    def _new(self) -> Count:
+        return Count()
+
+    def _family(self) -> CounterMetricFamily:
+        return CounterMetricFamily(self.name, self.documentation, labels=self.labelnames)
+
+    def _add(self, family: Metric, values: tuple[str, ...], series: Count) -> None:
+        assert isinstance(family, CounterMetricFamily)
+        family.add_metric(values, series.value, created=series.created)
+
+
+class FastHistogram(_Family[Observed]):
     def __init__(self, name: str, documentation: str, labelnames: Sequence[str], *,
                  buckets: Sequence[float], registry: CollectorRegistry) -> None:
         self.bounds = tuple(float(b) for b in buckets if b != float("inf"))
         if list(self.bounds) != sorted(set(self.bounds)):
             raise ValueError(f"{name}: buckets must be increasing")
         self._le = [floatToGoString(b) for b in self.bounds] + ["+Inf"]  # type: ignore[no-untyped-call]
-        self._series: dict[tuple[str, ...], Observed] = {}
         super().__init__(name, documentation, labelnames, registry)
 
-    def labels(self, *values: str) -> Observed:
-        series = self._series.get(values)
-        if series is None:
-            if len(values) != len(self.labelnames):
-                raise ValueError(f"{self.name}: labels {self.labelnames} expected, got {values}")
-            series = self._series[values] = Observed(self.bounds)
-        return series
+    def _new(self) -> Observed:
+        return Observed(self.bounds)
 
-    def _family(self) -> Metric:
+    def _family(self) -> HistogramMetricFamily:
         return HistogramMetricFamily(self.name, self.documentation, labels=self.labelnames)
 
-    def collect(self) -> Iterator[Metric]:
-        family = HistogramMetricFamily(self.name, self.documentation, labels=self.labelnames)
-        for values, series in list(self._series.items()):
-            total, buckets = 0, []
-            for le, n in zip(self._le, series.counts, strict=True):
-                total += n
-                buckets.append((le, float(total)))
-            family.add_metric(values, buckets, series.sum)
-        yield family
+    def _add(self, family: Metric, values: tuple[str, ...], series: Observed) -> None:
+        assert isinstance(family, HistogramMetricFamily)
+        total, buckets = 0, []
+        for le, n in zip(self._le, series.counts, strict=True):
+            total += n
+            buckets.append((le, float(total)))
+        family.add_metric(values, buckets, series.sum)
