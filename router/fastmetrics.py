@@ -15,6 +15,7 @@ Not for any series a thread other than the event loop's updates.
 from __future__ import annotations
 
 import time
+from abc import abstractmethod
 from bisect import bisect_left
 from collections.abc import Iterator, Sequence
 from typing import Generic, TypeVar
@@ -25,6 +26,7 @@ from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
 
 S = TypeVar("S")
+F = TypeVar("F", bound=Metric)
 
 
 class Count:
@@ -58,8 +60,9 @@ class Observed:
         self.sum += value
 
 
-class _Family(Collector, Generic[S]):
-    """A labelled metric's series (``S``), each made on first use (:meth:`_new`) and kept."""
+class _Family(Collector, Generic[S, F]):
+    """A labelled metric's series (``S``), each made on first use (:meth:`_new`) and kept, rendered
+    as one family (``F``) of samples, one :meth:`_add` per series."""
 
     def __init__(self, name: str, documentation: str, labelnames: Sequence[str],
                  registry: CollectorRegistry) -> None:
@@ -86,29 +89,28 @@ class _Family(Collector, Generic[S]):
             self._add(family, values, series)
         yield family
 
-    def _new(self) -> S:
-        raise NotImplementedError
+    @abstractmethod
+    def _new(self) -> S: ...
 
-    def _family(self) -> Metric:
-        raise NotImplementedError
+    @abstractmethod
+    def _family(self) -> F: ...
 
-    def _add(self, family: Metric, values: tuple[str, ...], series: S) -> None:
-        raise NotImplementedError
+    @abstractmethod
+    def _add(self, family: F, values: tuple[str, ...], series: S) -> None: ...
 
 
-class FastCounter(_Family[Count]):
+class FastCounter(_Family[Count, CounterMetricFamily]):
     def _new(self) -> Count:
         return Count()
 
     def _family(self) -> CounterMetricFamily:
         return CounterMetricFamily(self.name, self.documentation, labels=self.labelnames)
 
-    def _add(self, family: Metric, values: tuple[str, ...], series: Count) -> None:
-        assert isinstance(family, CounterMetricFamily)
+    def _add(self, family: CounterMetricFamily, values: tuple[str, ...], series: Count) -> None:
         family.add_metric(values, series.value, created=series.created)
 
 
-class FastHistogram(_Family[Observed]):
+class FastHistogram(_Family[Observed, HistogramMetricFamily]):
     def __init__(self, name: str, documentation: str, labelnames: Sequence[str], *,
                  buckets: Sequence[float], registry: CollectorRegistry) -> None:
         self.bounds = tuple(float(b) for b in buckets if b != float("inf"))
@@ -123,8 +125,7 @@ class FastHistogram(_Family[Observed]):
     def _family(self) -> HistogramMetricFamily:
         return HistogramMetricFamily(self.name, self.documentation, labels=self.labelnames)
 
-    def _add(self, family: Metric, values: tuple[str, ...], series: Observed) -> None:
-        assert isinstance(family, HistogramMetricFamily)
+    def _add(self, family: HistogramMetricFamily, values: tuple[str, ...], series: Observed) -> None:
         total, buckets = 0, []
         for le, n in zip(self._le, series.counts, strict=True):
             total += n

@@ -323,8 +323,7 @@ class Scheduler:
         """The selection made at once, by the caller, when the actor is idle (nothing queued, not
         inside a handler: where the queue would have put it, first) as :meth:`send` does; else
         None, and the caller submits it. Raises what a selection raises."""
-        task = self._task
-        if self._stopping or self._handling or task is None or task.done() or not self._queue.empty():
+        if self._stopping or not self._idle():
             return None
         cmd = SelectWorker(request)
         fut: asyncio.Future[Selection] = asyncio.get_running_loop().create_future()
@@ -344,11 +343,16 @@ class Scheduler:
         if self._stopping:
             return
         cmd.seq = next(self._seq)
-        task = self._task
-        if not self._handling and task is not None and not task.done() and self._queue.empty():
+        if self._idle():
             self._handle_timed(cmd)
         else:
             self._enqueue(cmd)
+
+    def _idle(self) -> bool:
+        """The actor runs, waits for a command (nothing queued) and is not inside a handler: a
+        command handled now by its sender lands where the queue would have put it."""
+        task = self._task
+        return not self._handling and task is not None and not task.done() and self._queue.empty()
 
     def _enqueue(self, cmd: Command[Any]) -> None:
         """Into its lane: liveness (0) ahead of the rest (1), each in the order sent."""

@@ -74,7 +74,7 @@ class _Conn(asyncio.Protocol):
         self.parser = httptools.HttpResponseParser(self)
         self.received = 0  # bytes of this exchange's response
         self.status = 0
-        self.raw_headers: list[tuple[bytes, bytes]] = []  # as they came (decoded when asked: headers())
+        self.raw_headers: list[tuple[bytes, bytes]] = []  # as they came (decoded when read: _decoded)
         self.head_done = False
         self.extra = False  # bytes past this exchange's answer arrived
         self.reusable = False
@@ -114,9 +114,12 @@ class _Conn(asyncio.Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.lost = True
-        headers = self.headers() if self.head_done and not self.complete else {}
-        if (self.head_done and not self.complete and "content-length" not in headers
-                and "chunked" not in headers.get("transfer-encoding", "").lower()):
+        closed_framing = False
+        if self.head_done and not self.complete:
+            headers = _decoded(self.raw_headers)
+            closed_framing = ("content-length" not in headers
+                              and "chunked" not in headers.get("transfer-encoding", "").lower())
+        if closed_framing:
             self.complete = True  # a body framed by the connection's close ends here
         elif not self.why:
             self.why = type(exc).__name__ if exc is not None else "connection closed"
@@ -154,10 +157,6 @@ class _Conn(asyncio.Protocol):
         if not self._paused and self.transport is not None:
             self._paused = True
             self.transport.pause_reading()
-
-    def headers(self) -> dict[str, str]:
-        """The answer's head, names in lower case."""
-        return _decoded(self.raw_headers)
 
     def on_message_complete(self) -> None:
         if not self.head_done or self.extra:
@@ -389,12 +388,10 @@ class UpstreamResponse:
 
     def header(self, name: bytes, default: str) -> str:
         """One field of the head (``name`` in lower case), without decoding the others."""
-        if self._headers is None:
-            for raw, value in reversed(self._raw_headers):  # the last wins, as in headers
-                if raw.lower() == name:
-                    return value.decode("latin-1").strip()
-            return default
-        return self._headers.get(name.decode("latin-1"), default)
+        for raw, value in reversed(self._raw_headers):  # the last wins, as in headers
+            if raw.lower() == name:
+                return value.decode("latin-1").strip()
+        return default
 
     async def aiter_raw(self) -> AsyncIterator[bytes]:
         """The body, as it arrives (framing removed): whatever arrived since the last chunk, at
