@@ -489,6 +489,7 @@ async def _completion(request: Request, rt: Runtime, path: str, chat: bool) -> R
         if finished:
             return
         finished = True
+        resp.sink = None  # the response's sink closes a cycle through this request's closures
         await resp.aclose()
         itl_ms = (last - first_at) * 1e3 / (chunks - 1) if chunks > 1 and status == "200" else None
         rt.metrics.answered(model, path, status)

@@ -126,6 +126,15 @@ class GuardedHttpProtocol(HttpToolsProtocol):
         if isinstance(cycle, DirectCycle) and cycle.disconnected:
             cycle.gone()
 
+    def on_response_complete(self) -> None:
+        # The scope's extensions hold the cycle's own methods (a reference cycle: cycle → scope →
+        # bound method → cycle); dropped once the answer is complete, the request's objects are
+        # freed by reference counting, no collector pass per request (docs/decisions.md 114).
+        cycle = self.cycle
+        if isinstance(cycle, DirectCycle):
+            cycle.scope.pop("extensions", None)
+        super().on_response_complete()
+
     def _start_asgi_task(self, cycle: RequestResponseCycle, app: ASGI3Application) -> None:
         """uvicorn starts each request's app here (at once, or after the answers pipelined before
         it): on a connection opened past ``max_connections``, a request for anything but a probe
