@@ -164,11 +164,13 @@ _CACHED = re.compile(rb'"cached_tokens"\s*:\s*(\d+)')
 
 
 def _answer_ended(rt: Runtime, sel: Selection, status: str, tail: bytes, ttft_ms: float | None, *,
-                  itl_ms: float | None = None, decode_tokens: int | None = None) -> None:
+                  itl_ms: float | None = None, decode_tokens: int | None = None,
+                  first_token: bool = False, first_ttft_ms: float | None = None) -> None:
     """A worker's answer ended: count it by worker and status, compare the cached tokens the
     worker reported (``usage``, in ``tail``: the whole answer, or a stream's last chunks) with
     the prediction (a byte scan, no JSON parse), end the booking (one ``RequestDone``, with the
-    stream's timing and the cached tokens for the worker's checks), and complete the decision's
+    stream's timing and the cached tokens for the worker's checks; with ``first_token``, the
+    request's first token too, ``first_ttft_ms`` feeding its calibration), and complete the decision's
     record if it was sampled (router.decisions) with the measured TTFT (sent to the worker →
     first token)."""
     rt.metrics.worker_answered(sel.model, sel.instance_id, status)
@@ -180,7 +182,7 @@ def _answer_ended(rt: Runtime, sel: Selection, status: str, tail: bytes, ttft_ms
         series.reported_cached.inc(cached)
     rt.scheduler.send(RequestDone(sel.booking_id, itl_ms=itl_ms, decode_tokens=decode_tokens,
                                   instance_id=sel.instance_id, predicted_cached=sel.cached_tokens,
-                                  reported_cached=cached))
+                                  reported_cached=cached, first_token=first_token, ttft_ms=first_ttft_ms))
     if rt.decisions.sample > 0.0:
         record = rt.decisions.finish(sel.request_id, sel.instance_id, ttft_ms=ttft_ms,
                                      cached_tokens=cached, status=status)
@@ -286,7 +288,8 @@ async def _open(
 
 async def _read_all(rt: Runtime, opened: _Opened) -> bytes:
     """The whole answer of a non-streamed exchange. Frees its booking if it fails; else the
-    caller ends it (:func:`_answer_ended`, or a ``RequestDone`` of its own)."""
+    caller ends it (:func:`_answer_ended`, or a ``RequestDone`` of its own), its first token
+    with it (``first_token``: a non-streamed answer's first token comes with its end)."""
     sel, resp = opened.sel, opened.resp
     read = False
     try:
@@ -297,9 +300,8 @@ async def _read_all(rt: Runtime, opened: _Opened) -> bytes:
         raise ServiceUnavailable(f"worker {sel.instance_id} failed: {exc}") from exc
     finally:
         await resp.aclose()
-        rt.scheduler.send(RequestFirstToken(sel.booking_id))
         if not read:
-            rt.scheduler.send(RequestDone(sel.booking_id))
+            rt.scheduler.send(RequestDone(sel.booking_id, first_token=True))
 
 
 def _kv_transfer_params(content: bytes) -> Any:
@@ -421,14 +423,14 @@ async def _completion(request: Request, rt: Runtime, path: str, chat: bool) -> R
         if status >= 400:
             log.warning("request %s: prefill worker %s answered %d", request_id, sel.instance_id, status)
             rt.metrics.answered(model, path, str(status))
-            _answer_ended(rt, sel, str(status), b"", None)
+            _answer_ended(rt, sel, str(status), b"", None, first_token=True)
             if tr is not None:
                 tr.done(str(status))
             return Response(
                 content, status_code=status, headers=out_headers,
                 media_type=opened.resp.header(b"content-type", "application/json"),
             )
-        rt.scheduler.send(RequestDone(sel.booking_id))
+        rt.scheduler.send(RequestDone(sel.booking_id, first_token=True))
         kv_params = _kv_transfer_params(content)
 
         def decode_body(s: Selection) -> bytes:
@@ -469,7 +471,8 @@ async def _completion(request: Request, rt: Runtime, path: str, chat: bool) -> R
         answered = time.perf_counter()
         observe_first_token(answered)
         rt.metrics.answered(model, path, str(resp.status_code))
-        _answer_ended(rt, sel, str(resp.status_code), content, (answered - opened.sent_at) * 1e3)
+        _answer_ended(rt, sel, str(resp.status_code), content, (answered - opened.sent_at) * 1e3,
+                      first_token=True)
         if tr is not None:
             tr.done(str(resp.status_code))
         return Response(content, status_code=resp.status_code, media_type=content_type, headers=out_headers)
@@ -481,6 +484,8 @@ async def _completion(request: Request, rt: Runtime, path: str, chat: bool) -> R
     chunks = 0
     first_at = last = 0.0
     previous = tail = b""  # the last two chunks: where a stream's usage is (its last data line)
+    # The first token came in the answer's last read: it goes with the end, in one command.
+    first_with_end = False
 
     async def finish(status: str) -> None:
         """Release the worker connection and the booking, once, whoever gets here first: the relay
@@ -493,8 +498,9 @@ async def _completion(request: Request, rt: Runtime, path: str, chat: bool) -> R
         await resp.aclose()
         itl_ms = (last - first_at) * 1e3 / (chunks - 1) if chunks > 1 and status == "200" else None
         rt.metrics.answered(model, path, status)
-        _answer_ended(rt, sel, status, previous + tail, (first_at - opened.sent_at) * 1e3 if chunks else None,
-                      itl_ms=itl_ms, decode_tokens=chunks or None)
+        ttft_ms = (first_at - opened.sent_at) * 1e3 if chunks else None
+        _answer_ended(rt, sel, status, previous + tail, ttft_ms, itl_ms=itl_ms, decode_tokens=chunks or None,
+                      first_token=first_with_end, first_ttft_ms=ttft_ms)
         if tr is not None:
             tr.done(status)
 
@@ -504,11 +510,14 @@ async def _completion(request: Request, rt: Runtime, path: str, chat: bool) -> R
     def seen(chunk: bytes) -> None:
         """A chunk of the worker's answer goes to the client (handed out by the relay, or pushed
         from the worker connection's callback): first token, inter-token time, usage's place."""
-        nonlocal chunks, first_at, last, previous, tail
+        nonlocal chunks, first_at, last, previous, tail, first_with_end
         now = time.perf_counter()
         if not chunks:
             if first.feed(chunk):
-                rt.scheduler.send(RequestFirstToken(booking, ttft_ms=(now - opened.sent_at) * 1e3))
+                if resp.complete:  # nothing follows: the end's command carries it
+                    first_with_end = True
+                else:
+                    rt.scheduler.send(RequestFirstToken(booking, ttft_ms=(now - opened.sent_at) * 1e3))
                 observe_first_token(now)
                 first_at = last = now
                 chunks = 1

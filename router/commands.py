@@ -226,6 +226,11 @@ class RequestDone(Command[None]):
     instance_id: int = 0
     predicted_cached: int = 0
     reported_cached: int | None = None
+    # The request's first token came with its end (a non-streamed answer, or a stream whose
+    # first token was in its last read): its RequestFirstToken (``ttft_ms`` as there), then its
+    # end, in this one command.
+    first_token: bool = False
+    ttft_ms: float | None = None
 
 
 @dataclass(slots=True)

@@ -385,18 +385,11 @@ class Scheduler:
             case SelectWorker():
                 return self._select(cmd.request, cmd.seq)
             case RequestFirstToken():
-                booking = self.bookings.first_token(cmd.request_id)
-                if booking is not None:
-                    back = self._returned(booking)
-                    self.tables.refresh_slot(booking.model, booking.key, health=False, rate=back == booking.key)
-                    if cmd.ttft_ms is not None:
-                        found = self.timings.observation(cmd.request_id, cmd.ttft_ms)
-                        if found is not None:
-                            self._timing_outcome(*found)
-                            for wid in self.timings.observe_first_token(*found):
-                                self._retime(wid)
+                self._first_token(cmd.request_id, cmd.ttft_ms, refresh=True)
                 return None
             case RequestDone():
+                if cmd.first_token:  # its slot is re-read once, below
+                    self._first_token(cmd.request_id, cmd.ttft_ms, refresh=False)
                 booking = self.bookings.free(cmd.request_id)
                 if booking is not None:
                     now = self.clock()
@@ -785,6 +778,23 @@ class Scheduler:
             candidates=choice.candidates, pinned=pinned, pool=slot.role, booking_id=booking_id,
             disaggregated=disaggregated, predicted_ttft_ms=pred.ttft_ms, slo_predicted_met=choice.slo_met,
         )
+
+    def _first_token(self, request_id: str, ttft_ms: float | None, *, refresh: bool) -> None:
+        """A request's first token: its booking's prefill is done (its slot re-read if
+        ``refresh``: else the caller re-reads it), the return it was is matched, and its TTFT
+        feeds its worker's calibration."""
+        booking = self.bookings.first_token(request_id)
+        if booking is None:
+            return
+        back = self._returned(booking)
+        if refresh:
+            self.tables.refresh_slot(booking.model, booking.key, health=False, rate=back == booking.key)
+        if ttft_ms is not None:
+            found = self.timings.observation(request_id, ttft_ms)
+            if found is not None:
+                self._timing_outcome(*found)
+                for wid in self.timings.observe_first_token(*found):
+                    self._retime(wid)
 
     def _returned(self, booking: Booking) -> WorkerKey | None:
         """A request that got its first token: if it is the return of one that finished earlier

@@ -386,6 +386,39 @@ def test_index_overlaps_match_a_plain_reference(seed: int) -> None:
     assert index.overlaps([]) == {}
 
 
+
+def _slot_figures(s: Scheduler) -> list[tuple[object, ...]]:
+    return [(key, slot.active_prefill_tokens, slot.decode_blocks, slot.active_requests, slot.busy,
+             slot.arrival_rate) for key, slot in sorted(s._slots["m"].items())]
+
+
+def test_an_end_that_carries_its_first_token_is_its_first_token_then_its_end() -> None:
+    """``RequestDone(first_token=True, ttft_ms=...)`` (an answer whose first token came in its last
+    read, or a non-streamed one) leaves the scheduler as its ``RequestFirstToken`` then its
+    ``RequestDone`` do: the same selections after it, the same load on every slot, the same
+    bookings and calibration, through returns of earlier requests' prefixes."""
+    split, merged = (_fleet_scheduler(0.0, 7, 12, RoutingMode.KV_TIME)[0] for _ in range(2))
+    rng = random.Random(7)
+    open_ids: list[str] = []
+    chains = [[rng.getrandbits(64) for _ in range(6)] for _ in range(4)]  # shared: returns happen
+    for i in range(300):
+        hashes = [*rng.choice(chains)[: rng.randrange(1, 7)], rng.getrandbits(64)]
+        req = RoutingRequest(request_id=f"q{i}", model="m", prompt_tokens=16 * len(hashes) + 3, hashes={16: hashes})
+        a, b = split._dispatch(SelectWorker(req, seq=i)), merged._dispatch(SelectWorker(req, seq=i))
+        assert (a.instance_id, a.dp_rank, a.cost) == (b.instance_id, b.dp_rank, b.cost)
+        open_ids.append(req.request_id)
+        if rng.random() < 0.6:
+            rid = open_ids.pop(rng.randrange(len(open_ids)))
+            ttft = rng.uniform(5.0, 80.0)
+            split._dispatch(RequestFirstToken(rid, ttft_ms=ttft))
+            split._dispatch(RequestDone(rid, itl_ms=4.0, decode_tokens=9))
+            merged._dispatch(RequestDone(rid, itl_ms=4.0, decode_tokens=9, first_token=True, ttft_ms=ttft))
+            assert _slot_figures(split) == _slot_figures(merged)
+    assert set(split.bookings.keys()) == set(merged.bookings.keys())
+    assert sorted(split.in_flight()) == sorted(merged.in_flight())
+    assert [c.model_dump() for c in split.calibration_status()] == [c.model_dump() for c in merged.calibration_status()]
+
+
 # -- the scheduler picks the same worker either way -------------------------------------------
 
 
