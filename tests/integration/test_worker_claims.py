@@ -43,7 +43,7 @@ from controlplane.protocol.hashing import chain_hashes
 from controlplane.protocol.subjects import kv_subject, membership_subject
 from controlplane.protocol.tokenizer import encode_chat
 from tests import buskit
-from tests.support_router.hostile import KvFlood, forged_heartbeat, kv_step, publishing
+from tests.support_router.hostile import KvFlood, close_within, forged_heartbeat, kv_step, publishing
 from tests.support_router.workers import InProcessRouter, router_settings, wait_for
 from worker import agent
 from worker.settings import MockEngineSettings
@@ -103,7 +103,7 @@ async def hostile_publisher(nats_url: str, f: Fleet, publish: Callable[[Any], An
         async with publishing(lambda: publish(nc)):
             yield
     finally:
-        await nc.close()
+        await close_within(nc, "the hostile publisher")
 
 
 def _forged(f: Fleet, **update: Any) -> bytes:

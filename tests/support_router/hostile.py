@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
+import warnings
 from collections.abc import AsyncIterator, Awaitable, Callable
 from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any
@@ -71,6 +72,18 @@ def kv_step(nc: NATS, model: str, instance_id: int, flood: KvFlood, *,
     return step
 
 
+STOP_WITHIN_S = 10.0
+
+
+async def close_within(nc: NATS, what: str) -> None:
+    """Close a test's own NATS connection, bounded: a close that hangs (its flush behind a flood)
+    is reported as a warning, not a test held to its timeout."""
+    try:
+        await asyncio.wait_for(nc.close(), STOP_WITHIN_S)
+    except TimeoutError:
+        warnings.warn(f"{what}: its NATS connection did not close within {STOP_WITHIN_S:.0f} s", stacklevel=2)
+
+
 @contextlib.asynccontextmanager
 async def publishing(step: Callable[[], Awaitable[None]], *, pause_s: float = 0.05) -> AsyncIterator[None]:
     """Run ``step()`` then sleep ``pause_s``, again and again, until the block ends."""
@@ -85,5 +98,7 @@ async def publishing(step: Callable[[], Awaitable[None]], *, pause_s: float = 0.
         yield
     finally:
         task.cancel()
+        # Bounded: a step stuck past its cancellation names itself here rather than holding the
+        # test to its timeout.
         with contextlib.suppress(asyncio.CancelledError):
-            await task
+            await asyncio.wait_for(task, STOP_WITHIN_S)
