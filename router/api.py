@@ -26,7 +26,7 @@ import logging
 import os
 import re
 import time
-from collections.abc import AsyncGenerator, Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, replace
 from typing import Any, Protocol
 
@@ -487,13 +487,17 @@ async def _completion(request: Request, rt: Runtime, path: str, chat: bool) -> R
     # The first token came in the answer's last read: it goes with the end, in one command.
     first_with_end = False
 
-    async def finish(status: str) -> None:
-        """Release the worker connection and the booking, once, whoever gets here first: the relay
-        when it ends, or the response when it ends without the relay having run."""
+    relay_status = "499"  # until the answer is read to its end (or breaks)
+    broke = False
+
+    async def finish() -> None:
+        """Release the worker connection and the booking, once, when the response ends (with the
+        relay's status: 499 if it ended before the answer's end)."""
         nonlocal finished
         if finished:
             return
         finished = True
+        status = relay_status
         resp.sink = None  # the response's sink closes a cycle through this request's closures
         await resp.aclose()
         itl_ms = (last - first_at) * 1e3 / (chunks - 1) if chunks > 1 and status == "200" else None
@@ -527,27 +531,29 @@ async def _completion(request: Request, rt: Runtime, path: str, chat: bool) -> R
             chunks += 1
         previous, tail = tail, chunk
 
-    async def relay() -> AsyncGenerator[bytes, None]:
-        status = "200"
+    async def relay() -> bytes | None:
+        """The worker's answer's next part for the client, None at its end; a stream that breaks
+        ends with an error event (or nothing, when the client is gone)."""
+        nonlocal relay_status, broke
+        if broke:
+            return None
         try:
-            async for chunk in resp.aiter_raw():
-                seen(chunk)
-                yield chunk
+            chunk = await resp.next_chunk()
         except UpstreamError as exc:
+            broke = True
             if client_gone:
-                status = "499"
                 log.info("request %s: client went away; worker stream closed", request_id)
-            else:
-                status = "502"
-                log.warning("request %s: worker stream broke: %s", request_id, exc)
-                err = {"error": {"message": f"worker stream broke: {exc}",
-                                 "type": "service_unavailable", "param": None, "code": "worker_failed"}}
-                yield f"data: {json.dumps(err)}\n\n".encode()
-        except asyncio.CancelledError:
-            status = "499"
-            raise
-        finally:
-            await finish(status)
+                return None
+            relay_status = "502"
+            log.warning("request %s: worker stream broke: %s", request_id, exc)
+            err = {"error": {"message": f"worker stream broke: {exc}",
+                             "type": "service_unavailable", "param": None, "code": "worker_failed"}}
+            return f"data: {json.dumps(err)}\n\n".encode()
+        if chunk is None:
+            relay_status = "200"
+            return None
+        seen(chunk)
+        return chunk
 
     def on_client_gone() -> None:
         nonlocal client_gone
@@ -564,7 +570,7 @@ async def _completion(request: Request, rt: Runtime, path: str, chat: bool) -> R
             return True
         resp.sink = sink
 
-    return RelayResponse(relay(), status_code=resp.status_code, media_type=content_type,
+    return RelayResponse(relay, status_code=resp.status_code, media_type=content_type,
                          headers=out_headers, on_disconnect=on_client_gone, on_close=finish,
                          last=lambda: resp.complete, push_from=push_from)
 
@@ -581,9 +587,9 @@ class RelayResponse(Response):
     the first and the last go to the client from the worker connection's callback (decision 105),
     and this loop sends only what that does not take."""
 
-    def __init__(self, body: AsyncGenerator[bytes, None], *, status_code: int, media_type: str,
+    def __init__(self, body: Callable[[], Awaitable[bytes | None]], *, status_code: int, media_type: str,
                  headers: Mapping[str, str], on_disconnect: Callable[[], None],
-                 on_close: Callable[[str], Awaitable[None]], last: Callable[[], bool] = lambda: False,
+                 on_close: Callable[[], Awaitable[None]], last: Callable[[], bool] = lambda: False,
                  push_from: Callable[[Push], None] | None = None) -> None:
         # Not the base class's constructor: no body to size (this one is streamed, chunked), and
         # the head built once here (a content type as Starlette's: text/* gets a charset).
@@ -594,7 +600,7 @@ class RelayResponse(Response):
             media_type += "; charset=utf-8"
         self.raw_headers = [(b"content-type", media_type.encode("latin-1"))]
         self.raw_headers += [(k.lower().encode("latin-1"), v.encode("latin-1")) for k, v in headers.items()]
-        self.body_iterator = body
+        self.next_part = body  # the answer's next part, None at its end
         self.on_disconnect = on_disconnect
         self.on_close = on_close
         self.last = last
@@ -602,11 +608,11 @@ class RelayResponse(Response):
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         stop_watching = watch_disconnect(scope, receive, self.on_disconnect)
-        body = self.body_iterator
+        next_part = self.next_part
         try:
             # The head goes with the first chunk (one write under the router's server, which
             # holds a head until the next body message: router.cycle.DirectCycle).
-            first = await anext(body, None)
+            first = await next_part()
             await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
             ended = first is None
             if first is not None:
@@ -617,8 +623,8 @@ class RelayResponse(Response):
                     # The head is out: the chunks between the first and the last are written
                     # from the worker connection's callback; the relay hands out the rest.
                     self.push_from(push)
-            async for chunk in body:
-                if ended:  # nothing follows the end (the relay only finishes its bookkeeping)
+            while (chunk := await next_part()) is not None:
+                if ended:  # nothing follows the end (the relay only reaches the body's end)
                     continue
                 ended = self.last()
                 await send({"type": "http.response.body", "body": chunk, "more_body": not ended})
@@ -626,8 +632,7 @@ class RelayResponse(Response):
                 await send({"type": "http.response.body", "body": b"", "more_body": False})
         finally:
             stop_watching()
-            await body.aclose()  # runs the relay's own cleanup if it had started
-            await self.on_close("499")  # and releases everything if it never had (a no-op otherwise)
+            await self.on_close()  # the booking and the worker connection released, once
 
 
 def _rudder_error_response(rt: Runtime, request: Request, exc: RudderError) -> Response:

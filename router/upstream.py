@@ -359,7 +359,7 @@ class _ReadDeadline:
 
 
 class UpstreamResponse:
-    """A response whose head is in; the body is read with ``aiter_raw`` or ``aread``. The
+    """A response whose head is in; the body is read with ``next_chunk`` (or ``aread``). The
     connection goes back to the pool when the body has been read to its end, and is closed if
     the response is closed early."""
 
@@ -374,10 +374,11 @@ class UpstreamResponse:
         # True from the moment the body's end has been read: the chunk being handed out is the
         # last (the relay then ends the client's answer with it, in one write).
         self.complete = False
-        # Set by a relay that can write to its client from a callback: while ``aiter_raw`` waits,
+        # Set by a relay that can write to its client from a callback: while ``next_chunk`` waits,
         # the body that arrives (but the end of the answer) goes to it as it arrives, without
-        # waking the reader; ``aiter_raw`` hands out only what it did not take.
+        # waking the reader; ``next_chunk`` hands out only what it did not take.
         self.sink: Callable[[bytes], bool] | None = None
+        self._deadline: _ReadDeadline | None = None  # from the body's first read
 
     @property
     def headers(self) -> dict[str, str]:
@@ -393,62 +394,77 @@ class UpstreamResponse:
                 return value.decode("latin-1").strip()
         return default
 
-    async def aiter_raw(self) -> AsyncIterator[bytes]:
-        """The body, as it arrives (framing removed): whatever arrived since the last chunk, at
-        once (fewer awaits here and fewer sends to the client when the worker is quick). While a
-        ``sink`` is set, what arrives during a wait goes to it from the connection's callback and
-        only what it does not take (the answer's end among it) is handed out here."""
+    async def next_chunk(self) -> bytes | None:
+        """The body's next part as it arrives (framing removed): whatever arrived since the last
+        part, at once (fewer awaits here and fewer sends to the client when the worker is quick);
+        None at its end (the connection then goes back to the pool). While a ``sink`` is set,
+        what arrives during a wait goes to it from the connection's callback and only what it
+        does not take (the answer's end among it) is handed out here. A method, not an async
+        generator: a relay reads a few parts per answer, and a generator costs its loop hooks
+        and a weak reference per response. Raises UpstreamBroken if the answer is cut."""
         conn = self._conn
         if conn is None or self._done or conn.transport is None:
-            return
+            return None
         # The body's read timeout counts only the waits for the worker, never the consumer's
-        # time between chunks (no yield while it runs).
-        deadline = _ReadDeadline(conn.loop, conn.transport, self._client.read_timeout_s)
+        # time between parts (no wait while it runs).
+        deadline = self._deadline
+        if deadline is None:
+            deadline = self._deadline = _ReadDeadline(conn.loop, conn.transport, self._client.read_timeout_s)
+        while True:
+            if conn.body:
+                data = conn.take()
+                self.complete = conn.complete
+                return data
+            if conn.complete:
+                self._finish()
+                return None
+            if conn.lost:
+                why = "TimeoutError" if deadline.expired else conn.why
+                self._abandon()
+                raise UpstreamBroken(f"worker stream broke: {why}")
+            deadline.waiting()
+            conn.sink = self._sink if self.sink is not None else None
+            try:
+                await conn.wait()
+            finally:
+                conn.sink = None
+            deadline.served()
 
-        def sink(data: bytes) -> bool:
-            pushed = self.sink
-            if pushed is None or not pushed(data):
-                return False
-            deadline.waiting()  # served: the wait for the worker starts again from now
-            return True
-        try:
-            while True:
-                if conn.body:
-                    data = conn.take()
-                    self.complete = conn.complete
-                    yield data
-                    continue
-                if conn.complete:
-                    break
-                if conn.lost:
-                    why = "TimeoutError" if deadline.expired else conn.why
-                    self._abandon()
-                    raise UpstreamBroken(f"worker stream broke: {why}")
-                deadline.waiting()
-                conn.sink = sink if self.sink is not None else None
-                try:
-                    await conn.wait()
-                finally:
-                    conn.sink = None
-                deadline.served()
-        finally:
-            deadline.cancel()
-        self._finish()
+    def _sink(self, data: bytes) -> bool:
+        pushed = self.sink
+        if pushed is None or not pushed(data):
+            return False
+        if self._deadline is not None:
+            self._deadline.waiting()  # served: the wait for the worker starts again from now
+        return True
+
+    async def aiter_raw(self) -> AsyncIterator[bytes]:
+        """The body's parts, as :meth:`next_chunk` hands them out."""
+        while (data := await self.next_chunk()) is not None:
+            yield data
 
     async def aread(self) -> bytes:
-        return b"".join([chunk async for chunk in self.aiter_raw()])
+        parts = []
+        while (data := await self.next_chunk()) is not None:
+            parts.append(data)
+        return b"".join(parts)
 
     def _finish(self) -> None:
-        self._done = True
+        self._end()
         conn, self._conn = self._conn, None
         if conn is not None:
             self._client._release(self._key, conn)
 
     def _abandon(self) -> None:
-        self._done = True
+        self._end()
         conn, self._conn = self._conn, None
         if conn is not None:
             conn.close()
+
+    def _end(self) -> None:
+        self._done = True
+        if self._deadline is not None:
+            self._deadline.cancel()
 
     async def aclose(self) -> None:
         """Close early (client gone): the connection cannot be reused mid-body."""

@@ -151,3 +151,39 @@ async def test_requests_leave_no_reference_cycles_behind(
             gc.set_debug(0)
             gc.garbage.clear()
     assert left == []
+
+
+async def test_a_worker_stream_that_breaks_ends_the_answer_with_an_error_event(
+    fleet: tuple[InProcessRouter, list[MockWorker]], monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The worker's connection breaks mid-answer (the router's side of it aborted, as a worker
+    that dies does): the client's stream ends with an OpenAI error event (``worker_failed``) and
+    no ``[DONE]``, the answer counts as a 502, and its booking is freed."""
+    router, _ = fleet
+    rt = router.runtime
+    opened: list[Any] = []
+    real_open = rt.proxy.open
+
+    async def spy(*args: Any, **kwargs: Any) -> Any:
+        resp = await real_open(*args, **kwargs)
+        opened.append(resp)
+        return resp
+    monkeypatch.setattr(rt.proxy, "open", spy)
+    broke = rt.metrics.requests.labels(MODEL, "/v1/completions", "502")
+    before = broke.value
+    body = {"model": MODEL, "prompt": "a long answer, cut", "max_tokens": 2000, "stream": True}
+    async with httpx.AsyncClient(base_url=router.url, timeout=30) as http:
+        async with http.stream("POST", "/v1/completions", json=body) as resp:
+            assert resp.status_code == 200
+            lines = resp.aiter_lines()
+            async for line in lines:
+                if line.startswith("data: "):
+                    break  # the answer is under way
+            opened[0].abort()
+            rest = [line async for line in lines if line]
+    assert rest, "the stream ended without a word"
+    error = json.loads(rest[-1].removeprefix("data: "))
+    assert error["error"]["code"] == "worker_failed", rest[-3:]
+    assert "data: [DONE]" not in rest
+    assert broke.value == before + 1
+    await wait_for(lambda: rt.scheduler.inspect(lambda s: len(s.bookings) == 0), within=10)
