@@ -142,6 +142,9 @@ class DirectCycle(RequestResponseCycle):
                 callback()
             except Exception:
                 log.exception("disconnect callback failed")
+        # The scope's extensions are this cycle's methods (a reference cycle); an app that asks
+        # for them from now on is told the client is gone by ``receive`` instead.
+        self.scope.pop("extensions", None)
 
     def push(self, chunk: bytes) -> bool:
         """Write ``chunk`` as a body chunk of the started chunked answer if a body message could

@@ -114,6 +114,9 @@ class _Conn(asyncio.Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.lost = True
+        # Nothing is parsed after this; the parser's callbacks are this connection's methods (a
+        # reference cycle): without it the two are freed by reference counting.
+        del self.parser
         closed_framing = False
         if self.head_done and not self.complete:
             headers = _decoded(self.raw_headers)

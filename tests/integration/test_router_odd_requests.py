@@ -125,7 +125,8 @@ async def test_requests_leave_no_reference_cycles_behind(
     """A request's objects are freed by reference counting when it ends: none of the router's is
     left in a reference cycle for the collector (cycles per request cost the router a collection
     every few requests under load; docs/decisions.md 114). Streamed, not streamed and refused
-    requests, everything the collector finds unreachable kept (``DEBUG_SAVEALL``) and read."""
+    requests, and a client that leaves mid-answer (its worker connection closed under it),
+    everything the collector finds unreachable kept (``DEBUG_SAVEALL``) and read."""
     router, _ = fleet
     sched = router.runtime.scheduler
     async with httpx.AsyncClient(base_url=router.url, timeout=30) as http:
@@ -144,6 +145,12 @@ async def test_requests_leave_no_reference_cycles_behind(
                 assert chat.status_code == 200, chat.text[:300]
                 refused = await http.post("/v1/completions", json={**COMPLETION, "model": 7})
                 assert refused.status_code == 400
+                async with httpx.AsyncClient(base_url=router.url, timeout=30) as leaving:
+                    long = {**COMPLETION, "max_tokens": 2000, "stream": True}
+                    async with leaving.stream("POST", "/v1/completions", json=long) as resp:
+                        async for line in resp.aiter_lines():
+                            if line.startswith("data: "):
+                                break  # and the client goes
             await wait_for(lambda: sched.inspect(lambda s: len(s.bookings) == 0), within=10)
             gc.collect()
             left = _router_objects(gc.garbage)

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import AsyncGenerator
 from typing import Any
 
 import pytest
@@ -46,11 +45,14 @@ async def relay_messages(chunks: list[bytes], last_after: int | None) -> list[di
     done = asyncio.Event()
     n = 0
 
-    async def body() -> AsyncGenerator[bytes, None]:
+    parts = iter(chunks)
+
+    async def body() -> bytes | None:
         nonlocal n
-        for c in chunks:
+        part = next(parts, None)
+        if part is not None:
             n += 1
-            yield c
+        return part
 
     async def receive() -> dict[str, Any]:
         await done.wait()
@@ -59,10 +61,10 @@ async def relay_messages(chunks: list[bytes], last_after: int | None) -> list[di
     async def send(message: dict[str, Any]) -> None:
         sent.append(message)
 
-    async def closed(status: str) -> None:
+    async def closed() -> None:
         done.set()
 
-    resp = RelayResponse(body(), status_code=200, media_type="text/event-stream", headers={},
+    resp = RelayResponse(body, status_code=200, media_type="text/event-stream", headers={},
                          on_disconnect=lambda: None, on_close=closed,
                          last=lambda: last_after is not None and n >= last_after)
     await resp({"type": "http"}, receive, send)
