@@ -130,8 +130,10 @@ class GuardedHttpProtocol(HttpToolsProtocol):
         # The scope's extensions hold the cycle's own methods (a reference cycle: cycle → scope →
         # bound method → cycle); dropped once the answer is complete, the request's objects are
         # freed by reference counting, no collector pass per request (docs/decisions.md 114).
+        # (With pipelined requests the protocol's cycle may be a later one, not yet answered:
+        # left alone, its app still to ask for them.)
         cycle = self.cycle
-        if isinstance(cycle, DirectCycle):
+        if isinstance(cycle, DirectCycle) and cycle.response_complete:
             cycle.scope.pop("extensions", None)
         super().on_response_complete()
 
