@@ -318,6 +318,24 @@ def print_summary(rows: list[dict[str, Any]], concurrencies: list[int]) -> None:
         print(f"{r['target']:<30}{rps:>22}{share:>18}{cpu:>20}{added:>31}{by[-1]['ttft_p50_ms']:>14.2f} ms")
 
 
+def print_gc(phases: list[dict[str, Any]], names: list[str], concurrencies: list[int]) -> None:
+    """The Rudder routers' collector passes per 1,000 requests at each concurrency (all their
+    phases): a request path that leaves reference cycles behind shows here (decision 114)."""
+    rows = []
+    for name in names:
+        per = []
+        for c in concurrencies:
+            ps = [p for p in phases if p["target"] == name and p["concurrency"] == c and "gc_collections" in p]
+            served = sum(p["requests"] + p["errors"] for p in ps)
+            per.append(f"{1000 * sum(p['gc_collections'] for p in ps) / served:.2f}" if ps and served else "-")
+        if any(x != "-" for x in per):
+            rows.append(f"  {name:<28}{'/'.join(per)}")
+    if rows:
+        print(f"\nGC collections per 1,000 requests (the router's python_gc_collections_total), "
+              f"c={'/'.join(str(c) for c in concurrencies)}:")
+        print("\n".join(rows))
+
+
 # -- the Rust router (bench-only virtual environment) ------------------------------------------------
 
 VENVS = Path.home() / ".cache" / "rudder"
@@ -408,6 +426,19 @@ def start_profiler(pid: int, path: Path, seconds: float, *, native: bool = False
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
 
+async def gc_collections(url: str) -> float | None:
+    """The collector's passes so far in a Rudder router (``python_gc_collections_total``, every
+    generation, from its /metrics), or None from a target that does not report them."""
+    try:
+        async with httpx.AsyncClient() as client:
+            text = (await client.get(url + "/metrics", timeout=5)).text
+    except httpx.HTTPError:
+        return None
+    values = [float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+              if line.startswith("python_gc_collections_total{")]
+    return sum(values) if values else None
+
+
 def process_tree(proc: subprocess.Popen[bytes]) -> list[int]:
     try:
         return [proc.pid] + [c.pid for c in psutil.Process(proc.pid).children(recursive=True)]
@@ -496,10 +527,15 @@ async def main(args: argparse.Namespace) -> None:
                             prof = [start_profiler(profiled.proc.pid, prof_dir / "router.json", args.seconds,
                                                    native=args.profile_native),
                                     start_profiler(fleet.procs[0].pid, prof_dir / "worker.json", args.seconds)]
+                        rudder = t.name.startswith("rudder") or t.name == "baseline"
+                        gc_before = await gc_collections(t.url) if rudder else None
                         sampler = CpuSampler(pids)
                         sampler.start()
                         res = await throughput(t.url, c, args.seconds, args.max_requests, args.max_tokens)
                         res["cpu"] = sampler.stop()
+                        gc_after = await gc_collections(t.url) if gc_before is not None else None
+                        if gc_before is not None and gc_after is not None:
+                            res["gc_collections"] = gc_after - gc_before
                         res["target"] = t.name
                         res["round"] = rnd
                         phases.append(res)
@@ -521,6 +557,7 @@ async def main(args: argparse.Namespace) -> None:
                           f"{own}{pc['worker']:>8.2f}{pc['client']:>8.2f}{p['cpu']['machine_busy_pct']:>8.0f}%")
             summary = summarize(phases, lat, names, concurrencies)
             print_summary(summary, concurrencies)
+            print_gc(phases, names, concurrencies)
             main_router = f"rudder {args.mode}"
             comparison = compare(phases, concurrencies, main_router) if args.baseline else None
             if comparison is not None:

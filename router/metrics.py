@@ -5,7 +5,17 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Summary, generate_latest
+from prometheus_client import (
+    GC_COLLECTOR,
+    PLATFORM_COLLECTOR,
+    PROCESS_COLLECTOR,
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    Summary,
+    generate_latest,
+)
 
 from controlplane.protocol.events import WorkerCalibration
 from controlplane.telemetry.build import build_info
@@ -34,6 +44,11 @@ class RouterMetrics:
         self._series: dict[str, ModelSeries] = {}
         self.registry = CollectorRegistry()
         r = self.registry
+        # What every Python exporter shows, read at scrape time: the process's CPU and memory,
+        # the interpreter, and the collector's passes by generation (python_gc_collections_total:
+        # a request path that leaves reference cycles shows there first, docs/decisions.md 114).
+        for standard in (PROCESS_COLLECTOR, PLATFORM_COLLECTOR, GC_COLLECTOR):
+            r.register(standard)
         # The request path's series (per request, per chunk) keep plain numbers, no lock
         # (router.fastmetrics); the rest are prometheus_client's.
         self.requests = FastCounter(

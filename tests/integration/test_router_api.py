@@ -162,7 +162,10 @@ async def test_health_live_metrics(fleet: tuple[InProcessRouter, list[MockWorker
     for name in ("rudder_router_requests_total", "rudder_router_ttft_seconds_bucket",
                  "rudder_router_routing_overhead_seconds_bucket",
                  "rudder_router_predicted_kv_hit_rate_bucket", "rudder_router_applied_revision",
-                 "rudder_router_rejections_total", "rudder_router_itl_seconds"):
+                 "rudder_router_rejections_total", "rudder_router_itl_seconds",
+                 # the standard Python exporter's: CPU, memory, collector passes
+                 "process_cpu_seconds_total", "process_resident_memory_bytes",
+                 'python_gc_collections_total{generation="0"}', "python_info"):
         assert name in text, name
 
 
