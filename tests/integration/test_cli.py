@@ -25,6 +25,7 @@ from cli.errors import ExitCode
 from cli.main import app
 from controlplane.settings import ControlPlaneSettings
 from tests import buskit
+from tests.cli_runner import invoke
 from tests.integration.cp_support import AUDIT_KEY
 from tests.policy_keys import session_keys
 
@@ -83,8 +84,7 @@ class Env:
             argv += ["--token", self.tokens[role]]
         if json_out:
             argv.append("--json")
-        return CliRunner().invoke(app, [*argv, *args], env={"RUDDER_TOKEN": None,
-                                                             "RUDDER_SERVER": None})
+        return invoke(app, [*argv, *args])
 
     def ok(self, *args: str, role: str = "admin") -> Any:
         result = self.run(*args, role=role)

@@ -23,7 +23,7 @@ from opentelemetry.sdk.trace import ReadableSpan
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from prometheus_client.parser import text_string_to_metric_families
-from typer.testing import CliRunner, Result
+from typer.testing import Result
 
 from cli.errors import ExitCode
 from cli.main import app as cli_app
@@ -32,6 +32,7 @@ from controlplane.protocol.tokenizer import encode_chat
 from controlplane.server import Running
 from controlplane.telemetry import logs, traces
 from router.settings import new_router_id
+from tests.cli_runner import invoke
 from tests.integration.cp_support import Tokens, client, controlplane
 from tests.support_router.workers import (
     InProcessRouter,
@@ -305,7 +306,7 @@ async def test_a_patch_and_a_chat_are_traced_with_their_links(fleet: Fleet, span
 
 
 def _rudder(*args: str) -> Result:
-    return CliRunner().invoke(cli_app, list(args), env={"RUDDER_TOKEN": None, "RUDDER_SERVER": None})
+    return invoke(cli_app, list(args))
 
 
 async def test_rudder_explain_shows_every_candidates_cost_terms_and_the_measured_ttft(fleet: Fleet) -> None:
