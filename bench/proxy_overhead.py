@@ -63,6 +63,7 @@ from bench.common import (
     Fleet,
     Router,
     machine,
+    metric_sums,
     pct,
     python_calls,
     python_command,
@@ -428,15 +429,14 @@ def start_profiler(pid: int, path: Path, seconds: float, *, native: bool = False
 
 async def gc_collections(url: str) -> float | None:
     """The collector's passes so far in a Rudder router (``python_gc_collections_total``, every
-    generation, from its /metrics), or None from a target that does not report them."""
+    generation, from its /metrics), or None from one that does not report them (a router that
+    does has collected at least once: its start's ``gc.collect()``)."""
+    name = "python_gc_collections_total"
     try:
-        async with httpx.AsyncClient() as client:
-            text = (await client.get(url + "/metrics", timeout=5)).text
+        async with httpx.AsyncClient(timeout=5) as client:
+            return (await metric_sums(client, url, [name]))[name] or None
     except httpx.HTTPError:
         return None
-    values = [float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-              if line.startswith("python_gc_collections_total{")]
-    return sum(values) if values else None
 
 
 def process_tree(proc: subprocess.Popen[bytes]) -> list[int]:

@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Callable
+from typing import cast
 
 from starlette.types import Receive, Scope
 from uvicorn._types import ASGISendEvent
@@ -114,10 +115,28 @@ class _Prefixed:
 
 class DirectCycle(RequestResponseCycle):
     """uvicorn's request cycle with a held head and disconnect callbacks (the module's text);
-    the protocol calls :meth:`gone` from its ``connection_lost``."""
+    the protocol makes one of uvicorn's with :meth:`adopt`, calls :meth:`gone` from its
+    ``connection_lost`` and :meth:`withdraw` when the answer is complete."""
 
     _held: bytes | None = None
     _callbacks: list[Callable[[], None]] | None = None
+
+    @classmethod
+    def adopt(cls, cycle: RequestResponseCycle) -> None:
+        """``cycle`` made one of these (it adds methods and no state: the same object, before the
+        app sees it), its methods offered in its scope's extensions."""
+        cycle.__class__ = cls
+        direct = cast(DirectCycle, cycle)
+        direct.scope["extensions"] = {DISCONNECT: {"on_disconnect": direct.on_disconnect},
+                                      PUSH: {"push": direct.push}}
+
+    def withdraw(self) -> None:
+        """Take the extensions back: they are this cycle's own methods (a reference cycle: cycle →
+        scope → bound method → cycle), so without them a request's objects are freed by reference
+        counting, no collector pass per request (docs/decisions.md 114). An app that asks for them
+        afterwards gets None (:func:`disconnect_hook`, :func:`push_hook`) and falls back on
+        ``receive``."""
+        self.scope.pop("extensions", None)
 
     def on_disconnect(self, callback: Callable[[], None]) -> Callable[[], None]:
         if self.disconnected:
@@ -142,9 +161,7 @@ class DirectCycle(RequestResponseCycle):
                 callback()
             except Exception:
                 log.exception("disconnect callback failed")
-        # The scope's extensions are this cycle's methods (a reference cycle); an app that asks
-        # for them from now on is told the client is gone by ``receive`` instead.
-        self.scope.pop("extensions", None)
+        self.withdraw()
 
     def push(self, chunk: bytes) -> bool:
         """Write ``chunk`` as a body chunk of the started chunked answer if a body message could

@@ -53,7 +53,7 @@ from controlplane.protocol.errors import (
     RudderError,
     ServiceUnavailable,
 )
-from router.cycle import DISCONNECT, PUSH, DirectCycle
+from router.cycle import DirectCycle
 
 log = logging.getLogger(__name__)
 
@@ -127,14 +127,11 @@ class GuardedHttpProtocol(HttpToolsProtocol):
             cycle.gone()
 
     def on_response_complete(self) -> None:
-        # The scope's extensions hold the cycle's own methods (a reference cycle: cycle → scope →
-        # bound method → cycle); dropped once the answer is complete, the request's objects are
-        # freed by reference counting, no collector pass per request (docs/decisions.md 114).
-        # (With pipelined requests the protocol's cycle may be a later one, not yet answered:
-        # left alone, its app still to ask for them.)
+        # The answered cycle's extensions taken back (DirectCycle.withdraw). With pipelined
+        # requests the protocol's cycle may be a later one, not yet answered: left alone.
         cycle = self.cycle
         if isinstance(cycle, DirectCycle) and cycle.response_complete:
-            cycle.scope.pop("extensions", None)
+            cycle.withdraw()
         super().on_response_complete()
 
     def _start_asgi_task(self, cycle: RequestResponseCycle, app: ASGI3Application) -> None:
@@ -219,14 +216,9 @@ class GuardedHttpProtocol(HttpToolsProtocol):
             self._head_timer = None
         super().on_headers_complete()
         # uvicorn made the request's cycle (and started its task, or queued it behind the answer
-        # in progress); the router's cycle adds methods and no state, so the same object becomes
-        # one before the app sees it (the task has not run yet).
-        cycle = self.cycle
-        if type(cycle) is RequestResponseCycle:
-            cycle.__class__ = DirectCycle
-            direct = cast(DirectCycle, cycle)
-            self.scope["extensions"] = {DISCONNECT: {"on_disconnect": direct.on_disconnect},
-                                        PUSH: {"push": direct.push}}
+        # in progress): it becomes the router's before the app sees it (the task has not run yet).
+        if type(self.cycle) is RequestResponseCycle:
+            DirectCycle.adopt(self.cycle)
 
     def on_message_complete(self) -> None:
         self._in_body = False

@@ -386,7 +386,6 @@ def test_index_overlaps_match_a_plain_reference(seed: int) -> None:
     assert index.overlaps([]) == {}
 
 
-
 def _slot_figures(s: Scheduler) -> list[tuple[object, ...]]:
     return [(key, slot.active_prefill_tokens, slot.decode_blocks, slot.active_requests, slot.busy,
              slot.arrival_rate) for key, slot in sorted(s._slots["m"].items())]
