@@ -344,38 +344,60 @@ async def test_a_client_that_pauses_reading_a_stream_gets_all_of_it_in_order(fle
     assert text == mock_answer(tokens)
 
 
-async def test_a_large_prompt_is_tokenized_and_hashed_off_the_event_loop(fleet: InProcessRouter) -> None:
+async def test_a_large_prompt_is_tokenized_and_hashed_off_the_event_loop(
+    fleet: InProcessRouter, monkeypatch: pytest.MonkeyPatch,
+) -> None:
     """A 3 MB prompt keeps the router busy for a long while (parse, ~3 M tokens, ~190 k block
-    hashes); meanwhile the event loop (the router's, which is this test's) keeps running. The
-    request pins an unknown worker, so the router refuses it after that work, without a worker."""
+    hashes): that work runs in a thread, and the event loop (the router's, which is this test's)
+    serves another client while it is under way. The tokenizing is held until that other client
+    has its answer, so the test shows it without timing anything: inline, the loop could not serve
+    the other client, and the work would run on the loop's thread. A small body is parsed and
+    tokenized inline (a thread hop costs more than the work). The requests pin an unknown worker,
+    so the router refuses them after that work, without a worker."""
+    import router.api as api
+
     router = fleet
     assert router.settings.offload_min_bytes < 3_000_000
-    gaps: list[float] = []
-    running = True
+    loop_thread = threading.get_ident()
+    other_served = threading.Event()
+    parsed: list[tuple[int, int]] = []  # (thread, body bytes)
+    tokenized: list[tuple[int, int, bool]] = []  # (thread, prompt characters, the other client served)
+    parse, tokenize = api._parse, api._tokenize
 
-    async def ticker() -> None:
-        last = time.perf_counter()
-        while running:
-            await asyncio.sleep(0.001)
-            now = time.perf_counter()
-            gaps.append(now - last)
-            last = now
+    def parse_spy(raw: bytes) -> dict[str, Any]:
+        parsed.append((threading.get_ident(), len(raw)))
+        return parse(raw)
 
-    body = {"model": MODEL, "messages": [{"role": "user", "content": "y" * 3_000_000}]}
+    def tokenize_spy(tok: Any, body: dict[str, Any], chat: bool, block_sizes: tuple[int, ...]) -> Any:
+        size = len(body["messages"][0]["content"])
+        served = other_served.wait(30) if threading.get_ident() != loop_thread else False
+        tokenized.append((threading.get_ident(), size, served))
+        return tokenize(tok, body, chat, block_sizes)
+
+    monkeypatch.setattr(api, "_parse", parse_spy)
+    monkeypatch.setattr(api, "_tokenize", tokenize_spy)
+
+    def body(chars: int) -> dict[str, Any]:
+        return {"model": MODEL, "messages": [{"role": "user", "content": "y" * chars}]}
+
+    pin = {"x-worker-instance-id": "999"}
     async with httpx.AsyncClient(base_url=router.url, timeout=60) as http:
-        tick = asyncio.create_task(ticker())
-        started = time.perf_counter()
-        r = await http.post("/v1/chat/completions", json=body, headers={"x-worker-instance-id": "999"})
-        took = time.perf_counter() - started
-        running = False
-        await tick
-    assert r.status_code == 400 and "999" in r.json()["error"]["message"]
-    assert took > 0.1, f"the prompt took only {took:.3f} s: too small to show anything"
-    # Inline, one stall lasts about the whole request (measured: 0.32 s of 0.34 s); in a thread,
-    # the loop gets the GIL back every few ms and stalls only for the longest single C call (the
-    # byte tokenizer's list(bytes) of 3 MB; measured: 0.02-0.03 s of 0.2-0.3 s). Half the
-    # request leaves room for a machine so loaded that the loop's thread waits for a core.
-    assert max(gaps) < took / 2, f"event loop stalled {max(gaps):.3f} s of a {took:.3f} s request"
+        large = asyncio.create_task(http.post("/v1/chat/completions", json=body(3_000_000), headers=pin))
+        await wait_for(lambda: parsed or large.done(), within=30)  # its body is in
+        small = await http.post("/v1/chat/completions", json=body(100), headers=pin)
+        other_served.set()
+        r = await large
+    assert small.status_code == 400 and r.status_code == 400 and "999" in r.json()["error"]["message"]
+    big = [t for t in parsed if t[1] > 3_000_000]
+    little = [t for t in parsed if t[1] < router.settings.offload_min_bytes]
+    assert len(big) == 1 and len(little) == 1, parsed
+    assert big[0][0] != loop_thread, "the 3 MB body was parsed on the event loop's thread"
+    assert little[0][0] == loop_thread, "a small body went to a thread"
+    by_size = {size: (thread, served) for thread, size, served in tokenized}
+    assert set(by_size) == {3_000_000, 100}, tokenized
+    assert by_size[3_000_000][0] != loop_thread, "the 3 MB prompt was tokenized on the event loop's thread"
+    assert by_size[3_000_000][1], "the loop did not serve another client while the 3 MB prompt was tokenized"
+    assert by_size[100][0] == loop_thread
 
 
 # ---------------------------------------------------------------------------------------------
