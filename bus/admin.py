@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from bus.connect import BusOptions, connect
-from bus.streams import PROBE_TIMEOUT_S, BusLayout, ensure_all_retrying
+from bus.streams import BusLayout, ensure_all_retrying
 
 
 async def bus_init(opts: BusOptions, layout: BusLayout, *, timeout_s: float = 30.0) -> list[str]:
@@ -13,7 +13,6 @@ async def bus_init(opts: BusOptions, layout: BusLayout, *, timeout_s: float = 30
     ConfigurationError when the credentials are refused, LogUnavailable when no server answers."""
     nc = await connect(opts)
     try:
-        return await ensure_all_retrying(nc.jetstream(timeout=5.0), layout, timeout_s=timeout_s,
-                                         probe=nc.jetstream(timeout=PROBE_TIMEOUT_S))
+        return await ensure_all_retrying(lambda wait: nc.jetstream(timeout=wait), layout, timeout_s=timeout_s)
     finally:
         await nc.close()

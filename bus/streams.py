@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -118,23 +119,27 @@ async def ensure_all(js: JetStreamContext, layout: BusLayout) -> list[str]:
 PROBE_TIMEOUT_S = 0.5
 
 
-async def ensure_all_retrying(js: JetStreamContext, layout: BusLayout, *, timeout_s: float,
-                              probe: JetStreamContext | None = None) -> list[str]:
+async def ensure_all_retrying(contexts: Callable[[float], JetStreamContext], layout: BusLayout, *,
+                              timeout_s: float, request_timeout_s: float = 5.0) -> list[str]:
     """:func:`ensure_all`, retried while a cluster is still forming (no meta leader yet).
 
     A forming cluster leaves JetStream API requests unanswered until it has a meta leader, so each
-    such request costs its whole timeout (5 s for ``js``; the leader is there well within 1 s).
-    With ``probe`` (the same connection, a timeout of :data:`PROBE_TIMEOUT_S`) the API is first
-    asked with it until it answers; then ``js`` does the work."""
+    such request costs its whole timeout (``request_timeout_s``; the leader is there well within
+    1 s). The API is first asked with :data:`PROBE_TIMEOUT_S` until it answers; then the work runs
+    with twice that, doubled after each attempt left unanswered up to ``request_timeout_s`` (a
+    leader that changes just after answering costs a second, not the whole timeout, and a slow
+    server still gets the full timeout in the end). ``contexts(timeout)`` gives a JetStream
+    context with that request timeout (``nc.jetstream``)."""
     deadline = asyncio.get_running_loop().time() + timeout_s
-    if probe is not None:
-        await _until_answering(probe, layout, deadline)
+    await _until_answering(contexts(PROBE_TIMEOUT_S), layout, deadline, PROBE_TIMEOUT_S)
+    wait = PROBE_TIMEOUT_S
     while True:
+        wait = min(2 * wait, request_timeout_s)
         try:
-            return await ensure_all(js, layout)
+            return await ensure_all(contexts(wait), layout)
         except (APIError, nats.errors.Error, TimeoutError) as exc:
             _raise_unless_forming(exc, deadline)
-            log.info("JetStream not ready yet (%s); retrying", exc)
+            log.info("JetStream not ready yet (%s, after waiting up to %.1f s); retrying", exc, wait)
             await asyncio.sleep(0.25)
 
 
@@ -154,7 +159,7 @@ def _raise_unless_forming(exc: Exception, deadline: float) -> None:
         raise exc
 
 
-async def _until_answering(js: JetStreamContext, layout: BusLayout, deadline: float) -> None:
+async def _until_answering(js: JetStreamContext, layout: BusLayout, deadline: float, wait: float) -> None:
     """Until the JetStream API answers a stream lookup (found or not found, either is an answer);
     raises the last error at ``deadline``."""
     name = layout.streams()[0]["name"]
@@ -166,7 +171,7 @@ async def _until_answering(js: JetStreamContext, layout: BusLayout, deadline: fl
             return
         except (APIError, nats.errors.Error, TimeoutError) as exc:
             _raise_unless_forming(exc, deadline)
-            log.info("JetStream not answering yet (%s); asking again", exc)
+            log.info("JetStream not answering yet (%s, after waiting up to %.1f s); asking again", exc, wait)
             await asyncio.sleep(0.05)
 
 
