@@ -107,7 +107,11 @@ async def test_same_prefix_goes_to_the_worker_that_cached_it(
     fleet: tuple[InProcessRouter, list[MockWorker]],
 ) -> None:
     router, workers = fleet
-    prompt = "the same long shared system prompt " * 20  # ~700 tokens, 40+ blocks of 16
+    # ~7,000 tokens, 437 blocks of 16: recomputing them costs a worker without them ~2.5 ms more
+    # (predicted, at the fleet's speedup) than the owner's uncached tail, well above what a late
+    # load report of the owner adds. At ~700 tokens the margin was 0.21 ms, and a loaded CI run
+    # once lost it (the second request went to a worker without the prefix).
+    prompt = "the same long shared system prompt " * 200
     async with httpx.AsyncClient(base_url=router.url) as http:
         first = await http.post("/v1/completions", json={"model": MODEL, "prompt": prompt})
         assert first.status_code == 200
