@@ -13,6 +13,7 @@ hostile owner.
 
 from __future__ import annotations
 
+import gc
 import os
 import uuid
 from collections.abc import AsyncIterator, Iterator
@@ -32,6 +33,16 @@ from cli.embedded import (
 from tests import buskit
 
 EXTERNAL_PG = os.environ.get("RUDDER_TEST_DATABASE_URL")
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """What imports and collection made lives to the session's end: frozen out of the cyclic
+    collector's way, as ``router.app.run`` does after start-up. The routers and workers that tests
+    run in this process share its collector, and a full collection stops every thread: over the
+    unfrozen heap of a whole run, single passes took up to a quarter of a second (an event loop
+    stalled that long fails what a test waits for with a deadline)."""
+    gc.collect()
+    gc.freeze()
 
 TEST_OWNER = DatabaseRole("rudder_owner", new_password())
 TEST_APP = DatabaseRole("rudder_app", new_password())
