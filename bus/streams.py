@@ -131,7 +131,7 @@ async def ensure_all_retrying(contexts: Callable[[float], JetStreamContext], lay
     server still gets the full timeout in the end). ``contexts(timeout)`` gives a JetStream
     context with that request timeout (``nc.jetstream``)."""
     deadline = asyncio.get_running_loop().time() + timeout_s
-    await _until_answering(contexts(PROBE_TIMEOUT_S), layout, deadline, PROBE_TIMEOUT_S)
+    await _until_answering(contexts, layout, deadline)
     wait = PROBE_TIMEOUT_S
     while True:
         wait = min(2 * wait, request_timeout_s)
@@ -159,9 +159,11 @@ def _raise_unless_forming(exc: Exception, deadline: float) -> None:
         raise exc
 
 
-async def _until_answering(js: JetStreamContext, layout: BusLayout, deadline: float, wait: float) -> None:
-    """Until the JetStream API answers a stream lookup (found or not found, either is an answer);
-    raises the last error at ``deadline``."""
+async def _until_answering(contexts: Callable[[float], JetStreamContext], layout: BusLayout,
+                           deadline: float) -> None:
+    """Until the JetStream API answers a stream lookup (found or not found, either is an answer),
+    each asked with :data:`PROBE_TIMEOUT_S`; raises the last error at ``deadline``."""
+    js = contexts(PROBE_TIMEOUT_S)
     name = layout.streams()[0]["name"]
     while True:
         try:
@@ -171,7 +173,8 @@ async def _until_answering(js: JetStreamContext, layout: BusLayout, deadline: fl
             return
         except (APIError, nats.errors.Error, TimeoutError) as exc:
             _raise_unless_forming(exc, deadline)
-            log.info("JetStream not answering yet (%s, after waiting up to %.1f s); asking again", exc, wait)
+            log.info("JetStream not answering yet (%s, after waiting up to %.1f s); asking again", exc,
+                     PROBE_TIMEOUT_S)
             await asyncio.sleep(0.05)
 
 

@@ -44,6 +44,7 @@ def pytest_collection_finish(session: pytest.Session) -> None:
     gc.collect()
     gc.freeze()
 
+
 TEST_OWNER = DatabaseRole("rudder_owner", new_password())
 TEST_APP = DatabaseRole("rudder_app", new_password())
 
