@@ -120,7 +120,9 @@ async def test_disaggregated_streaming_chat(fleet: Fleet) -> None:
 
 
 async def test_repeated_prompt_goes_to_the_prefill_worker_that_holds_it(fleet: Fleet) -> None:
-    system = "A long shared system prompt for prefix caching. " * 12
+    # Long enough that the owner's cached prefix outweighs, by milliseconds, what a late load
+    # report can add to its cost (at a few hundred tokens the margin was a fraction of one).
+    system = "A long shared system prompt for prefix caching. " * 120
     first = await fleet.http.post("/v1/chat/completions", json={
         "model": MODEL, "max_tokens": 2,
         "messages": [{"role": "system", "content": system}, {"role": "user", "content": "q1"}],

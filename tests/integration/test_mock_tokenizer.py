@@ -62,7 +62,9 @@ async def test_mock_counts_real_tokens_and_the_router_predicts_its_cache(
     router, folder = setup
     assert router.runtime.scheduler.view.tokenizers[MODEL] == frozenset({folder})
     tok = transformers.AutoTokenizer.from_pretrained(folder, local_files_only=True)
-    system = "Shared instructions for every session of this test, long enough for several blocks. " * 8
+    # Long enough that the owner's cached prefix outweighs, by milliseconds, what a late load
+    # report can add to its cost (at a few hundred tokens the margin was a fraction of one).
+    system = "Shared instructions for every session of this test, long enough for several blocks. " * 80
     async with httpx.AsyncClient(base_url=router.url, timeout=20) as http:
         msgs: list[dict[str, str]] = [{"role": "system", "content": system}, {"role": "user", "content": "first"}]
         first = await http.post("/v1/chat/completions", json={"model": MODEL, "messages": msgs, "max_tokens": 3})

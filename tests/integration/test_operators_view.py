@@ -314,7 +314,9 @@ async def test_rudder_explain_shows_every_candidates_cost_terms_and_the_measured
     each term of its predicted-time cost, adding up to its cost, the chosen one's sum equal to
     the cost the selection computed, and the measured TTFT and cached tokens of the request."""
     model = fleet.model
-    prompt = "why did this request go there? " * 30
+    # Long enough that the owner's cached prefix outweighs, by milliseconds, what a late load
+    # report can add to its cost (at a few hundred tokens the margin was a fraction of one).
+    prompt = "why did this request go there? " * 200
     async with httpx.AsyncClient(base_url=fleet.router.url) as http:
         first = await http.post("/v1/chat/completions",
                                 json={"model": model, "messages": [{"role": "user", "content": prompt}]})

@@ -54,7 +54,9 @@ async def test_repeated_prompt_goes_to_the_same_worker_until_the_ttl(
 ) -> None:
     router, _ = approx
     sched = router.runtime.scheduler
-    system = "A shared system prompt that repeats across the requests of a session. " * 6
+    # Long enough that the owner's cached prefix outweighs, by milliseconds, what a late load
+    # report can add to its cost (at a few hundred tokens the margin was a fraction of one).
+    system = "A shared system prompt that repeats across the requests of a session. " * 60
 
     def body(q: str) -> dict[str, Any]:
         return {"model": MODEL, "max_tokens": 2, "messages": [

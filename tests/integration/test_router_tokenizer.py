@@ -41,7 +41,9 @@ async def test_predicted_hit_matches_cached_tokens_with_the_folders_tokenizer(
 ) -> None:
     router, workers, folder = setup
     hit_rate = router.runtime.metrics.hit_rate.labels(MODEL)
-    system = "Shared instructions for every session of this test, long enough for blocks. " * 12
+    # Long enough that the owner's cached prefix outweighs, by milliseconds, what a late load
+    # report can add to its cost (at a few hundred tokens the margin was a fraction of one).
+    system = "Shared instructions for every session of this test, long enough for blocks. " * 100
     async with httpx.AsyncClient(base_url=router.url, timeout=20) as http:
         first = await http.post("/v1/chat/completions", json={"model": MODEL, "messages": [
             {"role": "system", "content": system}, {"role": "user", "content": "first"}]})
