@@ -747,7 +747,7 @@ class Scheduler:
         hashes = req.hashes.get(slot.block_size, ())
         booking_id = req.request_id + PREFILL_BOOKING if disaggregated else req.request_id
         if booking_id in self.bookings:  # a request id is the client's to choose (x-request-id): one
-            booking_id = f"{booking_id}#{seq}"  # in flight already keeps its booking, this gets its own
+            booking_id = self._free_booking_id(booking_id, seq)  # in flight keeps its booking
         # What the chosen worker's timing model predicts (before this request is booked there),
         # kept until the first token and the end to feed its calibration.
         params = self._params[req.model]
@@ -778,6 +778,17 @@ class Scheduler:
             candidates=choice.candidates, pinned=pinned, pool=slot.role, booking_id=booking_id,
             disaggregated=disaggregated, predicted_ttft_ms=pred.ttft_ms, slo_predicted_met=choice.slo_met,
         )
+
+    def _free_booking_id(self, taken: str, seq: int) -> str:
+        """A booking id not in use for a request whose id (``taken``) is: ``taken#seq``, or with a
+        further count if a client named one of those too (its ids are its own to choose: a
+        crafted ``x-request-id`` must not take another request's booking or its timing)."""
+        booking_id = f"{taken}#{seq}"
+        n = 0
+        while booking_id in self.bookings:
+            n += 1
+            booking_id = f"{taken}#{seq}.{n}"
+        return booking_id
 
     def _first_token(self, request_id: str, ttft_ms: float | None, *, refresh: bool) -> None:
         """A request's first token: its booking's prefill is done (its slot re-read if

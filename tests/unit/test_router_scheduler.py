@@ -419,3 +419,28 @@ async def test_full_selection_queue_refuses_with_queue_full_and_frees_its_places
         assert len(await asyncio.gather(*again)) == 3
     finally:
         await s.stop()
+
+
+async def test_a_client_request_id_that_names_another_requests_booking_gets_one_of_its_own() -> None:
+    """A request whose id is in flight is booked as ``id#seq``; a client may have named that too
+    (``x-request-id`` is its own to choose): the request still gets a booking of its own, and no
+    other request's booking or pending timing is taken over (it once raised, a 500)."""
+    s = _sched(Clock(), RoutingMode.LEAST_LOADED)
+    s.send(ApplyMembership(_join(1)))
+    s.start()
+    try:
+        first = await s.select(replace(_req(0), request_id="dup"))
+        # Ids ahead of the actor's command count, so that the next selections' ``dup#seq`` are taken.
+        crafted = [await s.select(replace(_req(0), request_id=f"dup#{n}")) for n in range(100, 400)]
+        assert [c.booking_id for c in crafted] == [f"dup#{n}" for n in range(100, 400)]
+        again = [await s.select(replace(_req(0), request_id="dup")) for _ in range(3)]
+        ids = [first.booking_id, *(c.booking_id for c in crafted), *(a.booking_id for a in again)]
+        assert len(set(ids)) == len(ids) == 304
+        assert all(a.request_id == "dup" for a in again)
+        # Every booking has its own pending timing (none overwritten by another's).
+        assert await s.inspect(lambda x: sorted(x.timings._pending)) == sorted(ids)
+        for booking_id in ids:
+            s.send(RequestDone(booking_id))
+        assert await s.inspect(lambda x: (len(x.bookings), len(x.timings._pending))) == (0, 0)
+    finally:
+        await s.stop()
