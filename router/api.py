@@ -348,9 +348,11 @@ async def _completion(request: Request, rt: Runtime, path: str, chat: bool) -> R
     model = body.get("model")
     if not isinstance(model, str) or not model:
         raise InvalidRequest("model must be a non-empty string", field="model")
-    request.state.model = model
     if model not in settings.models:
         raise NotFound(f"The model `{model}` does not exist on this router", field="model")
+    # The metrics' model label from here on: a name the router serves, never a client's free
+    # text (every unknown name would otherwise become a series of its own, kept for good).
+    request.state.model = model
     stream = body.get("stream", False) is True
     targets = parse_targets(body.get("nvext"), hdrs, lowered=True)
     slo = parse_ttft_slo(body.get("nvext"), hdrs)

@@ -140,6 +140,16 @@ async def test_errors_use_the_openai_shape(fleet: tuple[InProcessRouter, list[Mo
         }}
         r = await http.post("/v1/chat/completions", content=b"{not json")
         assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_request"
+        # A client's model names are not metric labels: a hundred unknown ones add no series.
+        def series(text: str) -> set[str]:
+            return {line.split(" ")[0] for line in text.splitlines() if line.startswith("rudder_router_")}
+        before = series((await http.get("/metrics")).text)
+        for i in range(100):
+            r = await http.post("/v1/completions", json={"model": f"made-up-{i}", "prompt": "x"})
+            assert r.status_code == 404
+        after = series((await http.get("/metrics")).text)
+        assert not any("made-up" in s for s in after)
+        assert len(after - before) <= 2, sorted(after - before)  # the 404s' own (model="") series
         r = await http.post("/v1/chat/completions", json={"model": MODEL, "messages": "x"})
         assert r.status_code == 400 and r.json()["error"]["param"] == "messages"
 
