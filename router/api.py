@@ -124,28 +124,91 @@ async def _select(request: Request, rt: Runtime, req: RoutingRequest) -> Selecti
     asked = time.perf_counter()
     sel = rt.scheduler.select_now(req)
     if sel is None:
-        sel = await _queued(request, rt, req)
+        sel = await _queued(rt, req)
     rt.metrics.model(req.model).selection.observe(time.perf_counter() - asked)
     return sel
 
 
-async def _queued(request: Request, rt: Runtime, req: RoutingRequest) -> Selection:
-    fut = rt.scheduler.submit(SelectWorker(req))
+async def _queued(rt: Runtime, req: RoutingRequest) -> Selection:
+    """The selection queued behind the actor's work. A client that goes away meanwhile cancels
+    the wait (its request's :class:`_ClientWatch`), and with it the selection's future: the actor
+    skips it."""
+    return await rt.scheduler.call(SelectWorker(req))
 
-    def gone() -> None:
-        fut.cancel()
 
-    stop_watching = watch_disconnect(request.scope, request.receive, gone)
-    try:
-        sel = await fut
-    except asyncio.CancelledError:
-        task = asyncio.current_task()
-        if fut.cancelled() and (task is None or not task.cancelling()):
-            raise ClientGone("client disconnected while the request was queued") from None
-        raise  # the router is stopping (this request's task was cancelled)
-    finally:
-        stop_watching()
-    return sel
+class _ClientWatch:
+    """A request's client going away while the request waits for its worker (the answer's head,
+    or the whole of a non-streamed answer, or a disaggregated request's prefill): the request's
+    task is cancelled there, which frees its booking and closes the worker connection where it
+    waits (the worker aborts the request, as vLLM's server does for a client gone), and the
+    request ends as ClientGone (a 499). A streamed answer's relay takes the watch over when it
+    starts (:meth:`hand_over`): from then on the client's leaving closes the worker stream under
+    the relay instead. Without this, a non-streamed request whose client had left kept its
+    booking and its worker busy to the end of an answer nobody would read (found by a chaos soak).
+
+    Used as ``with _ClientWatch(request) as watch:`` around that code. The task is cancelled
+    only from a callback, while it waits inside the watched code (never while it runs: a client
+    found gone when the watch starts is a ClientGone at once), so the cancellation always lands
+    in that code, where the watch's exit tells it apart from the router's own (stopping)."""
+
+    __slots__ = ("_action", "_handed", "_stop", "_task", "gone")
+
+    def __init__(self, request: Request) -> None:
+        self.gone = False
+        self._handed = False
+        self._task = asyncio.current_task()
+        self._action: Callable[[], None] | None = None  # set by hand_over
+        self._stop = watch_disconnect(request.scope, request.receive, self._on_gone)
+        if self.gone:  # already gone: nothing to wait for
+            self.stop()
+            raise ClientGone("client disconnected before its answer")
+
+    def _on_gone(self) -> None:
+        if self.gone:
+            return
+        self.gone = True
+        if self._action is not None:
+            self._action()
+            return
+        task = self._task
+        if task is not None and task is not asyncio.current_task():
+            task.cancel()
+
+    def __enter__(self) -> _ClientWatch:
+        return self
+
+    def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None, tb: object) -> None:
+        """The watched code ended: stop watching unless a relay took the watch over; a
+        cancellation that was the client's leaving (not the router's: it is stopping) is taken
+        back and the request ends as ClientGone."""
+        task = self._task
+        if not self._handed:
+            self.stop()
+        if kind is not None and issubclass(kind, asyncio.CancelledError) and self.gone \
+                and self._action is None and task is not None and task.uncancel() == 0:
+            raise ClientGone("client disconnected before its answer") from None
+
+    def handed(self) -> None:
+        """The answer's relay will take the watch over (:meth:`hand_over`): not stopped here."""
+        self._handed = True
+
+    def hand_over(self, on_gone: Callable[[], None]) -> None:
+        """From now on the client's leaving runs ``on_gone`` (the relay's) instead."""
+        self._action = on_gone
+        if self.gone:
+            on_gone()
+
+    def stop(self) -> None:
+        """Stop watching, and let go of the task, the callback and the relay's action (the
+        callback is this watch's own method: a reference cycle until then)."""
+        stop, self._stop = self._stop, _nothing
+        self._task = None
+        self._action = None
+        stop()
+
+
+def _nothing() -> None:
+    pass
 
 
 def _sampled(rt: Runtime, sel: Selection) -> dict[str, Any] | None:
@@ -382,199 +445,202 @@ async def _completion(request: Request, rt: Runtime, path: str, chat: bool) -> R
         ttft_slo_ms=slo,
     )
 
-    def first_body(s: Selection) -> bytes:
-        return _prefill_body(body, s, chat=chat) if s.disaggregated else _target_body(body, s, raw=raw)
+    # From here until the answer's relay takes over, a client that goes away stops the wait
+    # for its worker (router.api._ClientWatch): a 499, its booking freed, the worker stopped.
+    with _ClientWatch(request) as watch:
+        def first_body(s: Selection) -> bytes:
+            return _prefill_body(body, s, chat=chat) if s.disaggregated else _target_body(body, s, raw=raw)
 
-    try:
-        opened = await _open(request, rt, routing, path, first_body, headers)
-    except Overloaded:
-        if slo is not None:
-            rt.metrics.observe_slo(model, "rejected")
-        raise
-    sel = opened.sel
-    if tr is not None:
-        tr.selected(sel, tr.tokenized, opened.selected_at, opened.sent_at, _sampled(rt, sel))
-    series.overhead.observe(opened.selected_at - t0)
-    series.hit_rate.observe(sel.predicted_hit_rate)
-    # What the router predicted for the worker that computes the prompt (the prefill worker when
-    # disaggregated), and which policy revisions scored it: an operator (or a test) compares the
-    # first with usage.prompt_tokens_details.cached_tokens.
-    revisions = sel.revisions.text
-    logs.bind(worker_id=sel.instance_id, revision=revisions)
-    # Headers naming the worker, the revisions and the predicted cache state are a debugging aid
-    # and an oracle (a client could confirm, block by block, what prefixes other users sent):
-    # off unless RUDDER_DEBUG_HEADERS turns them on.
-    debug = rt.settings.debug_headers
-    out_headers = {"x-request-id": request_id}
-    if debug:
-        out_headers[HDR_PREDICTED_CACHED] = str(sel.cached_tokens)
-        out_headers[HDR_POLICY_REVISIONS] = revisions
-    phase_started: float | None = None  # disaggregated: when the decode worker was selected
-
-    if sel.disaggregated:
-        # Prefill phase: the prefill worker computes the prompt and keeps its KV; its answer
-        # reaches the client only if it is an error.
-        content = await _read_all(rt, opened)
-        done = time.perf_counter()
-        status = opened.resp.status_code
-        rt.metrics.phase_overhead.labels(model, "prefill").observe(opened.selected_at - t0)
-        rt.metrics.phase_ttft.labels(model, "prefill").observe(done - opened.selected_at)
-        if debug:
-            out_headers[HDR_PREFILL] = str(sel.instance_id)
-            out_headers[HDR_PREFILL_DP_RANK] = str(sel.dp_rank)
-        if status >= 400:
-            log.warning("request %s: prefill worker %s answered %d", request_id, sel.instance_id, status)
-            rt.metrics.answered(model, path, str(status))
-            _answer_ended(rt, sel, str(status), b"", None, first_token=True)
-            if tr is not None:
-                tr.done(str(status))
-            return Response(
-                content, status_code=status, headers=out_headers,
-                media_type=opened.resp.header(b"content-type", "application/json"),
-            )
-        rt.scheduler.send(RequestDone(sel.booking_id, first_token=True))
-        kv_params = _kv_transfer_params(content)
-
-        def decode_body(s: Selection) -> bytes:
-            return _target_body(body, s, kv_transfer_params=kv_params)
-
-        opened = await _open(request, rt, replace(routing, phase=Phase.DECODE), path, decode_body, headers)
-        phase_started = opened.selected_at
-        rt.metrics.phase_overhead.labels(model, "decode").observe(phase_started - done)
+        try:
+            opened = await _open(request, rt, routing, path, first_body, headers)
+        except Overloaded:
+            if slo is not None:
+                rt.metrics.observe_slo(model, "rejected")
+            raise
         sel = opened.sel
         if tr is not None:
-            tr.selected(sel, done, phase_started, opened.sent_at, _sampled(rt, sel))
-        logs.bind(worker_id=sel.instance_id)
-    resp = opened.resp
-    booking = sel.booking_id
+            tr.selected(sel, tr.tokenized, opened.selected_at, opened.sent_at, _sampled(rt, sel))
+        series.overhead.observe(opened.selected_at - t0)
+        series.hit_rate.observe(sel.predicted_hit_rate)
+        # What the router predicted for the worker that computes the prompt (the prefill worker when
+        # disaggregated), and which policy revisions scored it: an operator (or a test) compares the
+        # first with usage.prompt_tokens_details.cached_tokens.
+        revisions = sel.revisions.text
+        logs.bind(worker_id=sel.instance_id, revision=revisions)
+        # Headers naming the worker, the revisions and the predicted cache state are a debugging aid
+        # and an oracle (a client could confirm, block by block, what prefixes other users sent):
+        # off unless RUDDER_DEBUG_HEADERS turns them on.
+        debug = rt.settings.debug_headers
+        out_headers = {"x-request-id": request_id}
+        if debug:
+            out_headers[HDR_PREDICTED_CACHED] = str(sel.cached_tokens)
+            out_headers[HDR_POLICY_REVISIONS] = revisions
+        phase_started: float | None = None  # disaggregated: when the decode worker was selected
 
-    if debug and sel.predicted_ttft_ms is not None:
-        out_headers[HDR_PREDICTED_TTFT] = f"{sel.predicted_ttft_ms:.1f}"
+        if sel.disaggregated:
+            # Prefill phase: the prefill worker computes the prompt and keeps its KV; its answer
+            # reaches the client only if it is an error.
+            content = await _read_all(rt, opened)
+            done = time.perf_counter()
+            status = opened.resp.status_code
+            rt.metrics.phase_overhead.labels(model, "prefill").observe(opened.selected_at - t0)
+            rt.metrics.phase_ttft.labels(model, "prefill").observe(done - opened.selected_at)
+            if debug:
+                out_headers[HDR_PREFILL] = str(sel.instance_id)
+                out_headers[HDR_PREFILL_DP_RANK] = str(sel.dp_rank)
+            if status >= 400:
+                log.warning("request %s: prefill worker %s answered %d", request_id, sel.instance_id, status)
+                rt.metrics.answered(model, path, str(status))
+                _answer_ended(rt, sel, str(status), b"", None, first_token=True)
+                if tr is not None:
+                    tr.done(str(status))
+                return Response(
+                    content, status_code=status, headers=out_headers,
+                    media_type=opened.resp.header(b"content-type", "application/json"),
+                )
+            rt.scheduler.send(RequestDone(sel.booking_id, first_token=True))
+            kv_params = _kv_transfer_params(content)
 
-    def observe_first_token(now: float) -> None:
-        series.ttft.observe(now - t0)
-        if slo is not None:
-            rt.metrics.observe_slo(model, "met" if (now - t0) * 1e3 <= slo else "missed")
-        if phase_started is not None:
-            rt.metrics.phase_ttft.labels(model, "decode").observe(now - phase_started)
-        if tr is not None:
-            tr.first_token(now)
+            def decode_body(s: Selection) -> bytes:
+                return _target_body(body, s, kv_transfer_params=kv_params)
 
-    log.info(
-        "request %s → %s worker %s rank %d (revision %s, predicted hit %.2f)", request_id,
-        sel.pool.value, sel.instance_id, sel.dp_rank, sel.revisions, sel.predicted_hit_rate,
-    )
-    if debug:
-        out_headers[HDR_WORKER] = str(sel.instance_id)
-        out_headers[HDR_DP_RANK] = str(sel.dp_rank)
-    content_type = resp.header(b"content-type", "application/json")
-    if not stream or resp.status_code >= 400:
-        content = await _read_all(rt, opened)
-        answered = time.perf_counter()
-        observe_first_token(answered)
-        rt.metrics.answered(model, path, str(resp.status_code))
-        _answer_ended(rt, sel, str(resp.status_code), content, (answered - opened.sent_at) * 1e3,
-                      first_token=True)
-        if tr is not None:
-            tr.done(str(resp.status_code))
-        return Response(content, status_code=resp.status_code, media_type=content_type, headers=out_headers)
+            opened = await _open(request, rt, replace(routing, phase=Phase.DECODE), path, decode_body, headers)
+            phase_started = opened.selected_at
+            rt.metrics.phase_overhead.labels(model, "decode").observe(phase_started - done)
+            sel = opened.sel
+            if tr is not None:
+                tr.selected(sel, done, phase_started, opened.sent_at, _sampled(rt, sel))
+            logs.bind(worker_id=sel.instance_id)
+        resp = opened.resp
+        booking = sel.booking_id
 
-    client_gone = False
-    finished = False
-    # Content chunks after the role-only opening and when the first and last came (for the
-    # worker's decode calibration: its mean inter-token time).
-    chunks = 0
-    first_at = last = 0.0
-    previous = tail = b""  # the last two chunks: where a stream's usage is (its last data line)
-    # The first token came in the answer's last read: it goes with the end, in one command.
-    first_with_end = False
+        if debug and sel.predicted_ttft_ms is not None:
+            out_headers[HDR_PREDICTED_TTFT] = f"{sel.predicted_ttft_ms:.1f}"
 
-    relay_status = "499"  # until the answer is read to its end (or breaks)
-    broke = False
+        def observe_first_token(now: float) -> None:
+            series.ttft.observe(now - t0)
+            if slo is not None:
+                rt.metrics.observe_slo(model, "met" if (now - t0) * 1e3 <= slo else "missed")
+            if phase_started is not None:
+                rt.metrics.phase_ttft.labels(model, "decode").observe(now - phase_started)
+            if tr is not None:
+                tr.first_token(now)
 
-    async def finish() -> None:
-        """Release the worker connection and the booking, once, when the response ends (with the
-        relay's status: 499 if it ended before the answer's end)."""
-        nonlocal finished
-        if finished:
-            return
-        finished = True
-        status = relay_status
-        resp.sink = None  # the response's sink closes a cycle through this request's closures
-        await resp.aclose()
-        itl_ms = (last - first_at) * 1e3 / (chunks - 1) if chunks > 1 and status == "200" else None
-        rt.metrics.answered(model, path, status)
-        ttft_ms = (first_at - opened.sent_at) * 1e3 if chunks else None
-        _answer_ended(rt, sel, status, previous + tail, ttft_ms, itl_ms=itl_ms, decode_tokens=chunks or None,
-                      first_token=first_with_end, first_ttft_ms=ttft_ms)
-        if tr is not None:
-            tr.done(status)
+        log.info(
+            "request %s → %s worker %s rank %d (revision %s, predicted hit %.2f)", request_id,
+            sel.pool.value, sel.instance_id, sel.dp_rank, sel.revisions, sel.predicted_hit_rate,
+        )
+        if debug:
+            out_headers[HDR_WORKER] = str(sel.instance_id)
+            out_headers[HDR_DP_RANK] = str(sel.dp_rank)
+        content_type = resp.header(b"content-type", "application/json")
+        if not stream or resp.status_code >= 400:
+            content = await _read_all(rt, opened)
+            answered = time.perf_counter()
+            observe_first_token(answered)
+            rt.metrics.answered(model, path, str(resp.status_code))
+            _answer_ended(rt, sel, str(resp.status_code), content, (answered - opened.sent_at) * 1e3,
+                          first_token=True)
+            if tr is not None:
+                tr.done(str(resp.status_code))
+            return Response(content, status_code=resp.status_code, media_type=content_type, headers=out_headers)
 
-    first = FirstTokenDetector()  # a role-only opening chunk is not the first token
-    itl = series.itl
+        client_gone = False
+        finished = False
+        # Content chunks after the role-only opening and when the first and last came (for the
+        # worker's decode calibration: its mean inter-token time).
+        chunks = 0
+        first_at = last = 0.0
+        previous = tail = b""  # the last two chunks: where a stream's usage is (its last data line)
+        # The first token came in the answer's last read: it goes with the end, in one command.
+        first_with_end = False
 
-    def seen(chunk: bytes) -> None:
-        """A chunk of the worker's answer goes to the client (handed out by the relay, or pushed
-        from the worker connection's callback): first token, inter-token time, usage's place."""
-        nonlocal chunks, first_at, last, previous, tail, first_with_end
-        now = time.perf_counter()
-        if not chunks:
-            if first.feed(chunk):
-                if resp.complete:  # nothing follows: the end's command carries it
-                    first_with_end = True
-                else:
-                    rt.scheduler.send(RequestFirstToken(booking, ttft_ms=(now - opened.sent_at) * 1e3))
-                observe_first_token(now)
-                first_at = last = now
-                chunks = 1
-        else:
-            itl.observe(now - last)
-            last = now
-            chunks += 1
-        previous, tail = tail, chunk
+        relay_status = "499"  # until the answer is read to its end (or breaks)
+        broke = False
 
-    async def relay() -> bytes | None:
-        """The worker's answer's next part for the client, None at its end; a stream that breaks
-        ends with an error event (or nothing, when the client is gone)."""
-        nonlocal relay_status, broke
-        if broke:
-            return None
-        try:
-            chunk = await resp.next_chunk()
-        except UpstreamError as exc:
-            broke = True
-            if client_gone:
-                log.info("request %s: client went away; worker stream closed", request_id)
+        async def finish() -> None:
+            """Release the worker connection and the booking, once, when the response ends (with the
+            relay's status: 499 if it ended before the answer's end)."""
+            nonlocal finished
+            if finished:
+                return
+            finished = True
+            status = relay_status
+            resp.sink = None  # the response's sink closes a cycle through this request's closures
+            await resp.aclose()
+            itl_ms = (last - first_at) * 1e3 / (chunks - 1) if chunks > 1 and status == "200" else None
+            rt.metrics.answered(model, path, status)
+            ttft_ms = (first_at - opened.sent_at) * 1e3 if chunks else None
+            _answer_ended(rt, sel, status, previous + tail, ttft_ms, itl_ms=itl_ms, decode_tokens=chunks or None,
+                          first_token=first_with_end, first_ttft_ms=ttft_ms)
+            if tr is not None:
+                tr.done(status)
+
+        first = FirstTokenDetector()  # a role-only opening chunk is not the first token
+        itl = series.itl
+
+        def seen(chunk: bytes) -> None:
+            """A chunk of the worker's answer goes to the client (handed out by the relay, or pushed
+            from the worker connection's callback): first token, inter-token time, usage's place."""
+            nonlocal chunks, first_at, last, previous, tail, first_with_end
+            now = time.perf_counter()
+            if not chunks:
+                if first.feed(chunk):
+                    if resp.complete:  # nothing follows: the end's command carries it
+                        first_with_end = True
+                    else:
+                        rt.scheduler.send(RequestFirstToken(booking, ttft_ms=(now - opened.sent_at) * 1e3))
+                    observe_first_token(now)
+                    first_at = last = now
+                    chunks = 1
+            else:
+                itl.observe(now - last)
+                last = now
+                chunks += 1
+            previous, tail = tail, chunk
+
+        async def relay() -> bytes | None:
+            """The worker's answer's next part for the client, None at its end; a stream that breaks
+            ends with an error event (or nothing, when the client is gone)."""
+            nonlocal relay_status, broke
+            if broke:
                 return None
-            relay_status = "502"
-            log.warning("request %s: worker stream broke: %s", request_id, exc)
-            err = {"error": {"message": f"worker stream broke: {exc}",
-                             "type": "service_unavailable", "param": None, "code": "worker_failed"}}
-            return f"data: {json.dumps(err)}\n\n".encode()
-        if chunk is None:
-            relay_status = "200"
-            return None
-        seen(chunk)
-        return chunk
-
-    def on_client_gone() -> None:
-        nonlocal client_gone
-        client_gone = True
-        resp.abort()  # the relay's pending read fails at once: booking freed, worker stops
-
-    def push_from(push: Push) -> None:
-        """Under the router's server: what the worker sends goes to the client from the worker
-        connection's callback, ``seen`` as it goes (router.cycle.DirectCycle.push)."""
-        def sink(chunk: bytes) -> bool:
-            if not push(chunk):
-                return False
+            try:
+                chunk = await resp.next_chunk()
+            except UpstreamError as exc:
+                broke = True
+                if client_gone:
+                    log.info("request %s: client went away; worker stream closed", request_id)
+                    return None
+                relay_status = "502"
+                log.warning("request %s: worker stream broke: %s", request_id, exc)
+                err = {"error": {"message": f"worker stream broke: {exc}",
+                                 "type": "service_unavailable", "param": None, "code": "worker_failed"}}
+                return f"data: {json.dumps(err)}\n\n".encode()
+            if chunk is None:
+                relay_status = "200"
+                return None
             seen(chunk)
-            return True
-        resp.sink = sink
+            return chunk
 
-    return RelayResponse(relay, status_code=resp.status_code, media_type=content_type,
-                         headers=out_headers, on_disconnect=on_client_gone, on_close=finish,
-                         last=lambda: resp.complete, push_from=push_from)
+        def on_client_gone() -> None:
+            nonlocal client_gone
+            client_gone = True
+            resp.abort()  # the relay's pending read fails at once: booking freed, worker stops
+
+        def push_from(push: Push) -> None:
+            """Under the router's server: what the worker sends goes to the client from the worker
+            connection's callback, ``seen`` as it goes (router.cycle.DirectCycle.push)."""
+            def sink(chunk: bytes) -> bool:
+                if not push(chunk):
+                    return False
+                seen(chunk)
+                return True
+            resp.sink = sink
+
+        return RelayResponse(relay, status_code=resp.status_code, media_type=content_type,
+                             headers=out_headers, on_disconnect=on_client_gone, on_close=finish,
+                             last=lambda: resp.complete, push_from=push_from, watch=watch)
 
 
 class RelayResponse(Response):
@@ -592,7 +658,7 @@ class RelayResponse(Response):
     def __init__(self, body: Callable[[], Awaitable[bytes | None]], *, status_code: int, media_type: str,
                  headers: Mapping[str, str], on_disconnect: Callable[[], None],
                  on_close: Callable[[], Awaitable[None]], last: Callable[[], bool] = lambda: False,
-                 push_from: Callable[[Push], None] | None = None) -> None:
+                 push_from: Callable[[Push], None] | None = None, watch: _ClientWatch | None = None) -> None:
         # Not the base class's constructor: no body to size (this one is streamed, chunked), and
         # the head built once here (a content type as Starlette's: text/* gets a charset).
         self.status_code = status_code
@@ -607,9 +673,18 @@ class RelayResponse(Response):
         self.on_close = on_close
         self.last = last
         self.push_from = push_from
+        self.watch = watch  # the request's watch of its client, taken over when the relay starts
+        if watch is not None:
+            watch.handed()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        stop_watching = watch_disconnect(scope, receive, self.on_disconnect)
+        watch = self.watch
+        stop_watching: Callable[[], None]
+        if watch is not None:
+            watch.hand_over(self.on_disconnect)
+            stop_watching = watch.stop
+        else:
+            stop_watching = watch_disconnect(scope, receive, self.on_disconnect)
         next_part = self.next_part
         try:
             # The head goes with the first chunk (one write under the router's server, which

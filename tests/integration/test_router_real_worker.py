@@ -8,6 +8,7 @@ import json
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
+import httpx
 import openai
 import pytest
 
@@ -136,6 +137,57 @@ async def test_eviction_removes_blocks_from_the_router_index(nats_url: str) -> N
         await router.stop()
         stop.set()
         await asyncio.wait_for(task, 10)
+
+
+async def test_client_gone_before_a_non_streamed_answer_frees_the_booking_and_the_worker(nats_url: str) -> None:
+    """A client that disconnects while its non-streamed answer is computed (no byte of it has
+    come back: the router waits for the worker's whole answer): the router drops the exchange,
+    frees the booking within a moment, counts a 499, and the worker stops computing it. It once
+    held both to the end of an answer nobody would read (found by a chaos soak)."""
+    model = "gone-whole-model"
+    stop = asyncio.Event()
+    ready: list[Any] = []
+    settings = buskit.worker_settings(
+        nats_url=nats_url, model=model, heartbeat_s=0.2,
+        mock=worker_settings.MockEngineSettings(speedup_ratio=0.5, block_size=16),  # ~100 ms a token
+    )
+    task = asyncio.create_task(worker_agent.serve(settings, stop=stop, on_ready=ready.append))
+    await wait_for(lambda: bool(ready) or task.done(), within=20)
+    router = await InProcessRouter(router_settings(nats_url, model)).start()
+    sched = router.runtime.scheduler
+
+    async def running() -> float:
+        async with httpx.AsyncClient(base_url=ready[0].url) as http:
+            text = (await http.get("/metrics")).text
+        return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+                   if line.startswith("vllm:num_requests_running"))
+
+    try:
+        await wait_for(lambda: router.runtime.scheduler.view.workers.get(model) == 1, within=10)
+        host, port = router.url.removeprefix("http://").split(":")
+        _reader, writer = await asyncio.open_connection(host, int(port))
+        body = json.dumps({"model": model, "prompt": "hello " * 10, "max_tokens": 4000}).encode()
+        writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     + f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
+        await writer.drain()
+        await wait_for(lambda: sched.inspect(lambda s: len(s.bookings) == 1), within=10)
+        await wait_for(lambda: running(), within=10)  # the worker computes it (tens of seconds)
+        writer.close()
+        await wait_for(lambda: sched.inspect(lambda s: len(s.bookings) == 0), within=3)
+        await wait_for(lambda: _is_zero(running()), within=3)
+        metrics = router.runtime.metrics.render().decode()
+        assert any(line.startswith("rudder_router_requests_total") and 'endpoint="/v1/completions"' in line
+                   and 'status="499"' in line for line in metrics.splitlines()), metrics
+        assert not any(line.startswith("rudder_router_requests_total") and 'status="200"' in line
+                       and not line.endswith(" 0.0") for line in metrics.splitlines()), metrics
+    finally:
+        await router.stop()
+        stop.set()
+        await asyncio.wait_for(task, 10)
+
+
+async def _is_zero(value: Any) -> bool:
+    return await value == 0
 
 
 async def test_client_gone_mid_stream_frees_the_booking_at_once(nats_url: str) -> None:

@@ -17,7 +17,7 @@ from starlette.responses import JSONResponse
 from uvicorn.server import ServerState
 
 from controlplane.protocol.errors import ClientGone
-from router.api import _select, error_response
+from router.api import _ClientWatch, _select, error_response
 from router.commands import RoutingRequest
 from router.cycle import disconnect_hook, push_hook
 from router.ingress import GuardedHttpProtocol, IngressLimits, protocol_class
@@ -248,8 +248,14 @@ class Scheduler:
     def select_now(self, request: Any) -> None:
         return None
 
-    def submit(self, command: Any) -> asyncio.Future[Any]:
-        return self.future
+    async def call(self, command: Any) -> Any:
+        return await self.future
+
+
+async def _watched_select(request: Request, rt: Any) -> Any:
+    """A selection under the request's watch of its client, as ``_completion`` makes it."""
+    with _ClientWatch(request):
+        return await _select(request, rt, ROUTING)
 
 
 async def test_a_client_gone_while_its_selection_is_queued_cancels_the_selection() -> None:
@@ -263,17 +269,40 @@ async def test_a_client_gone_while_its_selection_is_queued_cancels_the_selection
 
     rt: Any = SimpleNamespace(scheduler=Scheduler(), metrics=RouterMetrics())
     request = Request({"type": "http", "extensions": {"rudder.disconnect": {"on_disconnect": hook}}})
-    task = asyncio.create_task(_select(request, rt, ROUTING))
+    task = asyncio.create_task(_watched_select(request, rt))
     await hooked.wait()
+    await asyncio.sleep(0)  # the selection waits in the queue
     gone[0]()
     with pytest.raises(ClientGone):
         await task
     assert rt.scheduler.future.cancelled()  # the actor skips it
+    assert task.cancelling() == 0  # the cancellation was taken back
 
     # The router stopping (the request's task cancelled) is not a client gone.
     rt.scheduler = Scheduler()
-    task = asyncio.create_task(_select(request, rt, ROUTING))
+    task = asyncio.create_task(_watched_select(request, rt))
     await asyncio.sleep(0)
     task.cancel()
     with pytest.raises(asyncio.CancelledError):
         await task
+
+    # Nor is the router stopping after the client went: both cancellations stand.
+    gone.clear()
+    rt.scheduler = Scheduler()
+    task = asyncio.create_task(_watched_select(request, rt))
+    await asyncio.sleep(0)
+    gone[0]()
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+
+    # A client gone before the watch starts: a ClientGone at once, nothing selected.
+    def gone_already(callback: Callable[[], None]) -> Callable[[], None]:
+        callback()
+        return lambda: None
+
+    rt.scheduler = Scheduler()
+    left = Request({"type": "http", "extensions": {"rudder.disconnect": {"on_disconnect": gone_already}}})
+    with pytest.raises(ClientGone):
+        await _watched_select(left, rt)
+    assert not rt.scheduler.future.done()

@@ -16,6 +16,7 @@ bodies are parsed with ``json`` and stream chunks are formatted from per-request
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 import uuid
@@ -27,6 +28,7 @@ from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.routing import Route
+from starlette.types import Receive
 
 from controlplane.protocol.events import WorkerRole
 from worker.engines.mock.engine import EngineStopped, MockCore, RequestHandle, RequestRejected
@@ -62,6 +64,12 @@ class ApiStats:
     prompt_tokens: int = 0
     cached_tokens: int = 0
     generation_tokens: int = 0
+
+
+async def _disconnected(receive: Receive) -> None:
+    """Until the client goes away (its body already read: the next message is the disconnect)."""
+    while (await receive())["type"] != "http.disconnect":
+        pass
 
 
 def _int_field(value: Any, name: str, *, minimum: int) -> int:
@@ -255,7 +263,9 @@ class MockApi:
                 media_type="text/event-stream", headers=headers,
             )
         try:
-            await self._wait(handle)
+            if not await self._wait_for_client(request, handle):
+                self.stats.errors += 1  # nobody reads an answer now: what vLLM's server answers
+                return Response(status_code=499)
         except EngineStopped as exc:
             self.stats.errors += 1
             return ApiError(503, str(exc), type_="ServiceUnavailable").response()
@@ -345,6 +355,22 @@ class MockApi:
             if handle.finished:
                 break
             await handle.changed.wait()
+
+    async def _wait_for_client(self, request: Request, handle: RequestHandle) -> bool:
+        """Until ``handle`` finishes (True), or its client goes away first (False; the caller
+        aborts it): as vLLM's server does for a non-streamed request (``with_cancellation``), a
+        request whose client left is not computed to its end for nobody."""
+        done = asyncio.ensure_future(self._wait(handle))
+        gone = asyncio.ensure_future(_disconnected(request.receive))
+        try:
+            await asyncio.wait((done, gone), return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            done.cancel()
+            gone.cancel()
+        if done.done() and not done.cancelled():
+            done.result()  # raises EngineStopped
+            return True
+        return False
 
     def _account(self, handle: RequestHandle) -> None:
         self.stats.cached_tokens += handle.cached_tokens
