@@ -132,8 +132,16 @@ async def _select(request: Request, rt: Runtime, req: RoutingRequest) -> Selecti
 async def _queued(rt: Runtime, req: RoutingRequest) -> Selection:
     """The selection queued behind the actor's work. A client that goes away meanwhile cancels
     the wait (its request's :class:`_ClientWatch`), and with it the selection's future: the actor
-    skips it."""
-    return await rt.scheduler.call(SelectWorker(req))
+    skips it; or, if the actor had made it already, its booking is freed here."""
+    fut = rt.scheduler.submit(SelectWorker(req))
+    try:
+        return await fut
+    except asyncio.CancelledError:
+        if fut.done() and not fut.cancelled() and fut.exception() is None:
+            rt.scheduler.send(RequestDone(fut.result().booking_id))  # made, and nobody will use it
+        else:
+            fut.cancel()
+        raise
 
 
 class _ClientWatch:
@@ -151,11 +159,12 @@ class _ClientWatch:
     found gone when the watch starts is a ClientGone at once), so the cancellation always lands
     in that code, where the watch's exit tells it apart from the router's own (stopping)."""
 
-    __slots__ = ("_action", "_handed", "_stop", "_task", "gone")
+    __slots__ = ("_action", "_cancelled", "_handed", "_stop", "_task", "gone")
 
     def __init__(self, request: Request) -> None:
         self.gone = False
         self._handed = False
+        self._cancelled = False  # the task cancelled by this watch (to be taken back at the exit)
         self._task = asyncio.current_task()
         self._action: Callable[[], None] | None = None  # set by hand_over
         self._stop = watch_disconnect(request.scope, request.receive, self._on_gone)
@@ -172,6 +181,7 @@ class _ClientWatch:
             return
         task = self._task
         if task is not None and task is not asyncio.current_task():
+            self._cancelled = True
             task.cancel()
 
     def __enter__(self) -> _ClientWatch:
@@ -184,9 +194,12 @@ class _ClientWatch:
         task = self._task
         if not self._handed:
             self.stop()
-        if kind is not None and issubclass(kind, asyncio.CancelledError) and self.gone \
-                and self._action is None and task is not None and task.uncancel() == 0:
-            raise ClientGone("client disconnected before its answer") from None
+        if self._cancelled and task is not None:
+            # Taken back even when the code went on (a wait that had its result when the
+            # cancellation came may return it: asyncio.wait_for does).
+            self._cancelled = False
+            if task.uncancel() == 0 and kind is not None and issubclass(kind, asyncio.CancelledError):
+                raise ClientGone("client disconnected before its answer") from None
 
     def handed(self) -> None:
         """The answer's relay will take the watch over (:meth:`hand_over`): not stopped here."""

@@ -92,6 +92,48 @@ async def test_a_storm_of_streams_ended_every_way_leaves_nothing_behind(nats_url
         assert _text(served) == mock_answer(40)
 
 
+async def whole(port: int, wait_s: float, reset: bool) -> bytes:
+    """One non-streamed completion whose client goes away after ``wait_s`` (its answer takes
+    seconds: none of it has come), closing its connection or resetting it."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    body = json.dumps({"model": MODEL, "prompt": f"whole {wait_s}", "max_tokens": TOKENS}).encode()
+    writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: r\r\nContent-Type: application/json\r\n"
+                 + f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
+    await writer.drain()
+    try:
+        return await asyncio.wait_for(reader.read(65536), wait_s)
+    except TimeoutError:
+        return b""
+    finally:
+        if reset:
+            sock = writer.get_extra_info("socket")
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+            writer.transport.abort()
+        writer.close()
+
+
+async def test_a_storm_of_non_streamed_requests_whose_clients_leave_leaves_nothing_behind(nats_url: str) -> None:
+    """Non-streamed requests whose clients leave while they wait (queued for a selection, or for
+    the worker's whole answer) are ended at once: the bookings freed, the worker stopped, each a
+    499. They once held both until the answer nobody would read was computed."""
+    rng = random.Random(17)
+    plan = [(rng.uniform(0.0, 0.4), rng.random() < 0.5) for _ in range(STREAMS)]
+    async with routed_workers(nats_url, MODEL, 1, workers={"mock": {"speedup_ratio": 4.0}}) as (router, workers):
+        port = router.settings.port
+        results = await asyncio.gather(*(whole(port, wait_s, reset) for wait_s, reset in plan))
+        assert results == [b""] * STREAMS  # no answer came before the clients left
+        loop = asyncio.get_running_loop()
+        gone = loop.time()
+        sched = router.runtime.scheduler
+        await wait_for(lambda: sched.inspect(lambda s: len(s.bookings) == 0), within=10)
+        await wait_for(lambda: engine_idle(workers[0]), within=10)
+        assert loop.time() - gone < 2.0
+        requests = router.runtime.metrics.requests
+        await wait_for(lambda: requests.labels(MODEL, "/v1/completions", "499").value == STREAMS, within=5)
+        served = await stream(port, "read", 0)  # and the router serves as before
+        assert _text(served) == mock_answer(40)
+
+
 async def test_streams_read_and_cut_through_a_router_as_deployed_on_uvloop(nats_url: str) -> None:
     """The same through ``rudder serve router`` (uvloop, whose transports are not asyncio's
     classes): streams read to the end arrive whole, streams cut are cut at the worker."""

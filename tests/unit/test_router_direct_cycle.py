@@ -245,11 +245,16 @@ class Scheduler:
     def __init__(self) -> None:
         self.future: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
 
+        self.sent: list[Any] = []
+
     def select_now(self, request: Any) -> None:
         return None
 
-    async def call(self, command: Any) -> Any:
-        return await self.future
+    def submit(self, command: Any) -> asyncio.Future[Any]:
+        return self.future
+
+    def send(self, command: Any) -> None:
+        self.sent.append(command)
 
 
 async def _watched_select(request: Request, rt: Any) -> Any:
@@ -295,6 +300,18 @@ async def test_a_client_gone_while_its_selection_is_queued_cancels_the_selection
     task.cancel()
     with pytest.raises(asyncio.CancelledError):
         await task
+
+    # The actor had made the selection when the client went (the request's task not yet
+    # resumed with it): its booking is freed, not left to nobody.
+    gone.clear()
+    rt.scheduler = Scheduler()
+    task = asyncio.create_task(_watched_select(request, rt))
+    await asyncio.sleep(0)
+    rt.scheduler.future.set_result(SimpleNamespace(booking_id="made"))
+    gone[0]()
+    with pytest.raises(ClientGone):
+        await task
+    assert [(type(c).__name__, c.request_id) for c in rt.scheduler.sent] == [("RequestDone", "made")]
 
     # A client gone before the watch starts: a ClientGone at once, nothing selected.
     def gone_already(callback: Callable[[], None]) -> Callable[[], None]:
