@@ -139,30 +139,42 @@ async def test_eviction_removes_blocks_from_the_router_index(nats_url: str) -> N
         await asyncio.wait_for(task, 10)
 
 
+@contextlib.asynccontextmanager
+async def _worker_and_router(nats_url: str, model: str) -> AsyncIterator[tuple[InProcessRouter, Any]]:
+    """A mock worker at a slow pace (~100 ms a token) and a router in front of it."""
+    stop = asyncio.Event()
+    ready: list[Any] = []
+    settings = buskit.worker_settings(
+        nats_url=nats_url, model=model, heartbeat_s=0.2,
+        mock=worker_settings.MockEngineSettings(speedup_ratio=0.5, block_size=16),
+    )
+    task = asyncio.create_task(worker_agent.serve(settings, stop=stop, on_ready=ready.append))
+    await wait_for(lambda: bool(ready) or task.done(), within=20)
+    router = await InProcessRouter(router_settings(nats_url, model)).start()
+    try:
+        yield router, ready[0]
+    finally:
+        await router.stop()
+        stop.set()
+        await asyncio.wait_for(task, 10)
+
+
 async def test_client_gone_before_a_non_streamed_answer_frees_the_booking_and_the_worker(nats_url: str) -> None:
     """A client that disconnects while its non-streamed answer is computed (no byte of it has
     come back: the router waits for the worker's whole answer): the router drops the exchange,
     frees the booking within a moment, counts a 499, and the worker stops computing it. It once
     held both to the end of an answer nobody would read (found by a chaos soak)."""
     model = "gone-whole-model"
-    stop = asyncio.Event()
-    ready: list[Any] = []
-    settings = buskit.worker_settings(
-        nats_url=nats_url, model=model, heartbeat_s=0.2,
-        mock=worker_settings.MockEngineSettings(speedup_ratio=0.5, block_size=16),  # ~100 ms a token
-    )
-    task = asyncio.create_task(worker_agent.serve(settings, stop=stop, on_ready=ready.append))
-    await wait_for(lambda: bool(ready) or task.done(), within=20)
-    router = await InProcessRouter(router_settings(nats_url, model)).start()
-    sched = router.runtime.scheduler
 
-    async def running() -> float:
-        async with httpx.AsyncClient(base_url=ready[0].url) as http:
-            text = (await http.get("/metrics")).text
-        return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-                   if line.startswith("vllm:num_requests_running"))
+    async with _worker_and_router(nats_url, model) as (router, worker):
+        sched = router.runtime.scheduler
 
-    try:
+        async def running() -> float:
+            async with httpx.AsyncClient(base_url=worker.url) as http:
+                text = (await http.get("/metrics")).text
+            return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+                       if line.startswith("vllm:num_requests_running"))
+
         await wait_for(lambda: router.runtime.scheduler.view.workers.get(model) == 1, within=10)
         host, port = router.url.removeprefix("http://").split(":")
         _reader, writer = await asyncio.open_connection(host, int(port))
@@ -180,10 +192,6 @@ async def test_client_gone_before_a_non_streamed_answer_frees_the_booking_and_th
                    and 'status="499"' in line for line in metrics.splitlines()), metrics
         assert not any(line.startswith("rudder_router_requests_total") and 'status="200"' in line
                        and not line.endswith(" 0.0") for line in metrics.splitlines()), metrics
-    finally:
-        await router.stop()
-        stop.set()
-        await asyncio.wait_for(task, 10)
 
 
 async def _is_zero(value: Any) -> bool:
@@ -194,17 +202,8 @@ async def test_client_gone_mid_stream_frees_the_booking_at_once(nats_url: str) -
     """A client that disconnects while tokens stream: the router closes the worker stream, frees
     the booking within a moment (not at the end of the generation) and counts a 499."""
     model = "gone-model"
-    stop = asyncio.Event()
-    ready: list[Any] = []
-    settings = buskit.worker_settings(
-        nats_url=nats_url, model=model, heartbeat_s=0.2,
-        mock=worker_settings.MockEngineSettings(speedup_ratio=0.5, block_size=16),  # ~100 ms a token
-    )
-    task = asyncio.create_task(worker_agent.serve(settings, stop=stop, on_ready=ready.append))
-    await wait_for(lambda: bool(ready) or task.done(), within=20)
-    router = await InProcessRouter(router_settings(nats_url, model)).start()
-    sched = router.runtime.scheduler
-    try:
+    async with _worker_and_router(nats_url, model) as (router, _):
+        sched = router.runtime.scheduler
         await wait_for(lambda: router.runtime.scheduler.view.workers.get(model) == 1, within=10)
         host, port = router.url.removeprefix("http://").split(":")
         reader, writer = await asyncio.open_connection(host, int(port))
@@ -225,7 +224,3 @@ async def test_client_gone_mid_stream_frees_the_booking_at_once(nats_url: str) -
         metrics = router.runtime.metrics.render().decode()
         assert any(line.startswith("rudder_router_requests_total") and 'endpoint="/v1/completions"' in line
                    and 'status="499"' in line for line in metrics.splitlines()), metrics
-    finally:
-        await router.stop()
-        stop.set()
-        await asyncio.wait_for(task, 10)
