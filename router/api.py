@@ -118,7 +118,7 @@ def _reason(exc: RudderError) -> str:
     return exc.code
 
 
-async def _select(request: Request, rt: Runtime, req: RoutingRequest) -> Selection:
+async def _select(rt: Runtime, req: RoutingRequest) -> Selection:
     """The selection: made at once if the actor is idle, else queued; if the client goes away
     while it is queued, cancel it (the actor skips it)."""
     asked = time.perf_counter()
@@ -150,7 +150,7 @@ class _ClientWatch:
     task is cancelled there, which frees its booking and closes the worker connection where it
     waits (the worker aborts the request, as vLLM's server does for a client gone), and the
     request ends as ClientGone (a 499). A streamed answer's relay takes the watch over when it
-    starts (:meth:`hand_over`): from then on the client's leaving closes the worker stream under
+    is made (:meth:`hand_over`): from then on the client's leaving closes the worker stream under
     the relay instead. Without this, a non-streamed request whose client had left kept its
     booking and its worker busy to the end of an answer nobody would read (found by a chaos soak).
 
@@ -159,11 +159,10 @@ class _ClientWatch:
     found gone when the watch starts is a ClientGone at once), so the cancellation always lands
     in that code, where the watch's exit tells it apart from the router's own (stopping)."""
 
-    __slots__ = ("_action", "_cancelled", "_handed", "_stop", "_task", "gone")
+    __slots__ = ("_action", "_cancelled", "_stop", "_task", "gone")
 
     def __init__(self, request: Request) -> None:
         self.gone = False
-        self._handed = False
         self._cancelled = False  # the task cancelled by this watch (to be taken back at the exit)
         self._task = asyncio.current_task()
         self._action: Callable[[], None] | None = None  # set by hand_over
@@ -192,7 +191,7 @@ class _ClientWatch:
         cancellation that was the client's leaving (not the router's: it is stopping) is taken
         back and the request ends as ClientGone."""
         task = self._task
-        if not self._handed:
+        if self._action is None:  # no relay took it over
             self.stop()
         if self._cancelled and task is not None:
             # Taken back even when the code went on (a wait that had its result when the
@@ -201,12 +200,9 @@ class _ClientWatch:
             if task.uncancel() == 0 and kind is not None and issubclass(kind, asyncio.CancelledError):
                 raise ClientGone("client disconnected before its answer") from None
 
-    def handed(self) -> None:
-        """The answer's relay will take the watch over (:meth:`hand_over`): not stopped here."""
-        self._handed = True
-
     def hand_over(self, on_gone: Callable[[], None]) -> None:
-        """From now on the client's leaving runs ``on_gone`` (the relay's) instead."""
+        """From now on the client's leaving runs ``on_gone`` (the relay's) instead, and the watch
+        lasts until the relay stops it."""
         self._action = on_gone
         if self.gone:
             on_gone()
@@ -321,7 +317,7 @@ class _Opened:
 
 
 async def _open(
-    request: Request, rt: Runtime, req: RoutingRequest, path: str,
+    rt: Runtime, req: RoutingRequest, path: str,
     make_body: Callable[[Selection], bytes], headers: Mapping[str, str],
 ) -> _Opened:
     """Select a worker for ``req`` and open the exchange with it (response head received).
@@ -334,7 +330,7 @@ async def _open(
     selected_at = 0.0
     labels = (req.model,)
     while True:
-        sel = await _select(request, rt, replace(req, exclude=frozenset(exclude)) if exclude else req)
+        sel = await _select(rt, replace(req, exclude=frozenset(exclude)) if exclude else req)
         if attempts == 0:
             selected_at = time.perf_counter()
         out = dict(headers)
@@ -465,7 +461,7 @@ async def _completion(request: Request, rt: Runtime, path: str, chat: bool) -> R
             return _prefill_body(body, s, chat=chat) if s.disaggregated else _target_body(body, s, raw=raw)
 
         try:
-            opened = await _open(request, rt, routing, path, first_body, headers)
+            opened = await _open(rt, routing, path, first_body, headers)
         except Overloaded:
             if slo is not None:
                 rt.metrics.observe_slo(model, "rejected")
@@ -517,7 +513,7 @@ async def _completion(request: Request, rt: Runtime, path: str, chat: bool) -> R
             def decode_body(s: Selection) -> bytes:
                 return _target_body(body, s, kv_transfer_params=kv_params)
 
-            opened = await _open(request, rt, replace(routing, phase=Phase.DECODE), path, decode_body, headers)
+            opened = await _open(rt, replace(routing, phase=Phase.DECODE), path, decode_body, headers)
             phase_started = opened.selected_at
             rt.metrics.phase_overhead.labels(model, "decode").observe(phase_started - done)
             sel = opened.sel
@@ -686,18 +682,13 @@ class RelayResponse(Response):
         self.on_close = on_close
         self.last = last
         self.push_from = push_from
-        self.watch = watch  # the request's watch of its client, taken over when the relay starts
+        self.watch = watch  # the request's watch of its client, taken over here
         if watch is not None:
-            watch.handed()
+            watch.hand_over(on_disconnect)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         watch = self.watch
-        stop_watching: Callable[[], None]
-        if watch is not None:
-            watch.hand_over(self.on_disconnect)
-            stop_watching = watch.stop
-        else:
-            stop_watching = watch_disconnect(scope, receive, self.on_disconnect)
+        stop_watching = watch.stop if watch is not None else watch_disconnect(scope, receive, self.on_disconnect)
         next_part = self.next_part
         try:
             # The head goes with the first chunk (one write under the router's server, which

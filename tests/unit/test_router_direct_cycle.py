@@ -260,7 +260,7 @@ class Scheduler:
 async def _watched_select(request: Request, rt: Any) -> Any:
     """A selection under the request's watch of its client, as ``_completion`` makes it."""
     with _ClientWatch(request):
-        return await _select(request, rt, ROUTING)
+        return await _select(rt, ROUTING)
 
 
 async def test_a_client_gone_while_its_selection_is_queued_cancels_the_selection() -> None:
@@ -274,9 +274,17 @@ async def test_a_client_gone_while_its_selection_is_queued_cancels_the_selection
 
     rt: Any = SimpleNamespace(scheduler=Scheduler(), metrics=RouterMetrics())
     request = Request({"type": "http", "extensions": {"rudder.disconnect": {"on_disconnect": hook}}})
-    task = asyncio.create_task(_watched_select(request, rt))
-    await hooked.wait()
-    await asyncio.sleep(0)  # the selection waits in the queue
+
+    async def queued() -> asyncio.Task[Any]:
+        """A new request's selection, waiting in a new (busy) scheduler's queue."""
+        gone.clear()
+        rt.scheduler = Scheduler()
+        task = asyncio.create_task(_watched_select(request, rt))
+        await hooked.wait()
+        await asyncio.sleep(0)
+        return task
+
+    task = await queued()
     gone[0]()
     with pytest.raises(ClientGone):
         await task
@@ -284,18 +292,13 @@ async def test_a_client_gone_while_its_selection_is_queued_cancels_the_selection
     assert task.cancelling() == 0  # the cancellation was taken back
 
     # The router stopping (the request's task cancelled) is not a client gone.
-    rt.scheduler = Scheduler()
-    task = asyncio.create_task(_watched_select(request, rt))
-    await asyncio.sleep(0)
+    task = await queued()
     task.cancel()
     with pytest.raises(asyncio.CancelledError):
         await task
 
     # Nor is the router stopping after the client went: both cancellations stand.
-    gone.clear()
-    rt.scheduler = Scheduler()
-    task = asyncio.create_task(_watched_select(request, rt))
-    await asyncio.sleep(0)
+    task = await queued()
     gone[0]()
     task.cancel()
     with pytest.raises(asyncio.CancelledError):
@@ -303,10 +306,7 @@ async def test_a_client_gone_while_its_selection_is_queued_cancels_the_selection
 
     # The actor had made the selection when the client went (the request's task not yet
     # resumed with it): its booking is freed, not left to nobody.
-    gone.clear()
-    rt.scheduler = Scheduler()
-    task = asyncio.create_task(_watched_select(request, rt))
-    await asyncio.sleep(0)
+    task = await queued()
     rt.scheduler.future.set_result(SimpleNamespace(booking_id="made"))
     gone[0]()
     with pytest.raises(ClientGone):
