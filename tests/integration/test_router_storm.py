@@ -12,6 +12,7 @@ import random
 import socket
 import struct
 import sys
+from typing import Any
 
 import httpx
 import pytest
@@ -34,16 +35,31 @@ STREAMS = 60
 TOKENS = 2_000  # ~3 s of generation at this pace: a stream the router does not cut runs on
 
 
+async def post(port: int, body: dict[str, object],
+               extra: bytes = b"") -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+    """A completion request sent on a new connection (``extra``: more header lines)."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    raw = json.dumps(body).encode()
+    writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: r\r\nContent-Type: application/json\r\n"
+                 + extra + f"Content-Length: {len(raw)}\r\n\r\n".encode() + raw)
+    await writer.drain()
+    return reader, writer
+
+
+def reset(writer: asyncio.StreamWriter) -> None:
+    """Reset the connection (an RST, not a FIN)."""
+    sock = writer.get_extra_info("socket")
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+    writer.transport.abort()
+
+
 async def stream(port: int, how: str, after: int, model: str = MODEL) -> bytes:
     """One streamed completion; the client reads ``after`` events and then: ``fin`` closes its
     connection, ``rst`` resets it, ``stall`` stops reading and closes a moment later; ``read``
     reads to the end."""
-    reader, writer = await asyncio.open_connection("127.0.0.1", port)
-    body = json.dumps({"model": model, "prompt": f"storm {after} {how}",
-                       "max_tokens": 40 if how == "read" else TOKENS, "stream": True}).encode()
-    writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: r\r\nContent-Type: application/json\r\n"
-                 b"Connection: close\r\n" + f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
-    await writer.drain()
+    reader, writer = await post(port, {"model": model, "prompt": f"storm {after} {how}",
+                                       "max_tokens": 40 if how == "read" else TOKENS, "stream": True},
+                                b"Connection: close\r\n")
     got = b""
     try:
         while how == "read" or got.count(b"data: ") < after:
@@ -52,9 +68,7 @@ async def stream(port: int, how: str, after: int, model: str = MODEL) -> bytes:
                 break
             got += data
         if how == "rst":
-            sock = writer.get_extra_info("socket")
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
-            writer.transport.abort()
+            reset(writer)
         elif how == "stall":
             await asyncio.sleep(0.05)  # holds the connection open, unread, for a moment
     finally:
@@ -69,6 +83,16 @@ def _text(raw: bytes) -> str:
     return "".join(c["choices"][0]["text"] for c in map(json.loads, events[:-1]) if c["choices"])
 
 
+async def cut_at_once(router: Any, worker: Any) -> None:
+    """Within 2 s of the clients' leaving: nothing booked at the router, nothing run by the worker."""
+    loop = asyncio.get_running_loop()
+    gone = loop.time()
+    sched = router.runtime.scheduler
+    await wait_for(lambda: sched.inspect(lambda s: len(s.bookings) == 0), within=10)
+    await wait_for(lambda: engine_idle(worker), within=10)
+    assert loop.time() - gone < 2.0
+
+
 async def test_a_storm_of_streams_ended_every_way_leaves_nothing_behind(nats_url: str) -> None:
     rng = random.Random(16)
     plan = [(rng.choice(["fin", "rst", "stall"]), rng.randint(1, 100)) for _ in range(STREAMS)]
@@ -76,14 +100,9 @@ async def test_a_storm_of_streams_ended_every_way_leaves_nothing_behind(nats_url
         port = router.settings.port
         results = await asyncio.gather(*(stream(port, how, after) for how, after in plan))
         assert all(raw.startswith(b"HTTP/1.1 200") for raw in results)
-        loop = asyncio.get_running_loop()
-        gone = loop.time()
-        sched = router.runtime.scheduler
         # Every stream cut at the client is cut at the worker within a moment, not when its
         # generation would have ended (seconds later).
-        await wait_for(lambda: sched.inspect(lambda s: len(s.bookings) == 0), within=10)
-        await wait_for(lambda: engine_idle(workers[0]), within=10)
-        assert loop.time() - gone < 2.0
+        await cut_at_once(router, workers[0])
         pools = router.runtime.http._pools.values()
         assert all(not c.active and not c.lost and c.sink is None for p in pools for c in p.idle)
         requests = router.runtime.metrics.requests
@@ -92,23 +111,17 @@ async def test_a_storm_of_streams_ended_every_way_leaves_nothing_behind(nats_url
         assert _text(served) == mock_answer(40)
 
 
-async def whole(port: int, wait_s: float, reset: bool) -> bytes:
+async def whole(port: int, wait_s: float, rst: bool) -> bytes:
     """One non-streamed completion whose client goes away after ``wait_s`` (its answer takes
     seconds: none of it has come), closing its connection or resetting it."""
-    reader, writer = await asyncio.open_connection("127.0.0.1", port)
-    body = json.dumps({"model": MODEL, "prompt": f"whole {wait_s}", "max_tokens": TOKENS}).encode()
-    writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: r\r\nContent-Type: application/json\r\n"
-                 + f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
-    await writer.drain()
+    reader, writer = await post(port, {"model": MODEL, "prompt": f"whole {wait_s}", "max_tokens": TOKENS})
     try:
         return await asyncio.wait_for(reader.read(65536), wait_s)
     except TimeoutError:
         return b""
     finally:
-        if reset:
-            sock = writer.get_extra_info("socket")
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
-            writer.transport.abort()
+        if rst:
+            reset(writer)
         writer.close()
 
 
@@ -120,14 +133,9 @@ async def test_a_storm_of_non_streamed_requests_whose_clients_leave_leaves_nothi
     plan = [(rng.uniform(0.0, 0.4), rng.random() < 0.5) for _ in range(STREAMS)]
     async with routed_workers(nats_url, MODEL, 1, workers={"mock": {"speedup_ratio": 4.0}}) as (router, workers):
         port = router.settings.port
-        results = await asyncio.gather(*(whole(port, wait_s, reset) for wait_s, reset in plan))
+        results = await asyncio.gather(*(whole(port, wait_s, rst) for wait_s, rst in plan))
         assert results == [b""] * STREAMS  # no answer came before the clients left
-        loop = asyncio.get_running_loop()
-        gone = loop.time()
-        sched = router.runtime.scheduler
-        await wait_for(lambda: sched.inspect(lambda s: len(s.bookings) == 0), within=10)
-        await wait_for(lambda: engine_idle(workers[0]), within=10)
-        assert loop.time() - gone < 2.0
+        await cut_at_once(router, workers[0])
         requests = router.runtime.metrics.requests
         await wait_for(lambda: requests.labels(MODEL, "/v1/completions", "499").value == STREAMS, within=5)
         served = await stream(port, "read", 0)  # and the router serves as before
