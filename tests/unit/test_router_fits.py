@@ -199,9 +199,11 @@ async def test_a_slow_fit_never_holds_up_the_actor() -> None:
     assert len(ordered) >= 20
     assert ordered[len(ordered) // 2] < 0.005, ordered
     assert ordered[len(ordered) * 9 // 10] < fitter.longest_round_s / 4, (ordered, fitter.longest_round_s)
-    # No command took the actor more than a few ms of CPU (fitted inline: a whole fit, ≈ 100 ms).
+    # No command took the actor more than a small part of a fit's time (fitted inline: a whole
+    # fit, ≈ 100 ms): read against this run's own fits, as a loaded machine slows both alike
+    # (a fixed 10 ms once failed a CI run whose fits were slow too: TakeFitWindows 11 ms).
     for name in ("RequestFirstToken", "RequestDone", "TakeFitWindows", "ApplyFits", "SelectWorker"):
-        assert s.slowest[name] < 0.01, (name, s.slowest)
+        assert s.slowest[name] < fitter.longest_round_s / 4, (name, s.slowest, fitter.longest_round_s)
     # And the fits landed: the slots score with the fitted models.
     for wid, cal in s.calibration.items():
         assert cal.prefill_fitted and cal.decode_fitted and cal.timing.source == "fitted"
