@@ -11,6 +11,7 @@ ahead of the work that brings them are listed once, in tests/unit/test_kubernete
 
 from __future__ import annotations
 
+import functools
 import os
 from collections.abc import Collection, Iterator, Mapping
 from contextlib import contextmanager
@@ -50,7 +51,10 @@ REQUIRED: dict[type[BaseSettings], dict[str, Any]] = {
 }
 
 
+@functools.cache
 def root_command() -> TyperGroup:
+    """The CLI's click tree, built once per run (typer builds it from the functions' signatures:
+    ~85 ms each time, and the checks ask for it for every container)."""
     command = typer.main.get_command(app)
     assert isinstance(command, TyperGroup)
     return command
@@ -84,7 +88,8 @@ def command_path(args: list[str], pending: Collection[tuple[str, ...]]) -> tuple
     return path, False
 
 
-def cli_envvars() -> set[str]:
+@functools.cache
+def cli_envvars() -> frozenset[str]:
     """Every environment fallback of an option anywhere in the CLI (``RUDDER_SERVER``, ...)."""
     names: set[str] = set()
 
@@ -100,10 +105,11 @@ def cli_envvars() -> set[str]:
                 walk(sub)
 
     walk(root_command())
-    return names
+    return frozenset(names)
 
 
-def cli_reads() -> set[str]:
+@functools.cache
+def cli_reads() -> frozenset[str]:
     """``RUDDER_*`` variables the CLI's commands read from the environment themselves (no settings
     object: ``db upgrade``'s RUDDER_DATABASE_OWNER_URL), found in cli/'s source."""
     import re
@@ -114,13 +120,13 @@ def cli_reads() -> set[str]:
     names: set[str] = set()
     for source in Path(cli.__file__).parent.glob("*.py"):
         names.update(re.findall(r"""environ(?:\.get\(|\[)["'](RUDDER_[A-Z0-9_]+)["']""", source.read_text()))
-    return names
+    return frozenset(names)
 
 
-def allowed_names(path: tuple[str, ...]) -> set[str]:
+def allowed_names(path: tuple[str, ...]) -> frozenset[str]:
     """Names a command may be given besides its settings' fields: its options' variables, and for
     commands that build no settings object, what the CLI reads itself."""
-    return cli_envvars() | (set() if path in BUILDS_SETTINGS else cli_reads())
+    return cli_envvars() | (frozenset() if path in BUILDS_SETTINGS else cli_reads())
 
 
 def names_a_field(settings: type[BaseSettings], env_name: str) -> bool:

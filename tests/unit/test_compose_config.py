@@ -153,7 +153,7 @@ def test_rudder_variables_are_real_settings(compose: dict[str, Any], services: d
         # options' variables (no settings object).
         classes = [SETTINGS_OF[p] for p in paths if p in SETTINGS_OF] or \
             ([ControlPlaneSettings] if not paths else [])
-        allowed = set.union(*[allowed_names(p) for p in paths]) if paths else allowed_names(())
+        allowed = frozenset().union(*[allowed_names(p) for p in paths]) if paths else allowed_names(())
         for var in env:
             if var in allowed or var in PENDING_SETTINGS:
                 continue
