@@ -241,15 +241,16 @@ class Stack:
         then wait until each is healthy: the tier takes as long as its slowest start, not the
         sum of them. Raises ``CliError`` as :meth:`Child.wait_healthy` does (the ones started are
         in :attr:`children`, so stopping the stack stops them)."""
+        began = time.monotonic()
         for child in children:
             child.start()
             self.children.append(child)
         for child in children:
-            took = child.wait_healthy(timeout)
+            child.wait_healthy(timeout)
             child.state = "running"
             child.healthy_at = time.monotonic()
-            self.write_status()
-            self.progress(f"{child.name:<13} {child.url}   ready in {took:.1f}s (pid {child.pid})")
+            self.write_status()  # ready in: since its tier started (its own start, to a tenth)
+            self.progress(f"{child.name:<13} {child.url}   ready in {child.healthy_at - began:.1f}s (pid {child.pid})")
 
     def supervise(self, *, backoff_s: float = 0.5, max_backoff_s: float = 10.0,
                   healthy_reset_s: float = 5.0, probe_every_s: float = 5.0,

@@ -236,8 +236,20 @@ def _start(
     logs = data_dir / "logs"
     server = f"http://127.0.0.1:{admin_port}"
     planes = [admin_port] + ([pick_port(None, admin_port + 1, "admin API")] if ha else [])
-    # Each tier (control planes, routers, workers) starts side by side: the tier is ready when
-    # its slowest member is, and the next tier starts only then.
+    if workers and not available(WORKER_ENTRY):
+        note(f"workers: {WORKER_ENTRY} is not in this installation; starting no workers")
+        workers = 0
+    if routers and not available(ROUTER_ENTRY):
+        note(f"routers: {ROUTER_ENTRY} is not in this installation; starting no routers")
+        routers = 0
+    # Two tiers, each started side by side and ready when its slowest member is: the control
+    # planes with the routers (a router needs only the bus), then the workers, whose manifests the
+    # control plane issues. Routers are listening when the workers' join events arrive, which
+    # spares them a full KV dump per worker. The workers' ports are picked now: the routers'
+    # worker-URL allow-list is exactly those addresses, so a worker (or a stolen worker
+    # credential) cannot point routers at the control plane or anything else on this host.
+    worker_ports = [free_port() for _ in range(workers)]
+    allow = os.environ.get("RUDDER_WORKER_URL_ALLOW") or worker_allow_list(worker_ports)
     tier: list[Child] = []
     for i, port in enumerate(planes):
         name = "controlplane" if len(planes) == 1 else f"controlplane-{i + 1}"
@@ -251,28 +263,14 @@ def _start(
                  "RUDDER_POLICY_SIGNING_KEY": str(seed)},
             log_path=logs / f"{name}.log",
         ))
-    stack.start_children(tier, timeout)
-    if not fresh and not _token_works(server, token):
-        note("the stored admin token is not known to this database; creating a new one")
-        token = admin.create_token(database_url, TOKEN_NAME, "admin")
-
-    if workers and not available(WORKER_ENTRY):
-        note(f"workers: {WORKER_ENTRY} is not in this installation; starting no workers")
-        workers = 0
-    if routers and not available(ROUTER_ENTRY):
-        note(f"routers: {ROUTER_ENTRY} is not in this installation; starting no routers")
-        routers = 0
-    # Routers first: they are listening when the workers' join events arrive, which spares them
-    # a full KV dump per worker. The workers' ports are picked now: the routers' worker-URL
-    # allow-list is exactly those addresses, so a worker (or a stolen worker credential) cannot
-    # point routers at the control plane or anything else on this host.
-    worker_ports = [free_port() for _ in range(workers)]
-    allow = os.environ.get("RUDDER_WORKER_URL_ALLOW") or worker_allow_list(worker_ports)
     next_port = 8000 if router_port is None else router_port
-    tier = []
     for i in range(routers):
         # The first router gets --router-port exactly; the next ones count up, or any free port.
         port = pick_port(next_port if router_port is not None and i == 0 else None, next_port, "router")
+        while port in planes:  # not bound yet: the control planes start beside the routers
+            if router_port is not None and i == 0:
+                raise CliError(ExitCode.USAGE, f"router port {port} is the admin API's")
+            port = pick_port(None, port + 1, "router")
         next_port = port + 1
         url = f"http://127.0.0.1:{port}"
         tier.append(Child(
@@ -283,6 +281,9 @@ def _start(
             log_path=logs / f"router-{i + 1}.log",
         ))
     stack.start_children(tier, timeout)
+    if not fresh and not _token_works(server, token):
+        note("the stored admin token is not known to this database; creating a new one")
+        token = admin.create_token(database_url, TOKEN_NAME, "admin")
     worker_timeout = max(timeout, 600.0) if engine is Engine.VLLM else timeout
     tier = []
     for i, port in enumerate(worker_ports):
