@@ -225,12 +225,16 @@ async def test_chat_through_the_router_to_vllm_prediction_matches(nats_url: str,
         client = openai.AsyncOpenAI(base_url=router.url + "/v1", api_key="none", max_retries=0, timeout=120)
         words = "router worker cache block prefix token event stream policy revision audit "
         messages = [{"role": "system", "content": words * 6}, {"role": "user", "content": "the a of to"}]
+        sched = router.runtime.scheduler
+        key = (s.instance_id, 0)
+        held = await sched.inspect(lambda st: st.index.blocks_of(key))
         first = await client.chat.completions.with_raw_response.create(
             model=model, messages=messages, max_tokens=3, extra_body={"ignore_eos": True})
         reply = first.parse()
         assert reply.choices[0].message.role == "assistant"
         assert first.headers["x-worker-instance-id"] == str(s.instance_id)
-        await asyncio.sleep(1.0)  # vLLM's KV events reach the router
+        # vLLM's KV events for the conversation's blocks reach the router's prefix index.
+        await wait_for(lambda: sched.inspect(lambda st: st.index.blocks_of(key) > held), within=30)
         again = await client.chat.completions.with_raw_response.create(
             model=model, messages=messages, max_tokens=3, extra_body={"ignore_eos": True})
         usage = again.parse().usage
