@@ -628,7 +628,7 @@ class MembershipConsumer:
                     ApplyMembership(event, msg.stored_at, live=self._complete.is_set()))
             except RudderError:
                 return
-            if change is Change.JOINED and self.dumper is not None:
+            if (change is Change.JOINED or change is Change.RESTARTED) and self.dumper is not None:
                 self.dumper.request(event.worker.instance_id)
         if msg.pending == 0:
             self._declare()  # the replay of the last state of every worker is applied

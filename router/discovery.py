@@ -20,6 +20,12 @@ server does not matter once heartbeats flow. A live event stamped more than the 
 projection means the server's clock stepped back (live deliveries come in stored order): the
 projection follows it. All clocks are passed in.
 
+A worker is one process: its record's ``started_at`` (with its model) names it. A record of the same
+instance id from a later start is a *restart* (a process that died without leaving, back under a
+fixed id within the TTL: a compose service, a StatefulSet's pod index): the old process's state is
+replaced, and the caller forgets what it knew of it (its cache, its bookings). A record from an
+earlier start than the one known is ignored (a replay, or the process the newer one replaced).
+
 While the router knows the bus cannot store (its own status write fails), :meth:`bus_unhealthy`
 holds every age: heartbeats cannot arrive, so their absence says nothing about the workers (a
 worker that really died ages from when the bus is healthy again).
@@ -50,6 +56,7 @@ class Health(enum.Enum):
 class Change(enum.Enum):
     JOINED = "joined"
     UPDATED = "updated"
+    RESTARTED = "restarted"  # a new process under a known instance id (the module's text)
     LEFT = "left"
     IGNORED = "ignored"
 
@@ -126,6 +133,12 @@ class Discovery:
         if state is None:
             self.workers[wid] = WorkerState(rec, last_seen, event.at, load)
             return Change.JOINED
+        known = state.record
+        if rec.started_at != known.started_at or rec.model != known.model:
+            if rec.started_at < known.started_at:
+                return Change.IGNORED  # from a process the known one replaced
+            self.workers[wid] = WorkerState(rec, last_seen, event.at, load)
+            return Change.RESTARTED
         state.record = rec
         state.last_seen = max(state.last_seen, last_seen)
         state.at = event.at

@@ -516,7 +516,9 @@ class Scheduler:
             self.peers.supersede(wid)  # its slots are re-read below (rebuild_worker)
         if change is Change.LEFT:
             self._forget(wid, "left")
-        elif change is Change.JOINED:
+        elif change is Change.JOINED or change is Change.RESTARTED:
+            if change is Change.RESTARTED:  # what the old process held died with it
+                self._forget(wid, "restarted (a new process under its instance id)")
             log.info("worker %s joined (%s, %s)", wid, event.worker.model, event.worker.url)
             self._calibrate(wid)
             self._bound_index(wid)

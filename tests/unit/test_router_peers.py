@@ -142,9 +142,12 @@ def _sched(clock: Clock) -> Scheduler:
     )
 
 
+STARTED = datetime.now(UTC)  # every worker's one process (a later start is a restart)
+
+
 def _member(wid: int, op: MembershipOp = MembershipOp.JOIN, load: list[RankLoad] | None = None) -> MembershipEvent:
     rec = WorkerRecord(instance_id=wid, model="m", url=f"http://w{wid}", block_size=4, kv_total_blocks=1000,
-                       max_num_batched_tokens=64, started_at=datetime.now(UTC))
+                       max_num_batched_tokens=64, started_at=STARTED)
     return MembershipEvent(op=op, worker=rec, load=load or [], at=datetime.now(UTC))
 
 

@@ -9,25 +9,32 @@ import random
 import time
 import uuid
 from dataclasses import replace
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 
 import pytest
 
 from controlplane.protocol.errors import InvalidRequest, Overloaded, ServiceUnavailable
 from controlplane.protocol.events import (
+    KvDumpRank,
+    KvDumpReply,
+    KvEvent,
+    KvStored,
     MembershipEvent,
     MembershipOp,
     RankLoad,
     RouterRole,
+    StoredBlock,
     WorkerRecord,
     WorkerRole,
 )
 from controlplane.protocol.policy import ALL_CACHE_INPUTS, PolicyKind, startup_values
 from router.commands import (
     PREFILL_BOOKING,
+    ApplyKvEvents,
     ApplyMembership,
     ApplyPolicy,
     Inspect,
+    LoadKvDump,
     MarkUnavailable,
     Phase,
     RequestDone,
@@ -36,6 +43,7 @@ from router.commands import (
     SelectWorker,
     Tick,
 )
+from router.discovery import Change
 from router.scheduler import Scheduler
 from router.settings import RoutingMode
 from router.targets import parse_pin, parse_targets
@@ -444,3 +452,78 @@ async def test_a_client_request_id_that_names_another_requests_booking_gets_one_
         assert await s.inspect(lambda x: (len(x.bookings), len(x.timings._pending))) == (0, 0)
     finally:
         await s.stop()
+
+
+def _stored(wid: int, event_id: int, hashes: list[int]) -> ApplyKvEvents:
+    blocks = [StoredBlock(block_hash=h, tokens_hash=h) for h in hashes]
+    return ApplyKvEvents([KvEvent(instance_id=wid, event_id=event_id, data=KvStored(blocks=blocks))])
+
+
+def _dump(wid: int, last_event_id: int, hashes: list[int]) -> LoadKvDump:
+    blocks = [(None, h, h) for h in hashes]
+    return LoadKvDump(wid, KvDumpReply(instance_id=wid, last_event_id=last_event_id,
+                                       ranks=[KvDumpRank(blocks=blocks)] if blocks else []))
+
+
+def test_a_worker_restarted_under_its_instance_id_is_a_new_worker() -> None:
+    """Fixed instance ids (compose, a StatefulSet's pod index) come back after a crash: a process
+    that died without leaving and was restarted within the TTL. Its cache is empty and its KV
+    event ids start again at 1. The router forgets the old process (index, bookings), asks the
+    new one for its dump and takes its events, instead of dropping them as duplicates of the old
+    process's ids and routing by blocks the worker no longer holds."""
+    clock = Clock()
+    s = _sched(clock, RoutingMode.KV_BLOCKS)
+    old = _join(1).worker
+    s._dispatch(ApplyMembership(MembershipEvent(op=MembershipOp.JOIN, worker=old, at=datetime.now(UTC))))
+    s._dispatch(ApplyMembership(_join(2)))
+    for wid in (1, 2):
+        s._dispatch(_dump(wid, -1, []))
+    before = [11, 12, 13, 14]
+    for event_id in range(1, 40):  # the old process's events: ids up to 39
+        s._dispatch(_stored(1, event_id, before if event_id == 1 else [1000 + event_id]))
+    assert s.index.overlaps(before)[(1, 0)].total == 4
+    booked = s._dispatch(SelectWorker(_req(1)))
+    assert s.bookings.rank((booked.instance_id, 0)) is not None
+
+    # The same id, a later start: the new process's first heartbeat (or join).
+    new = old.model_copy(update={"started_at": old.started_at + timedelta(seconds=5)})
+    change = s._dispatch(ApplyMembership(MembershipEvent(op=MembershipOp.HEARTBEAT, worker=new,
+                                                         at=datetime.now(UTC))))
+    assert change is Change.RESTARTED
+    assert (1, 0) not in s.index.overlaps(before)  # the old process's blocks are gone
+    assert s.bookings.rank((1, 0)) is None or booked.instance_id != 1
+    assert s.index.dump_pending(1)  # the consumer asks the new process for its dump
+    after = [21, 22, 23]
+    s._dispatch(_stored(1, 1, after))  # its ids start again at 1: buffered for the dump, not dropped
+    s._dispatch(_dump(1, 0, []))
+    assert s.index.overlaps(after)[(1, 0)].total == 3
+    s._dispatch(_stored(1, 2, [31]))
+    assert s.index.overlaps([31])[(1, 0)].total == 1
+    # A record of the earlier process that comes after (a replay) changes nothing.
+    stale = s._dispatch(ApplyMembership(MembershipEvent(op=MembershipOp.HEARTBEAT, worker=old, at=datetime.now(UTC))))
+    assert stale is Change.IGNORED
+    assert s.discovery.get(1).record.started_at == new.started_at  # type: ignore[union-attr]
+    assert s.index.overlaps(after)[(1, 0)].total == 3
+
+
+def test_an_instance_id_that_comes_back_serving_another_model_leaves_the_first() -> None:
+    """Restarted under the same id for another model this router also serves: no slot of the first
+    model is left pointing at it."""
+    now = datetime.now(UTC)
+    startup = {k: startup_values(k) for k in PolicyKind}
+    s = Scheduler(
+        router_id="r-test", models=["m", "n"], role=RouterRole.AGGREGATED, mode=RoutingMode.KV, kv_events=True,
+        cache_inputs=ALL_CACHE_INPUTS, startup=startup, worker_ttl_s=10, worker_stale_s=3,
+        clock=Clock(), wall=lambda: now, rng=random.Random(1), keyring=session_keys().keyring,
+    )
+    first = _join(1).worker
+    s._dispatch(ApplyMembership(MembershipEvent(op=MembershipOp.JOIN, worker=first, at=now)))
+    assert s._dispatch(SelectWorker(_req(1))).instance_id == 1
+    second = first.model_copy(update={"model": "n", "started_at": first.started_at + timedelta(seconds=1)})
+    assert s._dispatch(ApplyMembership(MembershipEvent(op=MembershipOp.JOIN, worker=second, at=now))) \
+        is Change.RESTARTED
+    with pytest.raises(ServiceUnavailable):
+        s._dispatch(SelectWorker(_req(2)))
+    got = s._dispatch(SelectWorker(replace(_req(3), model="n")))
+    assert got.instance_id == 1
+    assert s.view.workers == {"m": 0, "n": 1}
