@@ -24,7 +24,8 @@ A worker is one process: its record's ``started_at`` (with its model) names it. 
 instance id from a later start is a *restart* (a process that died without leaving, back under a
 fixed id within the TTL: a compose service, a StatefulSet's pod index): the old process's state is
 replaced, and the caller forgets what it knew of it (its cache, its bookings). A record from an
-earlier start than the one known is ignored (a replay, or the process the newer one replaced).
+earlier start than the one known is ignored, its leave too (a replay, or the process the newer one
+replaced).
 
 While the router knows the bus cannot store (its own status write fails), :meth:`bus_unhealthy`
 holds every age: heartbeats cannot arrive, so their absence says nothing about the workers (a
@@ -114,8 +115,8 @@ class Discovery:
             return Change.IGNORED
         state = self.workers.get(wid)
         if event.op is MembershipOp.LEAVE:
-            if state is None:
-                return Change.IGNORED
+            if state is None or rec.started_at < state.record.started_at:
+                return Change.IGNORED  # unknown, or the leave of a process a newer one replaced
             del self.workers[wid]
             return Change.LEFT
         age = 0.0

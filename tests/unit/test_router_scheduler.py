@@ -502,6 +502,8 @@ def test_a_worker_restarted_under_its_instance_id_is_a_new_worker() -> None:
     # A record of the earlier process that comes after (a replay) changes nothing.
     stale = s._dispatch(ApplyMembership(MembershipEvent(op=MembershipOp.HEARTBEAT, worker=old, at=datetime.now(UTC))))
     assert stale is Change.IGNORED
+    gone = s._dispatch(ApplyMembership(MembershipEvent(op=MembershipOp.LEAVE, worker=old, at=datetime.now(UTC))))
+    assert gone is Change.IGNORED  # the old process's leave, late: the new one stays
     assert s.discovery.get(1).record.started_at == new.started_at  # type: ignore[union-attr]
     assert s.index.overlaps(after)[(1, 0)].total == 3
 
