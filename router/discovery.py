@@ -25,7 +25,8 @@ instance id from a later start is a *restart* (a process that died without leavi
 fixed id within the TTL: a compose service, a StatefulSet's pod index): the old process's state is
 replaced, and the caller forgets what it knew of it (its cache, its bookings). A record from an
 earlier start than the one known is ignored, its leave too (a replay, or the process the newer one
-replaced).
+replaced), unless it is a join: a process sends that once, as it starts, so a join stamped earlier
+comes from a host whose clock stepped back across the restart.
 
 While the router knows the bus cannot store (its own status write fails), :meth:`bus_unhealthy`
 holds every age: heartbeats cannot arrive, so their absence says nothing about the workers (a
@@ -136,8 +137,10 @@ class Discovery:
             return Change.JOINED
         known = state.record
         if rec.started_at != known.started_at or rec.model != known.model:
-            if rec.started_at < known.started_at:
+            if rec.started_at < known.started_at and event.op is not MembershipOp.JOIN:
                 return Change.IGNORED  # from a process the known one replaced
+            # (A join is sent once, by a process starting: one stamped earlier than the known
+            # process comes from a host whose clock stepped back, not from the past.)
             self.workers[wid] = WorkerState(rec, last_seen, event.at, load)
             return Change.RESTARTED
         state.record = rec

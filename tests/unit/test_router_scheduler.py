@@ -506,6 +506,12 @@ def test_a_worker_restarted_under_its_instance_id_is_a_new_worker() -> None:
     assert gone is Change.IGNORED  # the old process's leave, late: the new one stays
     assert s.discovery.get(1).record.started_at == new.started_at  # type: ignore[union-attr]
     assert s.index.overlaps(after)[(1, 0)].total == 3
+    # A join is sent once, as a process starts: one stamped earlier is a restart on a host whose
+    # clock stepped back, not a replay.
+    stepped = old.model_copy(update={"started_at": old.started_at - timedelta(seconds=60)})
+    change = s._dispatch(ApplyMembership(MembershipEvent(op=MembershipOp.JOIN, worker=stepped, at=datetime.now(UTC))))
+    assert change is Change.RESTARTED
+    assert (1, 0) not in s.index.overlaps(after) and s.index.dump_pending(1)
 
 
 def test_an_instance_id_that_comes_back_serving_another_model_leaves_the_first() -> None:
