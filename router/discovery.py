@@ -76,6 +76,13 @@ class WorkerState:
         return self.record.instance_id
 
 
+def _replaced(event: MembershipEvent, known: WorkerRecord) -> bool:
+    """Whether ``event`` comes from a process the known one replaced (started earlier). A join is
+    never one: a process sends it once, as it starts, so a join stamped earlier comes from a host
+    whose clock stepped back across the restart."""
+    return event.worker.started_at < known.started_at and event.op is not MembershipOp.JOIN
+
+
 class Discovery:
     def __init__(self, *, ttl_s: float, stale_s: float, models: frozenset[str] | None = None,
                  outage_grace_s: float = 30.0) -> None:
@@ -116,8 +123,8 @@ class Discovery:
             return Change.IGNORED
         state = self.workers.get(wid)
         if event.op is MembershipOp.LEAVE:
-            if state is None or rec.started_at < state.record.started_at:
-                return Change.IGNORED  # unknown, or the leave of a process a newer one replaced
+            if state is None or _replaced(event, state.record):
+                return Change.IGNORED
             del self.workers[wid]
             return Change.LEFT
         age = 0.0
@@ -137,10 +144,8 @@ class Discovery:
             return Change.JOINED
         known = state.record
         if rec.started_at != known.started_at or rec.model != known.model:
-            if rec.started_at < known.started_at and event.op is not MembershipOp.JOIN:
-                return Change.IGNORED  # from a process the known one replaced
-            # (A join is sent once, by a process starting: one stamped earlier than the known
-            # process comes from a host whose clock stepped back, not from the past.)
+            if _replaced(event, known):
+                return Change.IGNORED
             self.workers[wid] = WorkerState(rec, last_seen, event.at, load)
             return Change.RESTARTED
         state.record = rec
