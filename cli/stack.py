@@ -249,7 +249,8 @@ class Stack:
             child.wait_healthy(timeout)
             child.state = "running"
             child.healthy_at = time.monotonic()
-            self.write_status()  # ready in: since its tier started (its own start, to a tenth)
+            self.write_status()
+            # "ready in": since its tier started, which is its own start to a tenth of a second.
             self.progress(f"{child.name:<13} {child.url}   ready in {child.healthy_at - began:.1f}s (pid {child.pid})")
 
     def supervise(self, *, backoff_s: float = 0.5, max_backoff_s: float = 10.0,

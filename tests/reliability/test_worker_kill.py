@@ -5,40 +5,23 @@ streaming (a request whose worker died before the first byte is retried on anoth
 from __future__ import annotations
 
 import asyncio
-import os
-import secrets
 import signal
-import subprocess
-import sys
 from pathlib import Path
 
 import httpx
 import pytest
 
-from tests import buskit
-from tests.support_router.workers import InProcessRouter, router_settings, wait_for
+from tests.support_router.workers import InProcessRouter, router_settings, wait_for, worker_process
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(120)]
 
 MODEL = "kill-model"
-ROOT = Path(__file__).resolve().parents[2]
-
-
-def start_worker(nats_url: str, log: Path) -> subprocess.Popen[bytes]:
-    env = {**os.environ, **buskit.worker_env(MODEL, secrets.randbelow(2**63) + 1),
-           "RUDDER_NATS_URL": nats_url, "RUDDER_MODEL": MODEL, "RUDDER_PORT": "0",
-           "RUDDER_HEARTBEAT_S": "0.2", "RUDDER_MOCK__SPEEDUP_RATIO": "20", "PYTHONPATH": str(ROOT)}
-    out = open(log, "wb")
-    proc = subprocess.Popen([sys.executable, "-m", "worker"], env=env, stdout=out, stderr=subprocess.STDOUT,
-                            start_new_session=True)
-    out.close()
-    return proc
 
 
 async def test_sigkilled_worker_leaves_discovery_and_no_unstarted_request_fails(
         nats_url: str, tmp_path: Path) -> None:
     ttl = 3.0
-    procs = [start_worker(nats_url, tmp_path / f"w{i}.log") for i in range(3)]
+    procs = [worker_process(nats_url, MODEL, tmp_path / f"w{i}.log") for i in range(3)]
     # Round robin: requests keep reaching the killed worker until it is noticed, so retries happen.
     router = await InProcessRouter(router_settings(nats_url, MODEL, worker_ttl_s=ttl, worker_stale_s=1.0,
                                                    mode="round_robin")).start()

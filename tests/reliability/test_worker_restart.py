@@ -15,29 +15,17 @@ import os
 import secrets
 import signal
 import subprocess
-import sys
 from pathlib import Path
 
 import httpx
 import pytest
 
-from tests import buskit
-from tests.support_router.workers import InProcessRouter, router_settings, wait_for
+from tests.support_router.workers import InProcessRouter, router_settings, wait_for, worker_process
 
 pytestmark = [pytest.mark.timeout(90)]
 
 MODEL = "restart-model"
-ROOT = Path(__file__).resolve().parents[2]
 PROMPT = "a document every conversation starts with; " * 60
-
-
-def start_worker(nats_url: str, instance_id: int, log: Path) -> subprocess.Popen[bytes]:
-    env = {**os.environ, **buskit.worker_env(MODEL, instance_id),
-           "RUDDER_NATS_URL": nats_url, "RUDDER_MODEL": MODEL, "RUDDER_PORT": "0",
-           "RUDDER_HEARTBEAT_S": "0.2", "RUDDER_MOCK__SPEEDUP_RATIO": "50", "PYTHONPATH": str(ROOT)}
-    with open(log, "wb") as out:
-        return subprocess.Popen([sys.executable, "-m", "worker"], env=env, stdout=out, stderr=subprocess.STDOUT,
-                                start_new_session=True)
 
 
 async def _ask(http: httpx.AsyncClient, prompt: str = PROMPT) -> tuple[int, int]:
@@ -51,7 +39,7 @@ async def _ask(http: httpx.AsyncClient, prompt: str = PROMPT) -> tuple[int, int]
 async def test_a_worker_restarted_under_its_instance_id_is_routed_by_its_own_cache(
         nats_url: str, tmp_path: Path) -> None:
     instance_id = secrets.randbelow(2**63) + 1
-    proc = start_worker(nats_url, instance_id, tmp_path / "first.log")
+    proc = worker_process(nats_url, MODEL, tmp_path / "first.log", instance_id=instance_id, speedup=50)
     # The TTL is long enough that the restart comes well within it (as a pod restart does).
     router = await InProcessRouter(router_settings(nats_url, MODEL, worker_ttl_s=30.0, worker_stale_s=5.0)).start()
     sched = router.runtime.scheduler
@@ -77,7 +65,7 @@ async def test_a_worker_restarted_under_its_instance_id_is_routed_by_its_own_cac
 
             os.killpg(proc.pid, signal.SIGKILL)  # no leave: the router still lists it
             proc.wait(10)
-            proc = start_worker(nats_url, instance_id, tmp_path / "second.log")
+            proc = worker_process(nats_url, MODEL, tmp_path / "second.log", instance_id=instance_id, speedup=50)
 
             async def restarted() -> bool:
                 return (await url()) not in (None, first_url)

@@ -26,6 +26,7 @@ import contextlib
 import dataclasses
 import json
 import os
+import secrets
 import socket
 import subprocess
 import sys
@@ -381,6 +382,20 @@ async def start_worker(nats_url: str, model: str, *, bus_link: bool = False, **o
         await link.stop()
         raise
     return await worker.start()
+
+
+def worker_process(nats_url: str, model: str, log: Path, *, instance_id: int | None = None,
+                   speedup: float = 20.0) -> subprocess.Popen[bytes]:
+    """A mock worker as a process of its own (``python -m worker``), for tests that kill it: its
+    own session (``os.killpg``), output to ``log``, heartbeats every 0.2 s, credentials issued for
+    ``instance_id`` (a random one if None)."""
+    wid = instance_id if instance_id is not None else secrets.randbelow(2**63) + 1
+    env = {**os.environ, **buskit.worker_env(model, wid),
+           "RUDDER_NATS_URL": nats_url, "RUDDER_MODEL": model, "RUDDER_PORT": "0",
+           "RUDDER_HEARTBEAT_S": "0.2", "RUDDER_MOCK__SPEEDUP_RATIO": str(speedup), "PYTHONPATH": str(ROOT)}
+    with open(log, "wb") as out:
+        return subprocess.Popen([sys.executable, "-m", "worker"], env=env, stdout=out, stderr=subprocess.STDOUT,
+                                start_new_session=True)
 
 
 @contextlib.asynccontextmanager

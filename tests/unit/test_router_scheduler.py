@@ -60,11 +60,11 @@ class Clock:
         return self.t
 
 
-def _sched(clock: Clock, mode: RoutingMode = RoutingMode.KV) -> Scheduler:
+def _sched(clock: Clock, mode: RoutingMode = RoutingMode.KV, models: tuple[str, ...] = ("m",)) -> Scheduler:
     now = datetime.now(UTC)
     startup = {k: startup_values(k) for k in PolicyKind}
     return Scheduler(
-        router_id="r-test", models=["m"], role=RouterRole.AGGREGATED, mode=mode, kv_events=True,
+        router_id="r-test", models=list(models), role=RouterRole.AGGREGATED, mode=mode, kv_events=True,
         cache_inputs=ALL_CACHE_INPUTS, startup=startup, worker_ttl_s=10, worker_stale_s=3,
         clock=clock, wall=lambda: now, rng=random.Random(1), keyring=session_keys().keyring,
     )
@@ -518,12 +518,7 @@ def test_an_instance_id_that_comes_back_serving_another_model_leaves_the_first()
     """Restarted under the same id for another model this router also serves: no slot of the first
     model is left pointing at it."""
     now = datetime.now(UTC)
-    startup = {k: startup_values(k) for k in PolicyKind}
-    s = Scheduler(
-        router_id="r-test", models=["m", "n"], role=RouterRole.AGGREGATED, mode=RoutingMode.KV, kv_events=True,
-        cache_inputs=ALL_CACHE_INPUTS, startup=startup, worker_ttl_s=10, worker_stale_s=3,
-        clock=Clock(), wall=lambda: now, rng=random.Random(1), keyring=session_keys().keyring,
-    )
+    s = _sched(Clock(), models=("m", "n"))
     first = _join(1).worker
     s._dispatch(ApplyMembership(MembershipEvent(op=MembershipOp.JOIN, worker=first, at=now)))
     assert s._dispatch(SelectWorker(_req(1))).instance_id == 1
