@@ -197,9 +197,13 @@ class ApplyKvEvents(Command[list[int]]):
 
 
 @dataclass(slots=True)
-class LoadKvDump(Command[None]):
+class LoadKvDump(Command[bool]):
+    """Answers True when the reply is not loaded and another dump is to be asked for (the reply
+    comes from another process than the known one, or ``stale``); the events stay buffered."""
+
     instance_id: int
     reply: KvDumpReply | None  # None: the dump failed; replay what was buffered
+    stale: bool = False  # another dump was asked for while this one was on its way
 
 
 @dataclass(slots=True)

@@ -48,10 +48,17 @@ from typing import Any
 
 from bus.client import Bucket, Bus, Message, StreamState, Subscription
 from bus.tasks import Tasks
-from controlplane.protocol.errors import InvalidRequest, RudderError, SubjectMismatch, ValidationFailed
+from controlplane.protocol.errors import (
+    InvalidRequest,
+    RudderError,
+    ServiceUnavailable,
+    SubjectMismatch,
+    ValidationFailed,
+)
 from controlplane.protocol.events import (
     AckStatus,
     ApplyAck,
+    KvDumpReply,
     MembershipEvent,
     MembershipOp,
     PolicyResync,
@@ -492,6 +499,9 @@ class AckPublisher:
 
 
 class KvDumper:
+    # Dumps asked for in a row while the scheduler finds each of another process or stale.
+    MAX_ASKS = 4
+
     def __init__(
         self, bus: Bus, scheduler: Scheduler, tasks: Tasks, *, timeout_s: float, drops: Drops,
         min_interval_s: float = 0.0,
@@ -506,15 +516,35 @@ class KvDumper:
         self.min_interval_s = min_interval_s
         self._last: dict[int, float] = {}
         self._inflight: set[int] = set()
+        self._stale: set[int] = set()
 
     def request(self, instance_id: int) -> None:
         if instance_id in self._inflight:
+            # The dump on its way may answer for what was there before (a restart): ask again.
+            self._stale.add(instance_id)
             return
         self._inflight.add(instance_id)
-        self.tasks.spawn(self._dump(instance_id), name=f"kvdump-{instance_id}")
+        self.tasks.spawn(self._dumps(instance_id), name=f"kvdump-{instance_id}")
 
-    async def _dump(self, instance_id: int) -> None:
-        reply = None
+    async def _dumps(self, instance_id: int) -> None:
+        """Ask for the worker's dump and hand it to the scheduler, again while the scheduler
+        answers that it is of another process than the one it knows, or stale, a few times at
+        most; then what was buffered is replayed as it is."""
+        try:
+            for _ in range(self.MAX_ASKS):
+                self._stale.discard(instance_id)
+                reply = await self._dump(instance_id)
+                stale = instance_id in self._stale
+                if not await self.scheduler.call(LoadKvDump(instance_id, reply, stale=stale)):
+                    return
+            await self.scheduler.call(LoadKvDump(instance_id, None))
+        except ServiceUnavailable:  # the router stops
+            pass
+        finally:
+            self._inflight.discard(instance_id)
+            self._stale.discard(instance_id)
+
+    async def _dump(self, instance_id: int) -> KvDumpReply | None:
         try:
             wait = self._last.get(instance_id, -self.min_interval_s) + self.min_interval_s - time.monotonic()
             if wait > 0:
@@ -525,14 +555,12 @@ class KvDumper:
             msg = await self.bus.request(kvdump_subject(instance_id), wait_s=self.timeout_s)
             reply = decode_kv_dump(msg.data)
             check_kv_dump(instance_id, reply)
+            return reply
         except InvalidRequest as exc:
-            reply = None
             self.drops.drop("kvdump", _reason(exc), kvdump_subject(instance_id), exc.message)
         except RudderError as exc:
             log.info("no dump from worker %s: %s", instance_id, exc.message)
-        finally:
-            self._inflight.discard(instance_id)
-        self.scheduler.send(LoadKvDump(instance_id, reply))
+        return None
 
 
 class MembershipConsumer:

@@ -57,6 +57,7 @@ class PrefixIndex:
         self._capacity: dict[int, int] = {}  # instance id → blocks one rank may hold
         self.refused = 0  # blocks claimed past a rank's capacity (not indexed)
         self.buffer_dropped = 0  # events dropped while a dump was pending (buffer full)
+        self.other_process = 0  # events and dumps of another process than the known one, not applied
         self._holders: dict[int, dict[WorkerKey, int]] = {}
         self._by_key: dict[WorkerKey, set[int]] = {}
         self._last_event: dict[int, int] = {}

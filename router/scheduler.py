@@ -424,7 +424,7 @@ class Scheduler:
             case ApplyKvEvents():
                 return self._apply_kv(cmd.events)
             case LoadKvDump():
-                return self._load_dump(cmd.instance_id, cmd.reply)
+                return self._load_dump(cmd.instance_id, cmd.reply, stale=cmd.stale)
             case TakeFitWindows():
                 return self.timings.windows()
             case ApplyFits():
@@ -698,8 +698,14 @@ class Scheduler:
         if not self.use_index or not self.kv_events:
             return need
         for event in events:
-            if self.discovery.get(event.instance_id) is None:
+            known = self.discovery.get(event.instance_id)
+            if known is None:
                 continue  # not (or no longer) a worker of ours; its dump comes when it joins
+            if event.started_at is not None and event.started_at != known.record.started_at:
+                # Another process under its id: a dead one's late event, or the new one's before
+                # its join reached us (the join asks for its dump, which holds this event).
+                self.index.other_process += 1
+                continue
             applied = self.index.apply(event)
             if applied in (KvApplied.GAP, KvApplied.NEW_WORKER) and self.index.begin_dump(event.instance_id):
                 if applied is KvApplied.GAP:  # logged once per dump: a worker making gaps is not a log flood
@@ -707,13 +713,26 @@ class Scheduler:
                 need.append(event.instance_id)
         return need
 
-    def _load_dump(self, wid: int, reply: KvDumpReply | None) -> None:
-        if self.discovery.get(wid) is None:
+    def _load_dump(self, wid: int, reply: KvDumpReply | None, *, stale: bool = False) -> bool:
+        """Load a worker's dump (None: it did not come). True when it is not to be loaded and
+        another is to be asked for: it comes from another process than the known one (a dump
+        asked for before a restart, answered by the process that was there then), or ``stale``
+        (another dump was asked for while this one was on its way). The worker's events stay
+        buffered until the next one."""
+        known = self.discovery.get(wid)
+        if known is None:
             self.index.remove_worker(wid)
-            return
+            return False
+        other = reply is not None and reply.started_at is not None and reply.started_at != known.record.started_at
+        if other or stale:
+            if other:
+                self.index.other_process += 1
+            self.index.begin_dump(wid)  # (still pending, unless the worker was forgotten since)
+            return True
         results = self.index.abandon_dump(wid) if reply is None else self.index.load_dump(reply)
         if any(r in (KvApplied.GAP, KvApplied.NEW_WORKER) for r in results):
             log.warning("worker %s: events still missing after its dump", wid)
+        return False
 
     def dumps_pending(self) -> list[int]:
         return [w for w in self.discovery.workers if self.index.dump_pending(w)]

@@ -69,6 +69,9 @@ class Worker:
         self.info: EngineInfo | None = None
         self.record: WorkerRecord | None = None
         self.last_event_id = 0
+        # This process's stamp: its membership record's ``started_at``, carried by each KV event
+        # and dump (schema 2) so that routers tell it from an earlier process under the same id.
+        self.started_at = utcnow()
         self._bus: Bus | None = None
         self._kv_subject = kv_subject(settings.model, settings.instance_id)
         self._membership_subject = membership_subject(settings.model, settings.instance_id)
@@ -122,7 +125,7 @@ class Worker:
                 kv_total_blocks=self.info.kv_total_blocks,
                 max_num_batched_tokens=self.info.max_num_batched_tokens,
                 tokenizer=self.info.tokenizer, cache_tiers=[CacheInput.DEVICE],
-                engine=self.info.engine, started_at=utcnow(), timing=self.info.timing,
+                engine=self.info.engine, started_at=self.started_at, timing=self.info.timing,
             )
             await self._publish_membership(MembershipOp.JOIN)
             self._tasks.spawn(self._heartbeats(), name="heartbeats")
@@ -182,8 +185,8 @@ class Worker:
 
     def _on_kv(self, dp_rank: int, data: KvData, tier: CacheInput = CacheInput.DEVICE) -> None:
         self.last_event_id += 1
-        event = KvEvent(instance_id=self.instance_id, dp_rank=dp_rank,
-                        event_id=self.last_event_id, tier=tier, data=data)
+        event = KvEvent(instance_id=self.instance_id, dp_rank=dp_rank, event_id=self.last_event_id,
+                        tier=tier, data=data, started_at=self.started_at)
         self._kv_out.append(event.to_bytes())
         self._kv_ready.set()
 
@@ -208,7 +211,7 @@ class Worker:
         """The full cache state and the last event id, taken together (no await in between)."""
         ranks = self.engine.dump()
         return KvDumpReply(instance_id=self.instance_id, last_event_id=self.last_event_id,
-                           ranks=ranks, partial=self.engine.partial_view)
+                           ranks=ranks, partial=self.engine.partial_view, started_at=self.started_at)
 
     async def _on_dump(self, msg: Message) -> None:
         reply = self.dump()

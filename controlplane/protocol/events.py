@@ -368,6 +368,11 @@ class MembershipEvent(_Event):
             object.__setattr__(self, "schema_version", MEMBERSHIP_SCHEMA_VERSION)
         return self
 
+    def to_bytes(self) -> bytes:
+        if self.worker.timing is None:  # schema 1, as a schema 1 reader (extra="forbid") reads it
+            return self.model_dump_json(exclude={"worker": {"timing"}}).encode()
+        return super().to_bytes()
+
 
 def decode_membership_event(data: bytes | str | dict[str, Any]) -> MembershipEvent:
     # Schema 1 → 2: ``worker.timing`` is absent (None); nothing to rewrite.
@@ -406,8 +411,34 @@ class KvCleared(BaseModel):
 KvData = Annotated[KvStored | KvRemoved | KvCleared, Field(discriminator="type")]
 
 
-class KvEvent(_Event):
-    schema_version: Literal[1] = 1
+KV_SCHEMA_VERSION = 2
+
+
+class _ProcessStamped(_Event):
+    """Schema 2 of the KV events and dumps adds ``started_at``: the worker process's own stamp,
+    its membership record's ``started_at``. A worker restarted under its instance id numbers its
+    events from 1 again; the stamp tells a router which process an event or a dump comes from, so
+    a late one of a dead process never lands in its successor's index. A reader of schema 2 reads
+    schema 1 unchanged (no stamp: taken as today); a schema 1 reader refuses schema 2, so upgrade
+    routers (the readers) before workers, as for membership schema 2. Without a stamp the payload
+    is written as schema 1."""
+
+    schema_version: Literal[1, 2] = 1
+    started_at: Timestamp | None = None
+
+    @model_validator(mode="after")
+    def _version(self) -> _ProcessStamped:
+        if self.started_at is not None and self.schema_version < 2:
+            object.__setattr__(self, "schema_version", KV_SCHEMA_VERSION)
+        return self
+
+    def to_bytes(self) -> bytes:
+        if self.started_at is None:  # schema 1, as a schema 1 reader (extra="forbid") reads it
+            return self.model_dump_json(exclude={"started_at"}).encode()
+        return super().to_bytes()
+
+
+class KvEvent(_ProcessStamped):
     instance_id: int = Field(gt=0, le=U64_MAX)
     dp_rank: Rank = 0
     event_id: int = Field(ge=0, le=U64_MAX)
@@ -416,6 +447,7 @@ class KvEvent(_Event):
 
 
 def decode_kv_event(data: bytes | str | dict[str, Any]) -> KvEvent:
+    # Schema 1 → 2: ``started_at`` is absent (None); nothing to rewrite.
     event: KvEvent = _decode(KvEvent, data)
     return event
 
@@ -430,10 +462,10 @@ class KvDumpRank(BaseModel):
     )
 
 
-class KvDumpReply(_Event):
-    """Answer to a request on ``rudder.kvdump.<instance_id>``: the full cache state."""
+class KvDumpReply(_ProcessStamped):
+    """Answer to a request on ``rudder.kvdump.<instance_id>``: the full cache state of the process
+    ``started_at`` names (schema 2)."""
 
-    schema_version: Literal[1] = 1
     instance_id: int = Field(gt=0, le=U64_MAX)
     last_event_id: int = Field(ge=-1, le=U64_MAX)
     ranks: list[KvDumpRank] = Field(max_length=L.MAX_DP_SIZE * len(CacheInput))

@@ -7,7 +7,8 @@ It routed by blocks the worker no longer held and never learnt the ones it had.
 
 Here a real mock worker process is killed with SIGKILL (no leave) and started again with the same
 instance id: the router predicts no cached tokens for what the dead process held, then exactly
-what the new process reports once it has computed the prompt."""
+what the new process reports once it has computed the prompt, and a late KV event of the dead
+process (stamped with its start, KV schema 2) is not taken for the new one's."""
 
 from __future__ import annotations
 
@@ -15,11 +16,17 @@ import os
 import secrets
 import signal
 import subprocess
+from datetime import datetime
 from pathlib import Path
 
 import httpx
 import pytest
 
+from bus.identities import Identity, IdentityKind
+from controlplane.protocol.events import KvEvent, KvStored, StoredBlock
+from controlplane.protocol.subjects import kv_subject
+from router.scheduler import Scheduler
+from tests import buskit
 from tests.support_router.workers import InProcessRouter, router_settings, wait_for, worker_process
 
 pytestmark = [pytest.mark.timeout(90)]
@@ -34,6 +41,21 @@ async def _ask(http: httpx.AsyncClient, prompt: str = PROMPT) -> tuple[int, int]
     assert r.status_code == 200, r.text
     details = r.json()["usage"].get("prompt_tokens_details") or {}
     return int(r.headers["x-rudder-predicted-cached-tokens"]), int(details.get("cached_tokens") or 0)
+
+
+GHOST = 0xD0D0
+
+
+async def _late_event(nats_url: str, instance_id: int, started_at: datetime) -> None:
+    """A KV event the process started at ``started_at`` sent before it died, arriving now."""
+    event = KvEvent(instance_id=instance_id, event_id=10_000, started_at=started_at,
+                    data=KvStored(blocks=[StoredBlock(block_hash=GHOST, tokens_hash=GHOST)]))
+    nc = await buskit.connect_as(nats_url, Identity(IdentityKind.WORKER, model=MODEL, instance_id=instance_id))
+    try:
+        await nc.publish(kv_subject(MODEL, instance_id), event.to_bytes())
+        await nc.flush()
+    finally:
+        await nc.close()
 
 
 async def test_a_worker_restarted_under_its_instance_id_is_routed_by_its_own_cache(
@@ -60,6 +82,7 @@ async def test_a_worker_restarted_under_its_instance_id_is_routed_by_its_own_cac
             predicted, cached = await _ask(http)
             assert predicted == cached > 0
             first_url = await url()
+            first_started_at = await sched.inspect(lambda s: s.discovery.workers[instance_id].record.started_at)
             for _ in range(30):  # event ids well past the new process's first ones
                 await http.post("/v1/completions", json={"model": MODEL, "prompt": f"{_} {PROMPT}", "max_tokens": 1})
 
@@ -74,9 +97,23 @@ async def test_a_worker_restarted_under_its_instance_id_is_routed_by_its_own_cac
             # The dead process's blocks are not the new one's: nothing predicted, nothing cached.
             predicted, cached = await _ask(http)
             assert (predicted, cached) == (0, 0)
+            await wait_for(lambda: blocks(), within=10)  # (the index was emptied at the restart)
+            await wait_for(lambda: sched.inspect(lambda s: not s.index.dump_pending(instance_id)), within=10)
+            # A KV event of the dead process that reaches the router only now (its KV
+            # subscription lagged), with an id far above the new process's: not applied.
+            refused = await sched.inspect(lambda s: s.index.other_process)
+            await _late_event(nats_url, instance_id, first_started_at)
+
+            def ghost(s: Scheduler) -> bool:
+                return (instance_id, 0) in s.index.overlaps([GHOST])
+
+            async def handled() -> bool:  # refused, or (the bug) applied
+                return await sched.inspect(lambda s: s.index.other_process > refused or ghost(s))
+
+            await wait_for(handled, within=10)
+            assert not await sched.inspect(ghost)
             # The new process's events (ids from 1 again) are taken: the prediction is its cache,
             # for a prompt the dead process never saw.
-            await wait_for(lambda: blocks(), within=10)  # (the index was emptied at the restart)
             fresh = "another document, new since the restart; " * 60
             held = await blocks()
             assert await _ask(http, fresh) == (0, 0)

@@ -514,6 +514,54 @@ def test_a_worker_restarted_under_its_instance_id_is_a_new_worker() -> None:
     assert (1, 0) not in s.index.overlaps(after) and s.index.dump_pending(1)
 
 
+def test_a_dead_process_s_late_kv_event_or_dump_never_reaches_its_successor_s_index() -> None:
+    """KV events and dumps carry their process's stamp (schema 2): the worker's ``started_at``.
+    A restart is seen from the membership stream, but the dead process's last KV events may reach
+    the router later (its KV subscription lags). Unstamped, such an event with an id above the new
+    process's dump was applied to the new process's index, and the new process's ids below it
+    were then dropped as duplicates; a dump the dead process answered before it died was loaded
+    as the new one's."""
+    s = _sched(Clock(), RoutingMode.KV_BLOCKS)
+    old = _join(1).worker
+    s._dispatch(ApplyMembership(MembershipEvent(op=MembershipOp.JOIN, worker=old, at=datetime.now(UTC))))
+    assert s._dispatch(_dump(1, -1, [])) is False
+
+    def stored(event_id: int, hashes: list[int], started_at: datetime | None) -> ApplyKvEvents:
+        [event] = _stored(1, event_id, hashes).events
+        return ApplyKvEvents([event.model_copy(update={"started_at": started_at})])
+
+    def dump(last_event_id: int, hashes: list[int], started_at: datetime | None, *, stale: bool = False) -> LoadKvDump:
+        cmd = _dump(1, last_event_id, hashes)
+        assert cmd.reply is not None
+        return LoadKvDump(1, cmd.reply.model_copy(update={"started_at": started_at}), stale=stale)
+
+    for event_id in range(1, 40):
+        s._dispatch(stored(event_id, [100 + event_id], old.started_at))
+    new = old.model_copy(update={"started_at": old.started_at + timedelta(seconds=5)})
+    assert s._dispatch(ApplyMembership(MembershipEvent(op=MembershipOp.JOIN, worker=new, at=datetime.now(UTC)))) \
+        is Change.RESTARTED
+    assert s.index.dump_pending(1)
+    # The dead process's last event, late (id 40), and its dump, asked for before the restart:
+    # neither is taken, and the dump is asked for again (True) with the buffer kept.
+    s._dispatch(stored(40, [666], old.started_at))
+    assert s._dispatch(dump(40, [666, 667], old.started_at)) is True
+    assert s.index.dump_pending(1) and s.index.other_process == 2
+    s._dispatch(stored(1, [21], new.started_at))  # buffered for the new process's dump
+    # A dump asked for while another was on its way (stale) is not loaded either.
+    assert s._dispatch(dump(0, [], new.started_at, stale=True)) is True
+    assert s._dispatch(dump(0, [], new.started_at)) is False
+    assert not s.index.dump_pending(1)
+    for event_id, h in ((2, 22), (3, 23)):  # ids from 1 again, applied in order
+        s._dispatch(stored(event_id, [h], new.started_at))
+    assert s.index.overlaps([21])[(1, 0)].total == 1
+    assert s.index.overlaps([23])[(1, 0)].total == 1
+    assert (1, 0) not in s.index.overlaps([666]) and (1, 0) not in s.index.overlaps([667])
+    # Unstamped (schema 1) events and dumps are taken as before.
+    s._dispatch(stored(4, [24], None))
+    assert s.index.overlaps([24])[(1, 0)].total == 1
+    assert s.index.other_process == 2
+
+
 def test_an_instance_id_that_comes_back_serving_another_model_leaves_the_first() -> None:
     """Restarted under the same id for another model this router also serves: no slot of the first
     model is left pointing at it."""
