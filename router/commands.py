@@ -198,12 +198,14 @@ class ApplyKvEvents(Command[list[int]]):
 
 @dataclass(slots=True)
 class LoadKvDump(Command[bool]):
-    """Answers True when the reply is not loaded and another dump is to be asked for (the reply
-    comes from another process than the known one, or ``stale``); the events stay buffered."""
+    """Answers True when another dump is to be asked for, the worker's events buffered until it
+    comes (the reply is of another process than the known one, or ``stale``, or events are still
+    missing after it): ``Scheduler._load_dump``."""
 
     instance_id: int
     reply: KvDumpReply | None  # None: the dump failed; replay what was buffered
     stale: bool = False  # another dump was asked for while this one was on its way
+    final: bool = False  # no other dump will be asked for: take what can be taken, answer False
 
 
 @dataclass(slots=True)

@@ -499,7 +499,7 @@ class AckPublisher:
 
 
 class KvDumper:
-    # Dumps asked for in a row while the scheduler finds each of another process or stale.
+    # Dumps asked for in a row while the scheduler answers "ask again" with no new reason to ask.
     MAX_ASKS = 4
 
     def __init__(
@@ -528,16 +528,21 @@ class KvDumper:
 
     async def _dumps(self, instance_id: int) -> None:
         """Ask for the worker's dump and hand it to the scheduler, again while the scheduler
-        answers that it is of another process than the one it knows, or stale, a few times at
-        most; then what was buffered is replayed as it is."""
+        answers "ask again" (``Scheduler._load_dump``): without limit after a stale reply (each
+        follows a new reason to ask: a join, a restart), ``MAX_ASKS`` times in a row otherwise;
+        then a last hand-over takes what can be taken."""
         try:
-            for _ in range(self.MAX_ASKS):
+            asks = 0
+            while True:
                 self._stale.discard(instance_id)
                 reply = await self._dump(instance_id)
                 stale = instance_id in self._stale
                 if not await self.scheduler.call(LoadKvDump(instance_id, reply, stale=stale)):
                     return
-            await self.scheduler.call(LoadKvDump(instance_id, None))
+                asks = 0 if stale else asks + 1
+                if asks >= self.MAX_ASKS:
+                    await self.scheduler.call(LoadKvDump(instance_id, None, final=True))
+                    return
         except ServiceUnavailable:  # the router stops
             pass
         finally:

@@ -291,6 +291,11 @@ class PrefixIndex:
         self._last_event[wid] = reply.last_event_id
         return [self.apply(e) for e in buffered if e.event_id > reply.last_event_id]
 
+    def unsure(self, instance_id: int) -> None:
+        """The worker's blocks may miss events: its next event is taken as a new worker's
+        (:attr:`KvApplied.NEW_WORKER`), which asks for its dump."""
+        self._last_event.pop(instance_id, None)
+
     def abandon_dump(self, instance_id: int) -> list[KvApplied]:
         """The dump did not come: apply what was buffered as it is (best effort)."""
         buffered = self._pending_dump.pop(instance_id, [])

@@ -424,7 +424,7 @@ class Scheduler:
             case ApplyKvEvents():
                 return self._apply_kv(cmd.events)
             case LoadKvDump():
-                return self._load_dump(cmd.instance_id, cmd.reply, stale=cmd.stale)
+                return self._load_dump(cmd.instance_id, cmd.reply, stale=cmd.stale, final=cmd.final)
             case TakeFitWindows():
                 return self.timings.windows()
             case ApplyFits():
@@ -713,25 +713,32 @@ class Scheduler:
                 need.append(event.instance_id)
         return need
 
-    def _load_dump(self, wid: int, reply: KvDumpReply | None, *, stale: bool = False) -> bool:
-        """Load a worker's dump (None: it did not come). True when it is not to be loaded and
-        another is to be asked for: it comes from another process than the known one (a dump
-        asked for before a restart, answered by the process that was there then), or ``stale``
-        (another dump was asked for while this one was on its way). The worker's events stay
-        buffered until the next one."""
+    def _load_dump(self, wid: int, reply: KvDumpReply | None, *, stale: bool = False, final: bool = False) -> bool:
+        """Load a worker's dump (None: it did not come). True when another dump is to be asked
+        for, the worker's events buffered until it comes: no dump came; the reply is of another
+        process than the known one (a dump asked for before a restart, answered by the process
+        that was there then) or ``stale`` (another dump was asked for while it was on its way);
+        or events are still missing after it (lost on the way while it was pending, past the
+        buffer). ``final``: no other dump will be asked for now. What can be taken is (the
+        buffer replayed as it is), the answer is False, and if the index may miss events the
+        worker's next event asks for a dump again."""
         known = self.discovery.get(wid)
         if known is None:
             self.index.remove_worker(wid)
             return False
-        other = reply is not None and reply.started_at is not None and reply.started_at != known.record.started_at
-        if other or stale:
-            if other:
-                self.index.other_process += 1
+        if reply is not None and reply.started_at is not None and reply.started_at != known.record.started_at:
+            self.index.other_process += 1
+            reply, stale = None, True
+        if not final and (stale or reply is None):
             self.index.begin_dump(wid)  # (still pending, unless the worker was forgotten since)
             return True
         results = self.index.abandon_dump(wid) if reply is None else self.index.load_dump(reply)
-        if any(r in (KvApplied.GAP, KvApplied.NEW_WORKER) for r in results):
-            log.warning("worker %s: events still missing after its dump", wid)
+        if reply is None or any(r in (KvApplied.GAP, KvApplied.NEW_WORKER) for r in results):
+            if not final:
+                self.index.begin_dump(wid)
+                return True
+            self.index.unsure(wid)
+            log.warning("worker %s: its index may miss events and no dump came; its next event asks again", wid)
         return False
 
     def dumps_pending(self) -> list[int]:

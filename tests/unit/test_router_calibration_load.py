@@ -118,7 +118,7 @@ def test_the_scheduler_chooses_again_a_worker_a_burst_made_look_slow() -> None:
     for wid in (1, 2):
         event: MembershipEvent = join_event(wid)
         s._dispatch(ApplyMembership(event))
-        s._dispatch(LoadKvDump(wid, None))
+        s._dispatch(LoadKvDump(wid, None, final=True))
     rng = random.Random(5)
     observe(s.timings, rng, 32, (0, 1), wid=1,
             truth=replace(DEFAULT_TIMING, p0=4 * DEFAULT_TIMING.p0, p1=4 * DEFAULT_TIMING.p1))

@@ -44,7 +44,7 @@ def join(s: Scheduler, wid: int, *, prefill: int, running: int) -> None:
                        kv_total_blocks=4096, max_num_batched_tokens=512, started_at=NOW)
     load = [RankLoad(active_prefill_tokens=prefill, running=running, active_decode_blocks=running * 40)]
     s._dispatch(ApplyMembership(MembershipEvent(op=MembershipOp.JOIN, worker=rec, load=load, at=NOW)))
-    s._dispatch(LoadKvDump(wid, None))
+    s._dispatch(LoadKvDump(wid, None, final=True))
 
 
 def request(i: int, n: int) -> RoutingRequest:

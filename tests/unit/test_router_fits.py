@@ -81,7 +81,7 @@ def observe(s: Scheduler, i: int, rng: random.Random, slow: float = 3.0) -> None
 def test_the_actor_only_records_and_a_round_fits_what_is_due() -> None:
     s = sched(calibration_min_samples=8)
     s._dispatch(ApplyMembership(join_event(1)))
-    s._dispatch(LoadKvDump(1, None))
+    s._dispatch(LoadKvDump(1, None, final=True))
     rng = random.Random(3)
     for i in range(40):
         observe(s, i, rng)
@@ -106,7 +106,7 @@ def test_the_actor_only_records_and_a_round_fits_what_is_due() -> None:
 def test_a_result_copied_before_a_reset_is_dropped() -> None:
     s = sched(calibration_min_samples=8)
     s._dispatch(ApplyMembership(join_event(1)))
-    s._dispatch(LoadKvDump(1, None))
+    s._dispatch(LoadKvDump(1, None, final=True))
     rng = random.Random(4)
     for i in range(20):
         observe(s, i, rng)
@@ -161,7 +161,7 @@ async def test_a_slow_fit_never_holds_up_the_actor() -> None:
     gc.disable()
     for wid in WORKERS:
         s._dispatch(ApplyMembership(join_event(wid)))
-        s._dispatch(LoadKvDump(wid, None))
+        s._dispatch(LoadKvDump(wid, None, final=True))
     tasks = Tasks("test")
     fitter = Fitter(s, interval_s=0.01, share=1.0)
     s.start()

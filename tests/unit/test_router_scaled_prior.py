@@ -144,7 +144,7 @@ def test_inline_and_windowed_scales_agree() -> None:
 def test_the_scale_is_fitted_off_the_actor_and_due_at_every_observation_until_the_full_fit() -> None:
     s = sched(calibration_min_samples=8)
     s._dispatch(ApplyMembership(join_event(1)))
-    s._dispatch(LoadKvDump(1, None))
+    s._dispatch(LoadKvDump(1, None, final=True))
     rng = random.Random(8)
     observe(s, 0, rng, slow=3.0)
     cal = s.calibration[1]

@@ -442,7 +442,7 @@ def _fleet_scheduler(
         load = [RankLoad(dp_rank=r, active_decode_blocks=rng.randrange(50), active_prefill_tokens=rng.randrange(300),
                          running=rng.randrange(4)) for r in range(2)]
         s._dispatch(ApplyMembership(MembershipEvent(op=MembershipOp.JOIN, worker=rec, load=load, at=now)))
-        s._dispatch(LoadKvDump(wid, None))
+        s._dispatch(LoadKvDump(wid, None, final=True))
         eid = itertools.count()
         for chain in rng.sample(chains, 2):
             blocks = [StoredBlock(block_hash=h, tokens_hash=h) for h in chain[: rng.randrange(1, 13)]]

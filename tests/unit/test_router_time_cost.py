@@ -74,7 +74,7 @@ def join(s: Scheduler, wid: int, *, speedup: float | None = 1.0, prefill: int = 
                        timing=None if speedup is None else timing(speedup))
     load = [RankLoad(active_prefill_tokens=prefill, running=running, active_decode_blocks=running * 50)]
     s._dispatch(ApplyMembership(MembershipEvent(op=op, worker=rec, load=load, at=NOW)))
-    s._dispatch(LoadKvDump(wid, None))
+    s._dispatch(LoadKvDump(wid, None, final=True))
 
 
 def req(i: int, tokens: list[int], **kw: object) -> RoutingRequest:
