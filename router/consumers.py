@@ -517,6 +517,7 @@ class KvDumper:
         self._last: dict[int, float] = {}
         self._inflight: set[int] = set()
         self._stale: set[int] = set()
+        self.missed = 0  # dumps asked for that did not come (timeout, no responder, refused payload)
 
     def request(self, instance_id: int) -> None:
         if instance_id in self._inflight:
@@ -565,6 +566,7 @@ class KvDumper:
             self.drops.drop("kvdump", _reason(exc), kvdump_subject(instance_id), exc.message)
         except RudderError as exc:
             log.info("no dump from worker %s: %s", instance_id, exc.message)
+        self.missed += 1
         return None
 
 
