@@ -738,7 +738,7 @@ class Scheduler:
                 self.index.begin_dump(wid)
                 return True
             self.index.unsure(wid)
-            log.warning("worker %s: its index may miss events and no dump came; its next event asks again", wid)
+            log.warning("worker %s: its index may miss events after its dumps; its next event asks again", wid)
         return False
 
     def dumps_pending(self) -> list[int]:
