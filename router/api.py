@@ -113,6 +113,8 @@ class Runtime(Protocol):
 
     def readiness(self) -> list[str]: ...
 
+    def dumps_missed(self) -> int: ...
+
 
 def _reason(exc: RudderError) -> str:
     return exc.code
@@ -849,14 +851,15 @@ def build_api(rt: Runtime, app: RouterApp) -> None:
         rt.metrics.queue_depth.set(rt.scheduler.queue_depth)
         with contextlib.suppress(RudderError):  # a stopping router still answers its metrics
             (calibration, expiries, returns, quarantined, slow, peers, held, refused,
-             in_flight) = await rt.scheduler.inspect(
+             in_flight, kv_events) = await rt.scheduler.inspect(
                 lambda s: (s.calibration_status(), s.timings.expired, s.tables.returns.status(), s.quarantined(),
                            s.timing_quarantined(), len(s.peers), s.index_held(), s.index.refused,
-                           s.in_flight()))
+                           s.in_flight(), s.index.not_taken()))
+            kv_events["dump_missed"] = rt.dumps_missed()
             rt.metrics.set_calibration(calibration, expiries)
             rt.metrics.set_in_flight(in_flight)
             rt.metrics.set_quarantined(quarantined, slow)
-            rt.metrics.set_index(held, refused)
+            rt.metrics.set_index(held, refused, kv_events)
             rt.metrics.set_returns(returns)
             rt.metrics.peers.set(peers)
         return Response(rt.metrics.render(), media_type="text/plain; version=0.0.4")

@@ -192,6 +192,10 @@ class RouterRuntime:
         except RudderError as exc:
             log.info("decision query for %s not answered: %s", query.request_id, exc.message)
 
+    def dumps_missed(self) -> int:
+        """KV dumps asked for that did not come (``/metrics``)."""
+        return self.kv.dumper.missed if self.kv is not None else 0
+
     def readiness(self) -> list[str]:
         """What this router still waits for before it should get traffic; [] when ready."""
         waiting: list[str] = []

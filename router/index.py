@@ -151,6 +151,10 @@ class PrefixIndex:
     def workers(self) -> set[int]:
         return {k[0] for k in self._by_key}
 
+    def not_taken(self) -> dict[str, int]:
+        """Counts of events and dumps not taken as they came, by reason (each monotonic)."""
+        return {"gap": self.gaps, "buffer_full": self.buffer_dropped, "other_process": self.other_process}
+
     def dump_pending(self, instance_id: int) -> bool:
         return instance_id in self._pending_dump
 

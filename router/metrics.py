@@ -125,6 +125,14 @@ class RouterMetrics:
             "Blocks claimed in KV events past the worker's capped capacity (not indexed)", registry=r,
         )
         self._refused_seen = 0
+        self.kv_index_events = Counter(
+            "rudder_router_kv_index_events",
+            "KV events and dumps the prefix index did not take as they came, by reason: gap (an "
+            "event id skipped: a dump asked for), buffer_full (an event dropped while a dump was "
+            "pending), other_process (an event or dump of another process than the known one under "
+            "the worker's id), dump_missed (a dump asked for that did not come)", ["reason"], registry=r,
+        )
+        self._kv_index_seen: dict[str, int] = {}
         self.calibration_expiries = Counter(
             "rudder_router_calibration_expiries",
             "Times a worker's timing observations expired because its pool moved on without it", registry=r,
@@ -284,10 +292,15 @@ class RouterMetrics:
         for gauge, listed in ((self.quarantined, workers), (self.timing_quarantined, timing)):
             _per_worker(gauge, ((model, wid, 1) for model, wid in listed))
 
-    def set_index(self, held: Iterable[tuple[str, int, int]], refused: int) -> None:
-        """Blocks held per worker, and the index's count of refused blocks (monotonic)."""
+    def set_index(self, held: Iterable[tuple[str, int, int]], refused: int,
+                  events: Mapping[str, int] | None = None) -> None:
+        """Blocks held per worker, the index's count of refused blocks, and its counts of events
+        and dumps not taken as they came, by reason (each monotonic)."""
         _per_worker(self.index_blocks, held)
         self._refused_seen = _catch_up(self.index_refused, self._refused_seen, refused)
+        for reason, count in (events or {}).items():
+            seen = self._kv_index_seen.get(reason, 0)
+            self._kv_index_seen[reason] = _catch_up(self.kv_index_events.labels(reason), seen, count)
 
     def set_in_flight(self, rows: Iterable[tuple[str, int, int]]) -> None:
         """Requests in flight per worker (known workers only: a departed one's series goes)."""

@@ -56,7 +56,12 @@ async def test_a_dump_that_does_not_come_at_once_is_asked_for_again(nats_url: st
         await wait_for(loaded, within=20)
         async with httpx.AsyncClient(base_url=late.url, timeout=10) as http:
             predicted, cached = await _ask(http)
-        assert predicted == cached > 0
+            assert predicted == cached > 0
+            # Operators see it: the dumps that did not come are counted.
+            metrics = (await http.get("/metrics")).text
+        missed = [line for line in metrics.splitlines()
+                  if line.startswith('rudder_router_kv_index_events_total{reason="dump_missed"}')]
+        assert missed and float(missed[0].split()[-1]) >= 1, missed
     finally:
         os.killpg(proc.pid, signal.SIGCONT)
         for router in (late, first):

@@ -112,6 +112,8 @@ async def test_a_worker_restarted_under_its_instance_id_is_routed_by_its_own_cac
 
             await wait_for(handled, within=10)
             assert not await sched.inspect(ghost)
+            metrics = (await http.get("/metrics")).text
+            assert 'rudder_router_kv_index_events_total{reason="other_process"}' in metrics
             # The new process's events (ids from 1 again) are taken: the prediction is its cache,
             # for a prompt the dead process never saw.
             fresh = "another document, new since the restart; " * 60
