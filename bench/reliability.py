@@ -200,6 +200,8 @@ async def run_fleet_scenario(name: str, faults: list[tuple[str, float]], *, repe
         "lost": sum(p.kind == "lost_write" for p in verdict.problems),
         "no_definite_answer": dict(result.unknown_why), "unexpected_answers": result.unexpected[:10],
         "kv_events_dropped_by_routers": result.kv_dropped,
+        # Each router's prefix index after the faults (tests/reliability/fleet_traffic.kv_truth).
+        "kv_index_true": {r: t.ok for r, t in result.kv_truth.items()},
         "chats": len(h.chats), "chats_failed": sum(not c.ok for c in h.chats), "chats_failed_why": dict(failed),
         "chats_passed_over": dict(Counter(f"{r}: {why}" for r, why in result.passed_over)),
         "writes_refused_s": percentiles([f["writes_refused_s"] for f in per_fault]),
@@ -236,7 +238,7 @@ def _fleet_markdown(results: list[dict[str, Any]]) -> list[str]:
              "write accepted after it.", "",
              "| scenario | faults | patches attempted | accepted | conflicts | refused | no answer | lost | "
              "writes refused | convergence | leader election | chats | chats failed (why) | "
-             "reconcile / verify | checker |",
+             "reconcile / verify / KV index | checker |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in results:
         if "error" in r:
@@ -251,7 +253,8 @@ def _fleet_markdown(results: list[dict[str, Any]]) -> list[str]:
             f"{r['conflict']} | {r['refused']} | {r['unknown']} | {r['lost']} | {_pct(r['writes_refused_s'])} | "
             f"{_pct(r['convergence_s'])} | {_pct(r['leader_election_s'])} | {r['chats']} | "
             f"{r['chats_failed']} ({why}) | {'ok' if r['reconcile_ok'] else 'PROBLEMS'} / "
-            f"{'ok' if r['verify_ok'] else 'PROBLEMS'} | {r['verdict']} |")
+            f"{'ok' if r['verify_ok'] else 'PROBLEMS'} / "
+            f"{'ok' if all(r['kv_index_true'].values()) else 'PROBLEMS'} | {r['verdict']} |")
     speed = {r["scenario"]: r for r in results if "error" not in r}
     node = speed.get("fleet_nats_node_kill", {}).get("leader_election_s")
     lines += ["", "### Speed: writes refused and routers back on the head, beside the raw leader election", "",

@@ -128,7 +128,9 @@ class Fleet:
             self._add(Child(
                 name=name, kind="router", url=f"http://127.0.0.1:{port}", health_url=f"http://127.0.0.1:{port}/live",
                 args=["serve", "router", "--model", MODEL, "--port", str(port)],
-                env={**base, **bus_env, "RUDDER_ROUTER_ID": name,
+                # Debug headers on: the KV check (fleet_traffic.kv_truth) reads each answer's
+                # predicted cached tokens and worker.
+                env={**base, **bus_env, "RUDDER_ROUTER_ID": name, "RUDDER_DEBUG_HEADERS": "true",
                      "RUDDER_WORKER_URL_ALLOW": worker_allow_list(worker_ports)},
                 log_path=logs / f"{name}.log"))
         for i, port in enumerate(worker_ports):

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import math
+import secrets
 import statistics
 from collections import Counter
 from collections.abc import Awaitable, Callable
@@ -212,6 +213,8 @@ class RunResult:
     passed_over: list[tuple[str, str]] = field(default_factory=list)
     unknown_why: dict[str, int] = field(default_factory=dict)
     kv_dropped: int = 0  # KV events the routers dropped for the rate limit (their metrics)
+    # Per router: the KV check's last answer (kv_truth); ``ok`` when its index proved true.
+    kv_truth: dict[str, KvTruth] = field(default_factory=dict)
 
 
 async def run(fleet: Fleet, schedule: list[tuple[str, float]], *, gap_s: float = 2.0, tail_s: float = 2.0,
@@ -252,9 +255,56 @@ async def run(fleet: Fleet, schedule: list[tuple[str, float]], *, gap_s: float =
     await asyncio.sleep(max(0.0, ended_at + 1.5 - mono()))  # the last write past the reconciler's grace
     reconcile, verify = await _audit_checks(fleet)
     kv_dropped = await fleet.dropped_kv()
+    truth = await kv_truth(fleet)
     return RunResult(history, faults, reconcile, verify, started_at, ended_at,
                      unexpected=traffic.unexpected, passed_over=traffic.passed_over,
-                     unknown_why=dict(traffic.unknown_why), kv_dropped=kv_dropped)
+                     unknown_why=dict(traffic.unknown_why), kv_dropped=kv_dropped, kv_truth=truth)
+
+
+@dataclass
+class KvTruth:
+    """A router's prefix index after the faults, tried with a prompt of its own: ``ok`` once an
+    answer's predicted cached tokens equalled the worker's reported ones (> 0); the last answer
+    and how many were asked."""
+
+    ok: bool = False
+    predicted: int | None = None
+    cached: int | None = None
+    worker: str | None = None
+    status: int | None = None
+    asked: int = 0
+
+
+async def kv_truth(fleet: Fleet, *, within_s: float = 20.0) -> dict[str, KvTruth]:
+    """After the faults, every router's prefix index is live and true: a prompt new to the fleet,
+    sent through a router again and again, is predicted as cached on the worker that computed it,
+    exactly as that worker reports (``usage.prompt_tokens_details.cached_tokens``), within
+    ``within_s``. A router whose index froze (a dump left pending, events dropped as duplicates
+    of a dead process's ids) or kept blocks the worker no longer has does not get there."""
+    out: dict[str, KvTruth] = {}
+    async with httpx.AsyncClient(timeout=5) as http:
+        for name, url in zip(fleet.names("router"), fleet.urls("router"), strict=True):
+            truth = out[name] = KvTruth()
+            prompt = f"{name} after the faults {secrets.token_hex(8)}: " + "a long shared document. " * 60
+            deadline = mono() + within_s
+            while mono() < deadline and not truth.ok:
+                truth.asked += 1
+                try:
+                    r = await http.post(f"{url}/v1/completions",
+                                        json={"model": MODEL, "prompt": prompt, "max_tokens": 1})
+                except httpx.HTTPError:
+                    r = None
+                if r is not None:
+                    truth.status = r.status_code
+                    if r.status_code == 200:
+                        details = r.json()["usage"].get("prompt_tokens_details") or {}
+                        truth.cached = int(details.get("cached_tokens") or 0)
+                        truth.predicted = int(r.headers.get("x-rudder-predicted-cached-tokens", -1))
+                        truth.worker = r.headers.get("x-worker-instance-id")
+                        truth.ok = truth.predicted == truth.cached > 0
+                if not truth.ok:
+                    await asyncio.sleep(0.1)
+    return out
 
 
 def _written_after(traffic: Traffic, at: float) -> bool:

@@ -48,4 +48,6 @@ async def test_the_fleet_keeps_its_promises_through_a_short_fault_schedule(tmp_p
     assert result.kv_dropped > 0  # the burst was faster than the routers take a worker's events
     assert verdict.ok, (str(verdict), counts)
     assert result.reconcile["ok"], result.reconcile
+    # Every router's prefix index is live and true after the faults (the KV burst among them).
+    assert all(t.ok for t in result.kv_truth.values()), result.kv_truth
     assert result.verify["ok"], result.verify
