@@ -538,12 +538,18 @@ class KvDumper:
                 self._stale.discard(instance_id)
                 reply = await self._dump(instance_id)
                 stale = instance_id in self._stale
-                if not await self.scheduler.call(LoadKvDump(instance_id, reply, stale=stale)):
-                    return
-                asks = 0 if stale else asks + 1
-                if asks >= self.MAX_ASKS:
-                    await self.scheduler.call(LoadKvDump(instance_id, None, final=True))
-                    return
+                again = await self.scheduler.call(LoadKvDump(instance_id, reply, stale=stale))
+                if again:
+                    asks = 0 if stale else asks + 1
+                    if asks >= self.MAX_ASKS:
+                        await self.scheduler.call(LoadKvDump(instance_id, None, final=True))
+                        again = False
+                if not again:
+                    if instance_id not in self._stale:
+                        return
+                    # Asked for again while the answer came back (a gap right after the load):
+                    # that request found this task still here, so this task asks.
+                    asks = 0
         except ServiceUnavailable:  # the router stops
             pass
         finally:
