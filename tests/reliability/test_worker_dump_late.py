@@ -41,10 +41,11 @@ async def test_a_dump_that_does_not_come_at_once_is_asked_for_again(nats_url: st
             assert await _ask(http) == (0, 0)  # computed once: the worker holds its blocks now
 
         os.killpg(proc.pid, signal.SIGSTOP)
-        # A router that discovers the worker now: its dump request times out (0.5 s each).
+        # A router that discovers the worker now: its dump request times out (1 s each). The
+        # worker resumes right after the first; the three asks left span ~4.5 s.
         late = await InProcessRouter(router_settings(
-            nats_url, MODEL, worker_ttl_s=30.0, worker_stale_s=10.0, kvdump_timeout_s=0.5,
-            kvdump_min_interval_s=0.2)).start()
+            nats_url, MODEL, worker_ttl_s=30.0, worker_stale_s=10.0, kvdump_timeout_s=1.0,
+            kvdump_min_interval_s=0.5)).start()
         dumper = late.runtime.kv.dumper
         await wait_for(lambda: dumper.missed >= 1, within=20)
         os.killpg(proc.pid, signal.SIGCONT)
