@@ -48,7 +48,13 @@ class _Event(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
     def to_bytes(self) -> bytes:
-        return self.model_dump_json().encode()
+        return self.model_dump_json(exclude=self._absent()).encode()
+
+    def _absent(self) -> Any:
+        """What the payload leaves out (pydantic's ``exclude``): a later schema's optional field
+        left empty, so that the payload is the earlier schema exactly, which a reader not yet
+        upgraded (unknown keys forbidden) reads. None: nothing."""
+        return None
 
 
 def _decode(cls: type[Any], data: bytes | str | dict[str, Any]) -> Any:
@@ -368,10 +374,8 @@ class MembershipEvent(_Event):
             object.__setattr__(self, "schema_version", MEMBERSHIP_SCHEMA_VERSION)
         return self
 
-    def to_bytes(self) -> bytes:
-        if self.worker.timing is None:  # schema 1, as a schema 1 reader (extra="forbid") reads it
-            return self.model_dump_json(exclude={"worker": {"timing"}}).encode()
-        return super().to_bytes()
+    def _absent(self) -> Any:
+        return {"worker": {"timing"}} if self.worker.timing is None else None  # schema 1
 
 
 def decode_membership_event(data: bytes | str | dict[str, Any]) -> MembershipEvent:
@@ -432,10 +436,8 @@ class _ProcessStamped(_Event):
             object.__setattr__(self, "schema_version", KV_SCHEMA_VERSION)
         return self
 
-    def to_bytes(self) -> bytes:
-        if self.started_at is None:  # schema 1, as a schema 1 reader (extra="forbid") reads it
-            return self.model_dump_json(exclude={"started_at"}).encode()
-        return super().to_bytes()
+    def _absent(self) -> Any:
+        return {"started_at"} if self.started_at is None else None  # schema 1
 
 
 class KvEvent(_ProcessStamped):
