@@ -83,7 +83,7 @@ from router.commands import (
 from router.cost.common import SelectionParams
 from router.cost.time import DEFAULT_TIMING, Timing, predict_row, time_row
 from router.decisions import DecisionLog
-from router.discovery import Change, Discovery, Health, SamePool
+from router.discovery import Change, Discovery, Health, SamePool, WorkerState
 from router.index import KvApplied, PrefixIndex, WorkerKey
 from router.peers import Outbox, PeerLoads, apply_returns
 from router.policy_state import ApplyResult, Outcome, PolicyState
@@ -701,10 +701,9 @@ class Scheduler:
             known = self.discovery.get(event.instance_id)
             if known is None:
                 continue  # not (or no longer) a worker of ours; its dump comes when it joins
-            if event.started_at is not None and event.started_at != known.record.started_at:
-                # Another process under its id: a dead one's late event, or the new one's before
-                # its join reached us (the join asks for its dump, which holds this event).
-                self.index.other_process += 1
+            if self._of_another_process(event.started_at, known):
+                # A dead process's late event, or the new one's before its join reached us (the
+                # join asks for its dump, which holds this event).
                 continue
             applied = self.index.apply(event)
             if applied in (KvApplied.GAP, KvApplied.NEW_WORKER) and self.index.begin_dump(event.instance_id):
@@ -726,8 +725,7 @@ class Scheduler:
         if known is None:
             self.index.remove_worker(wid)
             return False
-        if reply is not None and reply.started_at is not None and reply.started_at != known.record.started_at:
-            self.index.other_process += 1
+        if reply is not None and self._of_another_process(reply.started_at, known):
             reply, stale = None, True
         if not final and (stale or reply is None):
             self.index.begin_dump(wid)  # (still pending, unless the worker was forgotten since)
@@ -740,6 +738,14 @@ class Scheduler:
             self.index.unsure(wid)
             log.warning("worker %s: its index may miss events after its dumps; its next event asks again", wid)
         return False
+
+    def _of_another_process(self, started_at: datetime | None, known: WorkerState) -> bool:
+        """Whether a KV event or dump stamped ``started_at`` comes from another process than the
+        known one under the worker's id (counted); an unstamped one (KV schema 1) never does."""
+        if started_at is None or started_at == known.record.started_at:
+            return False
+        self.index.other_process += 1
+        return True
 
     def dumps_pending(self) -> list[int]:
         return [w for w in self.discovery.workers if self.index.dump_pending(w)]
