@@ -31,6 +31,7 @@ from tests.policy_keys import session_keys
 from tests.reliability.fleet import FAULTS, KINDS, MODEL, FaultRecord, Fleet, doc
 from tests.reliability.fleet_history import audit_decisions, mono, to_mono
 from tests.reliability.history import Answer, Apply, Attempt, Chat, History
+from tests.support_router.workers import predicted_and_cached
 
 # -- traffic ---------------------------------------------------------------------------------------
 
@@ -297,9 +298,7 @@ async def kv_truth(fleet: Fleet, *, within_s: float = 20.0) -> dict[str, KvTruth
                 if r is not None:
                     truth.status = r.status_code
                     if r.status_code == 200:
-                        details = r.json()["usage"].get("prompt_tokens_details") or {}
-                        truth.cached = int(details.get("cached_tokens") or 0)
-                        truth.predicted = int(r.headers.get("x-rudder-predicted-cached-tokens", -1))
+                        truth.predicted, truth.cached = predicted_and_cached(r)
                         truth.worker = r.headers.get("x-worker-instance-id")
                         truth.ok = truth.predicted == truth.cached > 0
                 if not truth.ok:

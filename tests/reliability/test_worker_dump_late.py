@@ -15,7 +15,13 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.support_router.workers import InProcessRouter, router_settings, wait_for, worker_process
+from tests.support_router.workers import (
+    InProcessRouter,
+    predicted_and_cached,
+    router_settings,
+    wait_for,
+    worker_process,
+)
 
 pytestmark = [pytest.mark.timeout(90)]
 
@@ -27,8 +33,7 @@ async def _ask(http: httpx.AsyncClient) -> tuple[int, int]:
     """(tokens the router predicted cached, tokens the worker reports cached) for PROMPT."""
     r = await http.post("/v1/completions", json={"model": MODEL, "prompt": PROMPT, "max_tokens": 2})
     assert r.status_code == 200, r.text
-    details = r.json()["usage"].get("prompt_tokens_details") or {}
-    return int(r.headers["x-rudder-predicted-cached-tokens"]), int(details.get("cached_tokens") or 0)
+    return predicted_and_cached(r)
 
 
 async def test_a_dump_that_does_not_come_at_once_is_asked_for_again(nats_url: str, tmp_path: Path) -> None:

@@ -27,7 +27,13 @@ from controlplane.protocol.events import KvEvent, KvStored, StoredBlock
 from controlplane.protocol.subjects import kv_subject
 from router.scheduler import Scheduler
 from tests import buskit
-from tests.support_router.workers import InProcessRouter, router_settings, wait_for, worker_process
+from tests.support_router.workers import (
+    InProcessRouter,
+    predicted_and_cached,
+    router_settings,
+    wait_for,
+    worker_process,
+)
 
 pytestmark = [pytest.mark.timeout(90)]
 
@@ -39,8 +45,7 @@ async def _ask(http: httpx.AsyncClient, prompt: str = PROMPT) -> tuple[int, int]
     """(tokens the router predicted cached, tokens the worker reports cached) for ``prompt``."""
     r = await http.post("/v1/completions", json={"model": MODEL, "prompt": prompt, "max_tokens": 2})
     assert r.status_code == 200, r.text
-    details = r.json()["usage"].get("prompt_tokens_details") or {}
-    return int(r.headers["x-rudder-predicted-cached-tokens"]), int(details.get("cached_tokens") or 0)
+    return predicted_and_cached(r)
 
 
 GHOST = 0xD0D0

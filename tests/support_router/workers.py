@@ -384,6 +384,13 @@ async def start_worker(nats_url: str, model: str, *, bus_link: bool = False, **o
     return await worker.start()
 
 
+def predicted_and_cached(answer: httpx.Response) -> tuple[int, int]:
+    """(tokens the router predicted cached, tokens the worker reports cached) for a non-streamed
+    answer through a router with its debug headers on; -1 predicted when the header is missing."""
+    details = answer.json()["usage"].get("prompt_tokens_details") or {}
+    return int(answer.headers.get("x-rudder-predicted-cached-tokens", -1)), int(details.get("cached_tokens") or 0)
+
+
 def worker_process(nats_url: str, model: str, log: Path, *, instance_id: int | None = None,
                    speedup: float = 20.0) -> subprocess.Popen[bytes]:
     """A mock worker as a process of its own (``python -m worker``), for tests that kill it: its
