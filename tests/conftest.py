@@ -20,6 +20,7 @@ from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
 import pytest
+from hypothesis import settings as hypothesis_settings
 from nats.aio.client import Client as NATS
 
 from cli.embedded import (
@@ -33,6 +34,11 @@ from cli.embedded import (
 from tests import buskit
 
 EXTERNAL_PG = os.environ.get("RUDDER_TEST_DATABASE_URL")
+
+# Property tests assert what holds, never how long an example took: hypothesis's default 200 ms
+# deadline failed a first, cold example on a busy machine (a timing in a pass/fail test).
+hypothesis_settings.register_profile("rudder", deadline=None)
+hypothesis_settings.load_profile("rudder")
 
 
 def pytest_collection_finish(session: pytest.Session) -> None:
