@@ -53,7 +53,7 @@ from router.commands import (
     Selection,
     SelectWorker,
 )
-from router.cycle import Push, push_hook, watch_disconnect
+from router.cycle import HOLD, Push, push_hook, watch_disconnect
 from router.decisions import DecisionLog, figures
 from router.ingress import read_body
 from router.metrics import RouterMetrics
@@ -568,6 +568,15 @@ async def _completion(request: Request, rt: Runtime, path: str, chat: bool) -> R
 
         relay_status = "499"  # until the answer is read to its end (or breaks)
         broke = False
+        # The first token's command and metrics, run once the chunk that carries it is written
+        # (the loop's next turn): off the path of the client's first token (docs/decisions.md 122).
+        first_pending: asyncio.Handle | None = None
+
+        def first_token_seen() -> None:
+            nonlocal first_pending
+            first_pending = None
+            rt.scheduler.send(RequestFirstToken(booking, ttft_ms=(first_at - opened.sent_at) * 1e3))
+            observe_first_token(first_at)
 
         async def finish() -> None:
             """Release the worker connection and the booking, once, when the response ends (with the
@@ -576,6 +585,9 @@ async def _completion(request: Request, rt: Runtime, path: str, chat: bool) -> R
             if finished:
                 return
             finished = True
+            if first_pending is not None:  # ended within the turn of its first token: in order
+                first_pending.cancel()
+                first_token_seen()
             status = relay_status
             resp.sink = None  # the response's sink closes a cycle through this request's closures
             await resp.aclose()
@@ -593,17 +605,17 @@ async def _completion(request: Request, rt: Runtime, path: str, chat: bool) -> R
         def seen(chunk: bytes) -> None:
             """A chunk of the worker's answer goes to the client (handed out by the relay, or pushed
             from the worker connection's callback): first token, inter-token time, usage's place."""
-            nonlocal chunks, first_at, last, previous, tail, first_with_end
+            nonlocal chunks, first_at, last, previous, tail, first_with_end, first_pending
             now = time.perf_counter()
             if not chunks:
                 if first.feed(chunk):
-                    if resp.complete:  # nothing follows: the end's command carries it
-                        first_with_end = True
-                    else:
-                        rt.scheduler.send(RequestFirstToken(booking, ttft_ms=(now - opened.sent_at) * 1e3))
-                    observe_first_token(now)
                     first_at = last = now
                     chunks = 1
+                    if resp.complete:  # nothing follows: the end's command carries it
+                        first_with_end = True
+                        observe_first_token(now)
+                    else:
+                        first_pending = asyncio.get_running_loop().call_soon(first_token_seen)
             else:
                 itl.observe(now - last)
                 last = now
@@ -693,10 +705,17 @@ class RelayResponse(Response):
         stop_watching = watch.stop if watch is not None else watch_disconnect(scope, receive, self.on_disconnect)
         next_part = self.next_part
         try:
-            # The head goes with the first chunk (one write under the router's server, which
-            # holds a head until the next body message: router.cycle.DirectCycle).
-            first = await next_part()
-            await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
+            # The head goes with the first chunk: one write. Under the router's server it is
+            # rendered while the worker computes the first token and held until that chunk
+            # (router.cycle.HOLD); under another server it is sent once the chunk is in.
+            start = {"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers}
+            if self.push_from is not None and push_hook(scope) is not None:
+                start[HOLD] = True
+                await send(start)
+                first = await next_part()
+            else:
+                first = await next_part()
+                await send(start)
             ended = first is None
             if first is not None:
                 ended = self.last()

@@ -14,6 +14,9 @@ turns each cycle uvicorn makes into one before the app runs.
   pushed in the same turn of the event loop, at the turn's end. It takes the chunk only when a
   body message could be written without waiting (the client takes bytes) and says so; otherwise
   the caller sends the chunk as a body message, which waits for the client.
+* A response start message with :data:`HOLD` set is rendered at once and held, with no write at
+  the turn's end, until the first body message: the relay renders its head while the worker
+  computes the first token, and the token's bytes then go out without waiting on it.
 """
 
 from __future__ import annotations
@@ -35,6 +38,8 @@ OnDisconnect = Callable[[Callable[[], None]], Callable[[], None]]
 # The scope extension under which a DirectCycle offers ``push``.
 PUSH = "rudder.push"
 Push = Callable[[bytes], bool]
+# A key of a response start message: hold the head until the first body message (the module's text).
+HOLD = "rudder.hold"
 
 
 def disconnect_hook(scope: Scope) -> OnDisconnect | None:
@@ -195,7 +200,8 @@ class DirectCycle(RequestResponseCycle):
             finally:
                 self.transport = transport
             self._held = capture.data
-            asyncio.get_running_loop().call_soon(self._flush)
+            if not message.get(HOLD):
+                asyncio.get_running_loop().call_soon(self._flush)
             return
         held = self._held
         if held is None or message["type"] != "http.response.body":

@@ -17,9 +17,9 @@ from starlette.responses import JSONResponse
 from uvicorn.server import ServerState
 
 from controlplane.protocol.errors import ClientGone
-from router.api import _ClientWatch, _select, error_response
+from router.api import RelayResponse, _ClientWatch, _select, error_response
 from router.commands import RoutingRequest
-from router.cycle import disconnect_hook, push_hook
+from router.cycle import HOLD, disconnect_hook, push_hook
 from router.ingress import GuardedHttpProtocol, IngressLimits, protocol_class
 from router.metrics import RouterMetrics
 
@@ -210,6 +210,59 @@ async def test_a_head_with_no_body_yet_is_written_at_the_end_of_the_turn() -> No
     await finished(state)
     assert len(head_seen) == 1 and head_seen[0].startswith(b"HTTP/1.1 200 OK")
     assert transport.writes[1:] == [b"4\r\nlate\r\n0\r\n\r\n"]
+
+
+async def test_a_held_head_waits_for_the_first_body_message_and_goes_with_it() -> None:
+    """A start message with HOLD (the relay's, sent while the worker computes its first token)
+    is rendered at once and written only with the first body message, in one write."""
+    go = asyncio.Event()
+
+    async def app(scope: Any, receive: Any, send: Any) -> None:
+        await receive()
+        await send({"type": "http.response.start", "status": 200, "headers": [], HOLD: True})
+        await go.wait()
+        await send({"type": "http.response.body", "body": b"late", "more_body": False})
+
+    protocol, transport, state = serve(app)
+    protocol.data_received(REQUEST)
+    for _ in range(5):
+        await asyncio.sleep(0)
+    assert transport.writes == []
+    go.set()
+    await finished(state)
+    assert len(transport.writes) == 1, transport.writes
+    assert transport.writes[0].startswith(b"HTTP/1.1 200 OK")
+    assert transport.writes[0].endswith(b"transfer-encoding: chunked\r\n\r\n4\r\nlate\r\n0\r\n\r\n")
+
+
+async def test_the_relay_renders_its_head_before_the_first_chunk_and_writes_both_at_once() -> None:
+    """Under the router's server the relay's head is rendered while the first chunk is awaited
+    (off the path of the first token) and goes out with it."""
+    first = asyncio.Event()
+    parts = [b"data: 1\n\n", None]
+
+    async def body() -> bytes | None:
+        await first.wait()
+        return parts.pop(0)
+
+    async def closed() -> None:
+        pass
+
+    async def app(scope: Any, receive: Any, send: Any) -> None:
+        relay = RelayResponse(body, status_code=200, media_type="text/event-stream", headers={},
+                              on_disconnect=lambda: None, on_close=closed, push_from=lambda push: None)
+        await relay(scope, receive, send)
+
+    protocol, transport, state = serve(app)
+    protocol.data_received(REQUEST)
+    for _ in range(5):
+        await asyncio.sleep(0)
+    assert protocol.cycle is not None and protocol.cycle.response_started  # rendered
+    assert transport.writes == []  # and held
+    first.set()
+    await finished(state)
+    assert transport.writes[0].startswith(b"HTTP/1.1 200 OK")
+    assert transport.writes[0].endswith(b"\r\n\r\n9\r\ndata: 1\n\n\r\n")
 
 
 async def test_disconnect_callbacks_run_once_when_the_client_goes_and_at_once_after() -> None:
