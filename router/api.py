@@ -568,15 +568,6 @@ async def _completion(request: Request, rt: Runtime, path: str, chat: bool) -> R
 
         relay_status = "499"  # until the answer is read to its end (or breaks)
         broke = False
-        # The first token's command and metrics, run once the chunk that carries it is written
-        # (the loop's next turn): off the path of the client's first token (docs/decisions.md 122).
-        first_pending: asyncio.Handle | None = None
-
-        def first_token_seen() -> None:
-            nonlocal first_pending
-            first_pending = None
-            rt.scheduler.send(RequestFirstToken(booking, ttft_ms=(first_at - opened.sent_at) * 1e3))
-            observe_first_token(first_at)
 
         async def finish() -> None:
             """Release the worker connection and the booking, once, when the response ends (with the
@@ -585,9 +576,6 @@ async def _completion(request: Request, rt: Runtime, path: str, chat: bool) -> R
             if finished:
                 return
             finished = True
-            if first_pending is not None:  # ended within the turn of its first token: in order
-                first_pending.cancel()
-                first_token_seen()
             status = relay_status
             resp.sink = None  # the response's sink closes a cycle through this request's closures
             await resp.aclose()
@@ -605,17 +593,17 @@ async def _completion(request: Request, rt: Runtime, path: str, chat: bool) -> R
         def seen(chunk: bytes) -> None:
             """A chunk of the worker's answer goes to the client (handed out by the relay, or pushed
             from the worker connection's callback): first token, inter-token time, usage's place."""
-            nonlocal chunks, first_at, last, previous, tail, first_with_end, first_pending
+            nonlocal chunks, first_at, last, previous, tail, first_with_end
             now = time.perf_counter()
             if not chunks:
                 if first.feed(chunk):
-                    first_at = last = now
-                    chunks = 1
                     if resp.complete:  # nothing follows: the end's command carries it
                         first_with_end = True
-                        observe_first_token(now)
                     else:
-                        first_pending = asyncio.get_running_loop().call_soon(first_token_seen)
+                        rt.scheduler.send(RequestFirstToken(booking, ttft_ms=(now - opened.sent_at) * 1e3))
+                    observe_first_token(now)
+                    first_at = last = now
+                    chunks = 1
             else:
                 itl.observe(now - last)
                 last = now

@@ -6,14 +6,11 @@ import asyncio
 import json
 import re
 from collections.abc import AsyncIterator
-from typing import Any
 
 import httpx
 import openai
 import pytest
 
-from router import cycle
-from router.commands import RequestFirstToken
 from tests import buskit
 from tests.support_router.workers import (
     InProcessRouter,
@@ -104,44 +101,6 @@ async def test_a_stream_of_slow_tokens_arrives_whole_and_in_order_and_every_chun
         assert tokens // 2 <= gaps <= tokens  # a token a chunk, near enough (the last with the usage)
         sched = router.runtime.scheduler
         await wait_for(lambda: sched.inspect(lambda s: len(s.bookings) == 0))
-
-
-async def test_the_first_tokens_command_is_handled_after_its_chunk_is_written(
-    nats_url: str, monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    """The first token's bookkeeping (its command to the scheduler, its metrics) waits for the
-    write that carries the token to the client: the client's time to first token does not pay for
-    it (docs/decisions.md 122). Its TTFT still reaches the worker's calibration, and the booking
-    ends."""
-    model = "org/first-token-order"
-    order: list[str] = []
-    write = cycle._Prefixed.write
-
-    def recorded_write(self: Any, data: bytes) -> None:
-        order.append("head and first chunk written")
-        write(self, data)
-
-    monkeypatch.setattr(cycle._Prefixed, "write", recorded_write)
-    async with routed_workers(nats_url, model, 1, workers={"mock": {"speedup_ratio": 1.0}}) as (router, workers):
-        sched = router.runtime.scheduler
-        send = sched.send
-
-        def recorded_send(command: Any) -> None:
-            if isinstance(command, RequestFirstToken):
-                order.append("first token command")
-            send(command)
-
-        monkeypatch.setattr(sched, "send", recorded_send)
-        async with httpx.AsyncClient(base_url=router.url, timeout=30) as http, http.stream(
-            "POST", "/v1/completions", json={"model": model, "prompt": "in order", "max_tokens": 8, "stream": True},
-        ) as resp:
-            assert resp.status_code == 200
-            body = b"".join([chunk async for chunk in resp.aiter_bytes()])
-        assert body.rstrip().endswith(b"data: [DONE]")
-        assert order == ["head and first chunk written", "first token command"]
-        await wait_for(lambda: sched.inspect(lambda s: len(s.bookings) == 0))
-        wid = workers[0].instance_id
-        assert await sched.inspect(lambda s: len(s.timings.workers[wid]._prefill)) == 1  # its TTFT observed
 
 
 async def test_same_prefix_goes_to_the_worker_that_cached_it(
