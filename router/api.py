@@ -115,6 +115,8 @@ class Runtime(Protocol):
 
     def dumps_missed(self) -> int: ...
 
+    def kv_backlog(self) -> int: ...
+
 
 def _reason(exc: RudderError) -> str:
     return exc.code
@@ -867,6 +869,7 @@ def build_api(rt: Runtime, app: RouterApp) -> None:
             rt.metrics.set_in_flight(in_flight)
             rt.metrics.set_quarantined(quarantined, slow)
             rt.metrics.set_index(held, refused, kv_events)
+            rt.metrics.kv_backlog.set(rt.kv_backlog())
             rt.metrics.set_returns(returns)
             rt.metrics.peers.set(peers)
         return Response(rt.metrics.render(), media_type="text/plain; version=0.0.4")

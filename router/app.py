@@ -135,6 +135,7 @@ class RouterRuntime:
                                         drops=self.drops,
                                         limits=RateLimits(s.kv_event_bytes_per_s, s.kv_event_burst_bytes))
             await self.kv.start()
+            self.tasks.spawn(self.kv.run(), name="kv-events")
         # Manifests first: the first membership records are bounded by what was issued.
         self.manifests = ManifestConsumer(bus, self.manifest_book, keyring=lambda: self.verify_keys.keyring,
                                           drops=self.drops)
@@ -195,6 +196,10 @@ class RouterRuntime:
     def dumps_missed(self) -> int:
         """KV dumps asked for that did not come (``/metrics``)."""
         return self.kv.dumper.missed if self.kv is not None else 0
+
+    def kv_backlog(self) -> int:
+        """KV events received and not yet applied (``/metrics``)."""
+        return self.kv.backlog if self.kv is not None else 0
 
     def readiness(self) -> list[str]:
         """What this router still waits for before it should get traffic; [] when ready."""

@@ -36,6 +36,7 @@ was deleted and created again) is noticed by :meth:`PolicyConsumer.check_stream`
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import functools
 import logging
@@ -59,6 +60,7 @@ from controlplane.protocol.events import (
     AckStatus,
     ApplyAck,
     KvDumpReply,
+    KvEvent,
     MembershipEvent,
     MembershipOp,
     PolicyResync,
@@ -675,7 +677,23 @@ class MembershipConsumer:
             self._declare()  # the replay of the last state of every worker is applied
 
 
+#: KV events handed to the scheduler in one command at most: a command of this many takes the
+#: actor about a millisecond, so selections queued behind it wait no longer than that.
+KV_BATCH = 64
+#: KV events received and not yet handed to the scheduler, at most; past it an event is dropped
+#: (reason ``backlog``) and its worker's next one is a gap, which asks for the worker's dump.
+KV_BACKLOG = 16384
+
+
 class KvEventSubscriber:
+    """Core subscriptions on the served models' KV events. Each message is checked and decoded as
+    it comes and joins a backlog; :meth:`run` hands the backlog to the scheduler, up to
+    :data:`KV_BATCH` events a command, in the order they came. One command a message (awaited
+    before the next was read) took a round trip through the actor's queue each, two turns of the
+    event loop: under load a turn takes a millisecond or more, fewer events were applied a second
+    than the workers sent, and the rest waited in nats-py's queue (the index minutes behind, the
+    router's memory growing by the events waiting: docs/decisions.md 122)."""
+
     def __init__(
         self, bus: Bus, scheduler: Scheduler, dumper: KvDumper, *, models: list[str], drops: Drops,
         limits: RateLimits | None = None,
@@ -688,6 +706,14 @@ class KvEventSubscriber:
         self.drops = drops
         self._subs: list[Subscription] = []
         self.received = 0
+        self._backlog: collections.deque[KvEvent] = collections.deque()
+        self._more = asyncio.Event()
+        self.handing = 0  # events handed to the scheduler, not yet applied
+
+    @property
+    def backlog(self) -> int:
+        """Events received and not yet applied."""
+        return len(self._backlog) + self.handing
 
     async def start(self) -> None:
         for model in self.models:
@@ -707,12 +733,30 @@ class KvEventSubscriber:
             self.drops.drop("kv", _reason(exc), msg.subject, exc.message)
             return
         self.received += 1
-        try:
-            need = await self.scheduler.call(ApplyKvEvents([event]))
-        except RudderError:
+        if len(self._backlog) >= KV_BACKLOG:
+            self.drops.drop("kv", "backlog", msg.subject, f"{KV_BACKLOG} KV events wait for the scheduler")
             return
-        for wid in need:
-            self.dumper.request(wid)
+        self._backlog.append(event)
+        self._more.set()
+
+    async def run(self) -> None:
+        """Hands the backlog to the scheduler (a task of the router's lifespan); asks for the dumps
+        the scheduler answers it needs."""
+        backlog = self._backlog
+        while True:
+            await self._more.wait()
+            self._more.clear()
+            while backlog:
+                batch = [backlog.popleft() for _ in range(min(len(backlog), KV_BATCH))]
+                self.handing = len(batch)
+                try:
+                    need = await self.scheduler.call(ApplyKvEvents(batch))
+                except RudderError:  # the scheduler is stopping
+                    need = []
+                finally:
+                    self.handing = 0
+                for wid in need:
+                    self.dumper.request(wid)
 
 
 async def tick(scheduler: Scheduler) -> None:

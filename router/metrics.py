@@ -133,6 +133,11 @@ class RouterMetrics:
             "the worker's id), dump_missed (a dump asked for that did not come)", ["reason"], registry=r,
         )
         self._kv_index_seen: dict[str, int] = {}
+        self.kv_backlog = Gauge(
+            "rudder_router_kv_events_backlog",
+            "KV events received and not yet applied to the prefix index (refreshed at each scrape): "
+            "a value that stays high means the index lags the workers' caches", registry=r,
+        )
         self.calibration_expiries = Counter(
             "rudder_router_calibration_expiries",
             "Times a worker's timing observations expired because its pool moved on without it", registry=r,

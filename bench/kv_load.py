@@ -1,0 +1,166 @@
+"""KV events under load: does the router's prefix index keep up with its workers, and does its
+memory stay flat? (issue 16, docs/decisions.md 122)
+
+Two mock workers at speedup 1000 behind one ``kv`` router, 32 closed-loop clients, each request a
+prompt never seen before (so every request stores new blocks and evicts old ones: the workers
+publish KV events as fast as they serve). Every 10 s it samples the router's RSS and, where the
+router has it, ``rudder_router_kv_events_backlog`` (events received, not yet applied); at the end,
+the router's gaps (``rudder_router_kv_index_events_total{reason="gap"}``) and dropped KV events
+(``rudder_router_bus_dropped_total{kind="kv"}``, by reason). With ``--baseline <checkout>`` that
+checkout's router runs the same load first, then this one (one router at a time: they would share
+two cores). Startup values, but for the log level (WARNING, as every bench).
+
+    python bench/kv_load.py                                   # this checkout, 60 s
+    python bench/kv_load.py --baseline /work/wt/base --seconds 120
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+import psutil
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench.common import Fleet, Router, machine, write_result
+from bench.proxy_overhead import STARTUP, RawClient, process_tree, split
+from cli.embedded import LocalBus
+
+MODEL = "bench-kv-load"
+SAMPLE_S = 10.0
+
+
+def unique_body(rng: random.Random) -> bytes:
+    """A streamed completion whose prompt (~120 tokens) no earlier request shared."""
+    words = " ".join(f"w{rng.getrandbits(40):x}" for _ in range(60))
+    return json.dumps({"model": MODEL, "prompt": words, "max_tokens": 8, "stream": True}).encode()
+
+
+def scrape(text: str) -> dict[str, float]:
+    """The series this bench reads, by their full names with labels."""
+    wanted = ("rudder_router_kv_events_backlog", "rudder_router_kv_index_events_total",
+              "rudder_router_bus_dropped_total")
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        if line.startswith(wanted):
+            name, _, value = line.rpartition(" ")
+            out[name] = float(value)
+    return out
+
+
+async def run_one(name: str, bus: LocalBus, src: Path | None, seconds: float, clients: int,
+                  logs: Path) -> dict[str, Any]:
+    fleet = Fleet(bus, MODEL, 2, mock={"speedup_ratio": 1000}, launcher="cli")
+    await fleet.start()
+    router = Router(bus, MODEL, mode="kv", launcher="cli", log=logs / f"{name}.log", src=src, env=STARTUP)
+    try:
+        await router.ready(2)
+        proc = psutil.Process(process_tree(router.proc)[-1])
+        host, port = split(router.url)
+        done = errors = 0
+        samples: list[dict[str, Any]] = []
+        t0 = time.perf_counter()
+        stop_at = t0 + seconds
+
+        async def client(seed: int) -> None:
+            nonlocal done, errors
+            rng = random.Random(seed)
+            c = RawClient(host, port)
+            try:
+                while time.perf_counter() < stop_at:
+                    try:
+                        _, _, status = await c.post_stream("/v1/completions", unique_body(rng))
+                    except (ConnectionError, OSError, asyncio.IncompleteReadError):
+                        errors += 1
+                        await c.close()
+                        continue
+                    done += status == 200
+                    errors += status != 200
+            finally:
+                await c.close()
+
+        async def sample(http: httpx.AsyncClient) -> None:
+            while True:
+                got = scrape((await http.get(router.url + "/metrics")).text)
+                row = {"t_s": round(time.perf_counter() - t0, 1), "requests": done,
+                       "rss_mb": round(proc.memory_info().rss / 2**20, 1),
+                       "backlog": got.get("rudder_router_kv_events_backlog")}
+                samples.append(row)
+                print(f"  {name:<10} {row['t_s']:6.1f} s  {done:8d} requests  RSS {row['rss_mb']:7.1f} MB"
+                      f"  backlog {row['backlog'] if row['backlog'] is not None else '-'}", flush=True)
+                if time.perf_counter() >= stop_at:
+                    return
+                await asyncio.sleep(min(SAMPLE_S, max(stop_at - time.perf_counter(), 0.0)))
+
+        async with httpx.AsyncClient(timeout=10) as http:
+            await asyncio.gather(sample(http), *(client(i) for i in range(clients)))
+            wall = time.perf_counter() - t0
+            end = scrape((await http.get(router.url + "/metrics")).text)
+        first, last = samples[0], samples[-1]
+        mid = samples[len(samples) // 2]
+        drops = {k.split('reason="')[1].rstrip('"}'): v for k, v in end.items()
+                 if k.startswith('rudder_router_bus_dropped_total{kind="kv"')}
+        backlogs = [s["backlog"] for s in samples if s["backlog"] is not None]
+        return {
+            "target": name, "requests": done, "errors": errors, "rps": round(done / wall, 1),
+            "rss_start_mb": first["rss_mb"], "rss_end_mb": last["rss_mb"],
+            # second half only: the index and the caches fill in the first
+            "rss_mb_per_10k_requests_second_half": round(
+                (last["rss_mb"] - mid["rss_mb"]) * 10_000 / max(last["requests"] - mid["requests"], 1), 2),
+            "backlog_max": max(backlogs) if backlogs else None,
+            "gaps": end.get('rudder_router_kv_index_events_total{reason="gap"}', 0.0),
+            "kv_dropped": drops, "samples": samples,
+        }
+    finally:
+        router.stop()
+        fleet.stop()
+
+
+async def main(args: argparse.Namespace) -> None:
+    runs: list[dict[str, Any]] = []
+    with tempfile.TemporaryDirectory(prefix="kvload-") as tmp:
+        logs = Path(args.log_dir) if args.log_dir else Path(tmp)
+        logs.mkdir(parents=True, exist_ok=True)
+        bus = LocalBus(Path(tmp))
+        bus.start()
+        try:
+            targets: list[tuple[str, Path | None]] = [("baseline", Path(args.baseline))] if args.baseline else []
+            targets.append(("rudder", None))
+            for name, src in targets:
+                runs.append(await run_one(name, bus, src, args.seconds, args.clients, logs))
+        finally:
+            bus.stop()
+    print()
+    print(f"{'target':<10}{'requests':>10}{'req/s':>8}{'RSS start':>11}{'RSS end':>9}"
+          f"{'MB/10k req (2nd half)':>23}{'backlog max':>13}{'gaps':>6}  KV dropped")
+    for r in runs:
+        backlog = "-" if r["backlog_max"] is None else f"{r['backlog_max']:.0f}"
+        print(f"{r['target']:<10}{r['requests']:>10}{r['rps']:>8.0f}{r['rss_start_mb']:>9.1f}MB"
+              f"{r['rss_end_mb']:>7.1f}MB{r['rss_mb_per_10k_requests_second_half']:>23.2f}{backlog:>13}"
+              f"{r['gaps']:>6.0f}  {r['kv_dropped'] or '-'}")
+    path = write_result(args.output, {"benchmark": "kv_load", **machine(), "seconds": args.seconds,
+                                      "clients": args.clients, "baseline": args.baseline, "runs": runs})
+    print(f"wrote {path}")
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--seconds", type=float, default=60.0, help="length of the load on each router")
+    p.add_argument("--clients", type=int, default=32, help="closed-loop clients")
+    p.add_argument("--baseline", default="", help="also run a router from this checkout, first")
+    p.add_argument("--log-dir", default="", help="keep the routers' logs here")
+    p.add_argument("--output", default="kv_load")
+    return p.parse_args(argv)
+
+
+if __name__ == "__main__":
+    asyncio.run(main(parse_args()))
