@@ -191,13 +191,14 @@ async def test_chunks_pushed_in_one_turn_go_out_in_one_write_at_its_end() -> Non
     assert transport.writes[2:] == [b"0\r\n\r\n"]
 
 
-async def test_a_head_with_no_body_yet_is_written_at_the_end_of_the_turn() -> None:
-    """The app sends the head and then waits: the client gets the head meanwhile."""
+async def _head_then_a_late_body(start: dict[str, Any]) -> tuple[list[bytes], list[bytes]]:
+    """An app that sends ``start`` and then waits before its body: (what was written while it
+    waited, everything written)."""
     go = asyncio.Event()
 
     async def app(scope: Any, receive: Any, send: Any) -> None:
         await receive()
-        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send(start)
         await go.wait()
         await send({"type": "http.response.body", "body": b"late", "more_body": False})
 
@@ -205,34 +206,28 @@ async def test_a_head_with_no_body_yet_is_written_at_the_end_of_the_turn() -> No
     protocol.data_received(REQUEST)
     for _ in range(5):
         await asyncio.sleep(0)
-    head_seen = list(transport.writes)
+    waiting = list(transport.writes)
     go.set()
     await finished(state)
-    assert len(head_seen) == 1 and head_seen[0].startswith(b"HTTP/1.1 200 OK")
-    assert transport.writes[1:] == [b"4\r\nlate\r\n0\r\n\r\n"]
+    return waiting, transport.writes
+
+
+async def test_a_head_with_no_body_yet_is_written_at_the_end_of_the_turn() -> None:
+    """The app sends the head and then waits: the client gets the head meanwhile."""
+    waiting, writes = await _head_then_a_late_body({"type": "http.response.start", "status": 200, "headers": []})
+    assert len(waiting) == 1 and waiting[0].startswith(b"HTTP/1.1 200 OK")
+    assert writes[1:] == [b"4\r\nlate\r\n0\r\n\r\n"]
 
 
 async def test_a_held_head_waits_for_the_first_body_message_and_goes_with_it() -> None:
     """A start message with HOLD (the relay's, sent while the worker computes its first token)
     is rendered at once and written only with the first body message, in one write."""
-    go = asyncio.Event()
-
-    async def app(scope: Any, receive: Any, send: Any) -> None:
-        await receive()
-        await send({"type": "http.response.start", "status": 200, "headers": [], HOLD: True})
-        await go.wait()
-        await send({"type": "http.response.body", "body": b"late", "more_body": False})
-
-    protocol, transport, state = serve(app)
-    protocol.data_received(REQUEST)
-    for _ in range(5):
-        await asyncio.sleep(0)
-    assert transport.writes == []
-    go.set()
-    await finished(state)
-    assert len(transport.writes) == 1, transport.writes
-    assert transport.writes[0].startswith(b"HTTP/1.1 200 OK")
-    assert transport.writes[0].endswith(b"transfer-encoding: chunked\r\n\r\n4\r\nlate\r\n0\r\n\r\n")
+    waiting, writes = await _head_then_a_late_body(
+        {"type": "http.response.start", "status": 200, "headers": [], HOLD: True})
+    assert waiting == []
+    assert len(writes) == 1, writes
+    assert writes[0].startswith(b"HTTP/1.1 200 OK")
+    assert writes[0].endswith(b"transfer-encoding: chunked\r\n\r\n4\r\nlate\r\n0\r\n\r\n")
 
 
 async def test_the_relay_renders_its_head_before_the_first_chunk_and_writes_both_at_once() -> None:
