@@ -1,7 +1,7 @@
 """KV events under load: does the router's prefix index keep up with its workers, and does its
 memory stay flat? (issue 16, docs/decisions.md 122)
 
-Two mock workers at speedup 1000 behind one ``kv`` router, 32 closed-loop clients, each request a
+Two mock workers (``--workers``) at speedup 1000 behind one ``kv`` router, 32 closed-loop clients, each request a
 prompt never seen before (so every request stores new blocks and evicts old ones: the workers
 publish KV events as fast as they serve). Every 10 s it samples the router's RSS and, where the
 router has it, ``rudder_router_kv_events_backlog`` (events received, not yet applied); at the end,
@@ -57,13 +57,13 @@ def scrape(text: str) -> dict[str, float]:
     return out
 
 
-async def run_one(name: str, bus: LocalBus, src: Path | None, seconds: float, clients: int,
+async def run_one(name: str, bus: LocalBus, src: Path | None, seconds: float, clients: int, workers: int,
                   logs: Path) -> dict[str, Any]:
-    fleet = Fleet(bus, MODEL, 2, mock={"speedup_ratio": 1000}, launcher="cli")
+    fleet = Fleet(bus, MODEL, workers, mock={"speedup_ratio": 1000}, launcher="cli")
     await fleet.start()
     router = Router(bus, MODEL, mode="kv", launcher="cli", log=logs / f"{name}.log", src=src, env=STARTUP)
     try:
-        await router.ready(2)
+        await router.ready(workers)
         proc = psutil.Process(process_tree(router.proc)[-1])
         host, port = split(router.url)
         done = errors = 0
@@ -136,7 +136,7 @@ async def main(args: argparse.Namespace) -> None:
             targets: list[tuple[str, Path | None]] = [("baseline", Path(args.baseline))] if args.baseline else []
             targets.append(("rudder", None))
             for name, src in targets:
-                runs.append(await run_one(name, bus, src, args.seconds, args.clients, logs))
+                runs.append(await run_one(name, bus, src, args.seconds, args.clients, args.workers, logs))
         finally:
             bus.stop()
     print()
@@ -148,7 +148,8 @@ async def main(args: argparse.Namespace) -> None:
               f"{r['rss_end_mb']:>7.1f}MB{r['rss_mb_per_10k_requests_second_half']:>23.2f}{backlog:>13}"
               f"{r['gaps']:>6.0f}  {r['kv_dropped'] or '-'}")
     path = write_result(args.output, {"benchmark": "kv_load", **machine(), "seconds": args.seconds,
-                                      "clients": args.clients, "baseline": args.baseline, "runs": runs})
+                                      "clients": args.clients, "workers": args.workers,
+                                      "baseline": args.baseline, "runs": runs})
     print(f"wrote {path}")
 
 
@@ -156,6 +157,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--seconds", type=float, default=60.0, help="length of the load on each router")
     p.add_argument("--clients", type=int, default=32, help="closed-loop clients")
+    p.add_argument("--workers", type=int, default=2, help="mock workers behind the router")
     p.add_argument("--baseline", default="", help="also run a router from this checkout, first")
     p.add_argument("--log-dir", default="", help="keep the routers' logs here")
     p.add_argument("--output", default="kv_load")

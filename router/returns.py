@@ -15,9 +15,12 @@ that never returns), and a rank expects ``λ = Σ π(a)/τ`` returns per unit of
 entries. Traffic without sessions (every prompt new) opens entries that never close: ``p`` falls
 towards 0 and with it every rank's rate — nothing is expected anywhere in particular.
 
-A rank's rate is computed over its open entries when asked, and kept for ``τ/16`` unless its
-entries change (it moves on the scale of ``τ``). Entries are dropped once ``π`` is negligible
-(after ``HORIZON_DELAYS·τ``) or beyond ``MAX_OPEN``, oldest first.
+A rank's rate is computed over its open entries when asked and kept for ``τ/16`` (it moves on the
+scale of ``τ``); an entry opened or closed meanwhile adds or takes away its own ``π/τ`` at once.
+Recomputing it at every change instead cost O(entries) at every request's end: traffic without
+sessions keeps thousands open per rank, and the router spent a third of its time here under load
+(docs/decisions.md 123). Entries are dropped once ``π`` is negligible (after ``HORIZON_DELAYS·τ``)
+or beyond ``MAX_OPEN``, oldest first.
 """
 
 from __future__ import annotations
@@ -90,6 +93,24 @@ class Returns:
         self._cache[key] = (rate, now)
         return rate
 
+    def _posterior(self, age: float) -> float:
+        """π(age) of one entry, with today's p and τ."""
+        p = self.fraction
+        x = age / self._delay_s
+        if x <= 0.0:
+            return p
+        if x >= HORIZON_DELAYS * 4:
+            return 0.0
+        return 1.0 / (1.0 + (1.0 - p) / p * math.exp(x))
+
+    def _shift(self, key: WorkerKey, at: float, now: float, sign: float) -> None:
+        """A kept rate of ``key`` with the entry that finished at ``at`` added (+1) or taken
+        away (-1) as of ``now``; it stays due for its recomputation when it was."""
+        cached = self._cache.get(key)
+        if cached is not None:
+            rate = cached[0] + sign * self._posterior(now - at) / (self._delay_s * 1000.0)
+            self._cache[key] = (max(rate, 0.0), cached[1])
+
     def status(self) -> dict[str, float]:
         """What the router's status and /metrics show of it."""
         return {"open": float(len(self._open)), "delay_s": self._delay_s, "fraction": self.fraction}
@@ -105,10 +126,10 @@ class Returns:
         h = hashes[-1]
         old = self._open.pop(h, None)
         if old is not None:  # the same prompt again: one entry, the newest
-            self._close(old[0], h)
+            self._close(old[0], h, now)
         self._open[h] = (key, now)
         self._ranks.setdefault(key, {})[h] = now
-        self._cache.pop(key, None)
+        self._shift(key, now, now, 1.0)
         self._expire(now)
 
     def arrived(self, hashes: Sequence[int], at: float) -> WorkerKey | None:
@@ -137,7 +158,7 @@ class Returns:
         if entry is None:
             return None
         key, finished_at = entry
-        self._close(key, h)
+        self._close(key, h, at)
         self._count(at, returned=1.0)
         delay = at - finished_at
         if delay >= 0:
@@ -155,13 +176,15 @@ class Returns:
 
     # -- internals -------------------------------------------------------------------------------
 
-    def _close(self, key: WorkerKey, h: int) -> None:
+    def _close(self, key: WorkerKey, h: int, now: float) -> None:
         entries = self._ranks.get(key)
         if entries is not None:
-            entries.pop(h, None)
+            at = entries.pop(h, None)
             if not entries:
                 del self._ranks[key]
-            self._cache.pop(key, None)
+                self._cache.pop(key, None)
+            elif at is not None:
+                self._shift(key, at, now, -1.0)
 
     def _count(self, now: float, *, finished: float = 0.0, returned: float = 0.0) -> None:
         age = now - self._seen_at
@@ -183,4 +206,4 @@ class Returns:
             if at >= horizon and len(open_) <= MAX_OPEN:
                 break
             del open_[h]
-            self._close(key, h)
+            self._close(key, h, now)

@@ -96,14 +96,19 @@ def test_each_rank_expects_the_sum_of_its_open_entries_posteriors() -> None:
     assert r.fraction == pytest.approx(0.7, abs=0.1)
 
 
-def test_a_rate_is_kept_for_a_sixteenth_of_the_delay_unless_the_rank_changes() -> None:
+def test_a_rate_is_kept_for_a_sixteenth_of_the_delay_and_follows_its_ranks_entries_meanwhile() -> None:
     r = Returns()
     r.finished(A, [1], 0.0)
     first = r.rate(A, 0.1)
-    assert r.rate(A, 0.1 + mod.PRIOR_DELAY_S / 32) == first  # kept
-    assert r.rate(A, 0.1 + mod.PRIOR_DELAY_S / 8) < first  # recomputed: older, less likely back
-    r.finished(A, [2], 0.7)
-    assert r.rate(A, 0.7) > first  # a new entry: recomputed at once
+    kept = 0.1 + mod.PRIOR_DELAY_S / 32
+    assert r.rate(A, kept) == first  # kept
+    r.finished(A, [2], kept)  # a new entry counts at once, at π(0) = p
+    with_new = r.rate(A, kept)
+    assert with_new == pytest.approx(first + r.fraction / (r.delay_s * 1000), rel=1e-12)
+    assert r.arrived([2], kept) == A  # and a closed one is taken away at once
+    assert r.rate(A, kept) == pytest.approx(first, rel=1e-12)
+    later = 0.1 + mod.PRIOR_DELAY_S / 8  # recomputed, exact (the return moved p and τ meanwhile)
+    assert r.rate(A, later) == pytest.approx(posterior(r.fraction, r.delay_s, later) / (r.delay_s * 1000))
 
 
 def test_a_rank_that_leaves_expects_nothing_its_sessions_may_return_elsewhere() -> None:
@@ -130,3 +135,47 @@ def test_an_entry_left_open_for_hours_expects_nothing_and_does_not_overflow() ->
     r = Returns()
     r.finished(A, [1], 0.0)
     assert r.rate(A, 4 * 3600.0) == 0.0
+
+
+def test_a_kept_rate_follows_entries_opened_and_closed_between_its_recomputations() -> None:
+    """Finishes every few ms on two ranks, half of them back after ~2 s (so τ/16, how long a rate
+    is kept, spans dozens of finishes), the rate read after each: the kept rate plus what each
+    entry opened or closed since adds or takes away stays within the drift of τ/16 of the exact
+    sum, and a read past τ/16 is exact again. Recomputing at every change instead cost
+    O(entries) at every request's end."""
+    rng = random.Random(5)
+    r = Returns()
+    waiting: dict[int, tuple[tuple[int, int], float]] = {}
+    due: dict[int, float] = {}
+    now = 0.0
+    worst = 0.0
+    for h in range(3000):
+        then = now + rng.expovariate(300.0)  # ~300 finishes a second
+        for k, at in sorted(((k, at) for k, at in due.items() if at <= then), key=lambda kv: kv[1]):
+            now = at
+            assert r.arrived([k], now) == waiting.pop(k)[0]
+            del due[k]
+        now = then
+        key = A if rng.random() < 0.5 else B
+        r.finished(key, [h], now)
+        waiting[h] = (key, now)
+        if rng.random() < 0.5:
+            due[h] = now + rng.expovariate(1 / 2.0)
+        if h < 1000:  # p and τ settle first
+            continue
+        p, tau = r.fraction, r.delay_s
+        for rank in (A, B):
+            naive = sum(posterior(p, tau, now - at) for k, at in waiting.values()
+                        if k == rank and now - at <= mod.HORIZON_DELAYS * tau) / (tau * 1000)
+            got = r.rate(rank, now)
+            worst = max(worst, abs(got - naive) / naive)
+    assert r.delay_s / 16 > 20 / 300  # a kept rate spans dozens of finishes
+    # In τ/16 an entry's π moves by up to 1 - e^(-1/16) (6.1 %) of itself, and p and τ move with
+    # every finish and return (a rate recomputed at every change was exact).
+    assert worst < 0.1, worst
+    # Past τ/16 without a read, the next read recomputes: exact again.
+    later = now + r.delay_s / 8
+    p, tau = r.fraction, r.delay_s
+    naive = sum(posterior(p, tau, later - at) for k, at in waiting.values()
+                if k == A and later - at <= mod.HORIZON_DELAYS * tau) / (tau * 1000)
+    assert r.rate(A, later) == pytest.approx(naive, rel=1e-9)
