@@ -753,6 +753,9 @@ class KvEventSubscriber:
                     need = await self.scheduler.call(ApplyKvEvents(batch))
                 except RudderError:  # the scheduler is stopping
                     need = []
+                except Exception:  # a bug in a handler: the next batches still go (the scheduler
+                    log.exception("KV events not applied")  # logged it too; their gap asks for a dump)
+                    need = []
                 finally:
                     self.handing = 0
                 for wid in need:

@@ -106,3 +106,36 @@ async def test_kv_events_past_the_backlog_are_dropped_and_counted_and_the_index_
         await wait_for(lambda: sched.inspect(lambda s: s.index.overlaps([2**43]).get((wid, 0)) is not None), within=30)
         assert router.runtime.kv_backlog() == 0
         assert await sched.inspect(lambda s: s.index.blocks_of((wid, 0))) == 1  # the dump's (none) and the last
+
+
+async def test_a_batch_that_fails_in_the_scheduler_does_not_stop_the_next(
+    nats_url: str, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A bug in the scheduler's KV handler fails its batch (logged), not the task that hands the
+    backlog over: the worker's next events still reach the index (their gap asks for its dump)."""
+    model = "org/kv-handler-bug"
+    async with routed_workers(nats_url, model, 1) as (router, workers):
+        worker = workers[0].worker
+        sched = router.runtime.scheduler
+        wid = worker.instance_id
+        apply = sched._apply_kv
+        failed: list[int] = []
+
+        def once_broken(events: Any) -> Any:
+            if not failed:
+                failed.append(len(events))
+                raise RuntimeError("a bug")
+            return apply(events)
+
+        monkeypatch.setattr(sched, "_apply_kv", once_broken)
+        worker._on_kv(0, KvStored(blocks=[StoredBlock(block_hash=2**44, tokens_hash=1)]))
+        await wait_for(lambda: bool(failed), within=10)
+        # The next event is a gap (the failed one never reached the index): the worker's dump is
+        # asked for and loaded. (The mock engine's dump holds its own cache, not the blocks
+        # published here by hand: the event after the dump is the one to look for.)
+        worker._on_kv(0, KvStored(blocks=[StoredBlock(block_hash=2**44 + 1, tokens_hash=2)]))
+        await wait_for(lambda: sched.inspect(lambda s: s.index.not_taken().get("gap", 0) > 0), within=30)
+        await wait_for(lambda: sched.inspect(lambda s: not s.index.dump_pending(wid)), within=30)
+        worker._on_kv(0, KvStored(blocks=[StoredBlock(block_hash=2**45, tokens_hash=3)]))
+        await wait_for(lambda: sched.inspect(lambda s: s.index.overlaps([2**45]).get((wid, 0)) is not None), within=30)
+        assert failed == [1]
