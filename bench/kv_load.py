@@ -5,8 +5,8 @@ Two mock workers (``--workers``) at speedup 1000 behind one ``kv`` router, 32 cl
 prompt never seen before (so every request stores new blocks and evicts old ones: the workers
 publish KV events as fast as they serve). Every 10 s it samples the router's RSS and, where the
 router has it, ``rudder_router_kv_events_backlog`` (events received, not yet applied); at the end,
-the router's gaps (``rudder_router_kv_index_events_total{reason="gap"}``) and dropped KV events
-(``rudder_router_bus_dropped_total{kind="kv"}``, by reason). With ``--baseline <checkout>`` that
+the clients' TTFT p50/p99, the router's gaps (``rudder_router_kv_index_events_total{reason="gap"}``)
+and dropped KV events (``rudder_router_bus_dropped_total{kind="kv"}``, by reason). With ``--baseline <checkout>`` that
 checkout's router runs the same load first, then this one (one router at a time: they would share
 two cores). Startup values, but for the log level (WARNING, as every bench).
 
@@ -31,7 +31,7 @@ import psutil
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.common import Fleet, Router, machine, write_result
+from bench.common import Fleet, Router, machine, pct, write_result
 from bench.proxy_overhead import STARTUP, RawClient, process_tree, split
 from cli.embedded import LocalBus
 
@@ -67,6 +67,7 @@ async def run_one(name: str, bus: LocalBus, src: Path | None, seconds: float, cl
         proc = psutil.Process(process_tree(router.proc)[-1])
         host, port = split(router.url)
         done = errors = 0
+        ttfts: list[float] = []
         samples: list[dict[str, Any]] = []
         t0 = time.perf_counter()
         stop_at = t0 + seconds
@@ -78,13 +79,15 @@ async def run_one(name: str, bus: LocalBus, src: Path | None, seconds: float, cl
             try:
                 while time.perf_counter() < stop_at:
                     try:
-                        _, _, status = await c.post_stream("/v1/completions", unique_body(rng))
+                        ttft, _, status = await c.post_stream("/v1/completions", unique_body(rng))
                     except (ConnectionError, OSError, asyncio.IncompleteReadError):
                         errors += 1
                         await c.close()
                         continue
                     done += status == 200
                     errors += status != 200
+                    if status == 200:
+                        ttfts.append(ttft)
             finally:
                 await c.close()
 
@@ -112,6 +115,7 @@ async def run_one(name: str, bus: LocalBus, src: Path | None, seconds: float, cl
         backlogs = [s["backlog"] for s in samples if s["backlog"] is not None]
         return {
             "target": name, "requests": done, "errors": errors, "rps": round(done / wall, 1),
+            "ttft_p50_ms": round(pct(ttfts, 0.5) * 1e3, 2), "ttft_p99_ms": round(pct(ttfts, 0.99) * 1e3, 2),
             "rss_start_mb": first["rss_mb"], "rss_end_mb": last["rss_mb"],
             # second half only: the index and the caches fill in the first
             "rss_mb_per_10k_requests_second_half": round(
@@ -140,11 +144,12 @@ async def main(args: argparse.Namespace) -> None:
         finally:
             bus.stop()
     print()
-    print(f"{'target':<10}{'requests':>10}{'req/s':>8}{'RSS start':>11}{'RSS end':>9}"
+    print(f"{'target':<10}{'requests':>10}{'req/s':>8}{'TTFT p50':>10}{'p99':>9}{'RSS start':>11}{'RSS end':>9}"
           f"{'MB/10k req (2nd half)':>23}{'backlog max':>13}{'gaps':>6}  KV dropped")
     for r in runs:
         backlog = "-" if r["backlog_max"] is None else f"{r['backlog_max']:.0f}"
-        print(f"{r['target']:<10}{r['requests']:>10}{r['rps']:>8.0f}{r['rss_start_mb']:>9.1f}MB"
+        print(f"{r['target']:<10}{r['requests']:>10}{r['rps']:>8.0f}{r['ttft_p50_ms']:>8.1f}ms{r['ttft_p99_ms']:>7.1f}ms"
+              f"{r['rss_start_mb']:>9.1f}MB"
               f"{r['rss_end_mb']:>7.1f}MB{r['rss_mb_per_10k_requests_second_half']:>23.2f}{backlog:>13}"
               f"{r['gaps']:>6.0f}  {r['kv_dropped'] or '-'}")
     path = write_result(args.output, {"benchmark": "kv_load", **machine(), "seconds": args.seconds,

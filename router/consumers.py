@@ -680,6 +680,10 @@ class MembershipConsumer:
 #: KV events handed to the scheduler in one command at most: a command of this many takes the
 #: actor about a millisecond, so selections queued behind it wait no longer than that.
 KV_BATCH = 64
+#: KV commands handed to the scheduler at once, at most: under load the actor takes several in
+#: one of its turns (a turn grows with the loop's other work, decision 107), where one command a
+#: round trip left it a batch every two turns of the loop.
+KV_INFLIGHT = 8
 #: KV events received and not yet handed to the scheduler, at most; past it an event is dropped
 #: (reason ``backlog``) and its worker's next one is a gap, which asks for the worker's dump.
 KV_BACKLOG = 16384
@@ -740,26 +744,32 @@ class KvEventSubscriber:
         self._more.set()
 
     async def run(self) -> None:
-        """Hands the backlog to the scheduler (a task of the router's lifespan); asks for the dumps
-        the scheduler answers it needs."""
+        """Hands the backlog to the scheduler (a task of the router's lifespan), up to
+        :data:`KV_INFLIGHT` commands at once; asks for the dumps the scheduler answers it needs."""
         backlog = self._backlog
         while True:
             await self._more.wait()
             self._more.clear()
             while backlog:
-                batch = [backlog.popleft() for _ in range(min(len(backlog), KV_BATCH))]
-                self.handing = len(batch)
+                batches: list[list[KvEvent]] = []
+                while backlog and len(batches) < KV_INFLIGHT:
+                    batches.append([backlog.popleft() for _ in range(min(len(backlog), KV_BATCH))])
+                self.handing = sum(len(batch) for batch in batches)
                 try:
-                    need = await self.scheduler.call(ApplyKvEvents(batch))
+                    futures = [self.scheduler.submit(ApplyKvEvents(batch)) for batch in batches]
+                    answers = await asyncio.gather(*futures, return_exceptions=True)
                 except RudderError:  # the scheduler is stopping
-                    need = []
-                except Exception:  # a bug in a handler: the next batches still go (the scheduler
-                    log.exception("KV events not applied")  # logged it too; their gap asks for a dump)
-                    need = []
+                    answers = []
                 finally:
                     self.handing = 0
-                for wid in need:
-                    self.dumper.request(wid)
+                for answer in answers:
+                    if isinstance(answer, RudderError):  # the scheduler is stopping
+                        continue
+                    if isinstance(answer, BaseException):  # a bug in a handler: the next batches still
+                        log.error("KV events not applied: %r", answer)  # go; their gap asks for a dump
+                        continue
+                    for wid in answer:
+                        self.dumper.request(wid)
 
 
 async def tick(scheduler: Scheduler) -> None:

@@ -59,14 +59,14 @@ async def test_a_burst_of_kv_events_reaches_the_scheduler_in_batches(
                             data=KvStored(blocks=[StoredBlock(block_hash=2**40 + i, tokens_hash=i + 1)])).to_bytes()
                     for i in range(n)]
         commands: list[int] = []  # events per ApplyKvEvents command the scheduler was handed
-        call = sched.call
+        submit = sched.submit
 
-        async def counted(cmd: Any) -> Any:
+        def counted(cmd: Any) -> Any:
             if isinstance(cmd, ApplyKvEvents):
                 commands.append(len(cmd.events))
-            return await call(cmd)
+            return submit(cmd)
 
-        monkeypatch.setattr(sched, "call", counted)
+        monkeypatch.setattr(sched, "submit", counted)
         await asyncio.to_thread(_publish_in_a_thread, nats_url, model, wid, payloads)
         await wait_for(lambda: sched.inspect(lambda s: s.index.blocks_of((wid, 0)) >= before + n), within=30)
         assert sum(commands) == n
