@@ -17,7 +17,7 @@ import pytest
 
 from tests.support_router.workers import (
     InProcessRouter,
-    predicted_and_cached,
+    ask_cached,
     router_settings,
     wait_for,
     worker_process,
@@ -29,13 +29,6 @@ MODEL = "dump-late-model"
 PROMPT = "a long shared system prompt that every request of this tenant starts with; " * 40
 
 
-async def _ask(http: httpx.AsyncClient) -> tuple[int, int]:
-    """(tokens the router predicted cached, tokens the worker reports cached) for PROMPT."""
-    r = await http.post("/v1/completions", json={"model": MODEL, "prompt": PROMPT, "max_tokens": 2})
-    assert r.status_code == 200, r.text
-    return predicted_and_cached(r)
-
-
 async def test_a_dump_that_does_not_come_at_once_is_asked_for_again(nats_url: str, tmp_path: Path) -> None:
     proc = worker_process(nats_url, MODEL, tmp_path / "worker.log", speedup=50)
     first = await InProcessRouter(router_settings(nats_url, MODEL, worker_ttl_s=30.0, worker_stale_s=10.0)).start()
@@ -43,7 +36,7 @@ async def test_a_dump_that_does_not_come_at_once_is_asked_for_again(nats_url: st
     try:
         await wait_for(lambda: first.runtime.scheduler.view.workers.get(MODEL) == 1, within=30)
         async with httpx.AsyncClient(base_url=first.url, timeout=10) as http:
-            assert await _ask(http) == (0, 0)  # computed once: the worker holds its blocks now
+            assert await ask_cached(http, MODEL, PROMPT) == (0, 0)  # computed once: the worker holds its blocks now
 
         os.killpg(proc.pid, signal.SIGSTOP)
         # A router that discovers the worker now: its dump request times out (1 s each). The
@@ -61,7 +54,7 @@ async def test_a_dump_that_does_not_come_at_once_is_asked_for_again(nats_url: st
 
         await wait_for(loaded, within=20)
         async with httpx.AsyncClient(base_url=late.url, timeout=10) as http:
-            predicted, cached = await _ask(http)
+            predicted, cached = await ask_cached(http, MODEL, PROMPT)
             assert predicted == cached > 0
             # Operators see it: the dumps that did not come are counted.
             metrics = (await http.get("/metrics")).text

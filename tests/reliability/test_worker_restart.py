@@ -29,7 +29,7 @@ from router.scheduler import Scheduler
 from tests import buskit
 from tests.support_router.workers import (
     InProcessRouter,
-    predicted_and_cached,
+    ask_cached,
     router_settings,
     wait_for,
     worker_process,
@@ -39,13 +39,6 @@ pytestmark = [pytest.mark.timeout(90)]
 
 MODEL = "restart-model"
 PROMPT = "a document every conversation starts with; " * 60
-
-
-async def _ask(http: httpx.AsyncClient, prompt: str = PROMPT) -> tuple[int, int]:
-    """(tokens the router predicted cached, tokens the worker reports cached) for ``prompt``."""
-    r = await http.post("/v1/completions", json={"model": MODEL, "prompt": prompt, "max_tokens": 2})
-    assert r.status_code == 200, r.text
-    return predicted_and_cached(r)
 
 
 GHOST = 0xD0D0
@@ -82,9 +75,9 @@ async def test_a_worker_restarted_under_its_instance_id_is_routed_by_its_own_cac
     try:
         await wait_for(lambda: sched.view.workers.get(MODEL) == 1, within=30)
         async with httpx.AsyncClient(base_url=router.url, timeout=10) as http:
-            assert await _ask(http) == (0, 0)
+            assert await ask_cached(http, MODEL, PROMPT) == (0, 0)
             await wait_for(lambda: blocks(), within=10)  # its KV events reached the index
-            predicted, cached = await _ask(http)
+            predicted, cached = await ask_cached(http, MODEL, PROMPT)
             assert predicted == cached > 0
             first_url = await url()
             first_started_at = await sched.inspect(lambda s: s.discovery.workers[instance_id].record.started_at)
@@ -100,7 +93,7 @@ async def test_a_worker_restarted_under_its_instance_id_is_routed_by_its_own_cac
 
             await wait_for(restarted, within=30)
             # The dead process's blocks are not the new one's: nothing predicted, nothing cached.
-            predicted, cached = await _ask(http)
+            predicted, cached = await ask_cached(http, MODEL, PROMPT)
             assert (predicted, cached) == (0, 0)
             await wait_for(lambda: blocks(), within=10)  # (the index was emptied at the restart)
             await wait_for(lambda: sched.inspect(lambda s: not s.index.dump_pending(instance_id)), within=10)
@@ -123,13 +116,13 @@ async def test_a_worker_restarted_under_its_instance_id_is_routed_by_its_own_cac
             # for a prompt the dead process never saw.
             fresh = "another document, new since the restart; " * 60
             held = await blocks()
-            assert await _ask(http, fresh) == (0, 0)
+            assert await ask_cached(http, MODEL, fresh) == (0, 0)
 
             async def indexed() -> bool:
                 return await blocks() > held
 
             await wait_for(indexed, within=10)
-            predicted, cached = await _ask(http, fresh)
+            predicted, cached = await ask_cached(http, MODEL, fresh)
             assert predicted == cached > 0
     finally:
         await router.stop()

@@ -391,6 +391,14 @@ def predicted_and_cached(answer: httpx.Response) -> tuple[int, int]:
     return int(answer.headers.get("x-rudder-predicted-cached-tokens", -1)), int(details.get("cached_tokens") or 0)
 
 
+async def ask_cached(http: httpx.AsyncClient, model: str, prompt: str) -> tuple[int, int]:
+    """:func:`predicted_and_cached` of a 2-token completion of ``prompt`` through the router
+    ``http`` is based on; fails unless it is answered 200."""
+    r = await http.post("/v1/completions", json={"model": model, "prompt": prompt, "max_tokens": 2})
+    assert r.status_code == 200, r.text
+    return predicted_and_cached(r)
+
+
 def worker_process(nats_url: str, model: str, log: Path, *, instance_id: int | None = None,
                    speedup: float = 20.0) -> subprocess.Popen[bytes]:
     """A mock worker as a process of its own (``python -m worker``), for tests that kill it: its
