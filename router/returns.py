@@ -39,6 +39,16 @@ MAX_OPEN = 1 << 16
 HORIZON_DELAYS = 8.0  # an entry older than this many τ is dropped
 
 
+def _posterior(x: float, p: float, odds: float) -> float:
+    """π of an entry ``x`` delays old (``odds`` = (1 - p) / p): p when new, 1 / (1 + odds·e^x) after,
+    nothing past ``4·HORIZON_DELAYS`` (π < e^-30 there, and e^x would overflow later on)."""
+    if x <= 0.0:
+        return p
+    if x >= HORIZON_DELAYS * 4:
+        return 0.0
+    return 1.0 / (1.0 + odds * math.exp(x))
+
+
 class Returns:
     """Open entries (finished requests not yet seen back) and each rank's expected return rate."""
 
@@ -80,35 +90,18 @@ class Returns:
         if cached is not None and 0.0 <= now - cached[1] < tau / 16:
             return cached[0]
         p = self.fraction
-        odds = (1.0 - p) / p  # π(a) = 1 / (1 + odds·e^(a/τ))
-        exp = math.exp
-        total = 0.0
-        for at in entries.values():
-            x = (now - at) / tau
-            if x <= 0.0:
-                total += p
-            elif x < HORIZON_DELAYS * 4:  # beyond, π < e^-30 (and e^x would overflow later on)
-                total += 1.0 / (1.0 + odds * exp(x))
-        rate = total / (tau * 1000.0)
+        odds = (1.0 - p) / p
+        rate = sum(_posterior((now - at) / tau, p, odds) for at in entries.values()) / (tau * 1000.0)
         self._cache[key] = (rate, now)
         return rate
-
-    def _posterior(self, age: float) -> float:
-        """π(age) of one entry, with today's p and τ."""
-        p = self.fraction
-        x = age / self._delay_s
-        if x <= 0.0:
-            return p
-        if x >= HORIZON_DELAYS * 4:
-            return 0.0
-        return 1.0 / (1.0 + (1.0 - p) / p * math.exp(x))
 
     def _shift(self, key: WorkerKey, at: float, now: float, sign: float) -> None:
         """A kept rate of ``key`` with the entry that finished at ``at`` added (+1) or taken
         away (-1) as of ``now``; it stays due for its recomputation when it was."""
         cached = self._cache.get(key)
         if cached is not None:
-            rate = cached[0] + sign * self._posterior(now - at) / (self._delay_s * 1000.0)
+            p, tau = self.fraction, self._delay_s
+            rate = cached[0] + sign * _posterior((now - at) / tau, p, (1.0 - p) / p) / (tau * 1000.0)
             self._cache[key] = (max(rate, 0.0), cached[1])
 
     def status(self) -> dict[str, float]:
