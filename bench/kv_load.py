@@ -12,6 +12,7 @@ two cores). Startup values, but for the log level (WARNING, as every bench).
 
     python bench/kv_load.py                                   # this checkout, 60 s
     python bench/kv_load.py --baseline /work/wt/base --seconds 120
+    python bench/kv_load.py --routers 2 --workers 4 --clients 64   # two replicas, no affinity
 """
 
 from __future__ import annotations
@@ -58,14 +59,16 @@ def scrape(text: str) -> dict[str, float]:
 
 
 async def run_one(name: str, bus: LocalBus, src: Path | None, seconds: float, clients: int, workers: int,
-                  logs: Path) -> dict[str, Any]:
+                  logs: Path, replicas: int = 1) -> dict[str, Any]:
     fleet = Fleet(bus, MODEL, workers, mock={"speedup_ratio": 1000}, launcher="cli")
     await fleet.start()
-    router = Router(bus, MODEL, mode="kv", launcher="cli", log=logs / f"{name}.log", src=src, env=STARTUP)
+    routers = [Router(bus, MODEL, mode="kv", launcher="cli", log=logs / f"{name}-{i}.log", src=src, env=STARTUP)
+               for i in range(replicas)]
     try:
-        await router.ready(workers)
-        proc = psutil.Process(process_tree(router.proc)[-1])
-        host, port = split(router.url)
+        for router in routers:
+            await router.ready(workers)
+        procs = [psutil.Process(process_tree(router.proc)[-1]) for router in routers]
+        addresses = [split(router.url) for router in routers]
         done = errors = 0
         ttfts: list[float] = []
         samples: list[dict[str, Any]] = []
@@ -75,9 +78,13 @@ async def run_one(name: str, bus: LocalBus, src: Path | None, seconds: float, cl
         async def client(seed: int) -> None:
             nonlocal done, errors
             rng = random.Random(seed)
-            c = RawClient(host, port)
+            # one connection to each replica; the next request goes to the next one (no affinity)
+            conns = [RawClient(host, port) for host, port in addresses]
+            turn = seed
             try:
                 while time.perf_counter() < stop_at:
+                    turn += 1
+                    c = conns[turn % len(conns)]
                     try:
                         ttft, _, status = await c.post_stream("/v1/completions", unique_body(rng))
                     except (ConnectionError, OSError, asyncio.IncompleteReadError):
@@ -89,14 +96,20 @@ async def run_one(name: str, bus: LocalBus, src: Path | None, seconds: float, cl
                     if status == 200:
                         ttfts.append(ttft)
             finally:
-                await c.close()
+                for c in conns:
+                    await c.close()
 
         async def sample(http: httpx.AsyncClient) -> None:
             while True:
-                got = scrape((await http.get(router.url + "/metrics")).text)
+                got = [scrape((await http.get(router.url + "/metrics")).text) for router in routers]
+                backlogs = [g.get("rudder_router_kv_events_backlog") for g in got]
+                # the largest of the replicas' (one router: its own)
                 row = {"t_s": round(time.perf_counter() - t0, 1), "requests": done,
-                       "rss_mb": round(proc.memory_info().rss / 2**20, 1),
-                       "backlog": got.get("rudder_router_kv_events_backlog")}
+                       "rss_mb": max(round(proc.memory_info().rss / 2**20, 1) for proc in procs),
+                       "backlog": None if None in backlogs else max(b or 0.0 for b in backlogs)}
+                if len(routers) > 1:
+                    row["rss_mb_each"] = [round(proc.memory_info().rss / 2**20, 1) for proc in procs]
+                    row["backlog_each"] = backlogs
                 samples.append(row)
                 print(f"  {name:<10} {row['t_s']:6.1f} s  {done:8d} requests  RSS {row['rss_mb']:7.1f} MB"
                       f"  backlog {row['backlog'] if row['backlog'] is not None else '-'}", flush=True)
@@ -107,14 +120,19 @@ async def run_one(name: str, bus: LocalBus, src: Path | None, seconds: float, cl
         async with httpx.AsyncClient(timeout=10) as http:
             await asyncio.gather(sample(http), *(client(i) for i in range(clients)))
             wall = time.perf_counter() - t0
-            end = scrape((await http.get(router.url + "/metrics")).text)
+            ends = [scrape((await http.get(router.url + "/metrics")).text) for router in routers]
+        end: dict[str, float] = {}  # summed over the replicas
+        for got in ends:
+            for k, v in got.items():
+                end[k] = end.get(k, 0.0) + v
         first, last = samples[0], samples[-1]
         mid = samples[len(samples) // 2]
-        drops = {k.split('reason="')[1].rstrip('"}'): v for k, v in end.items()
-                 if k.startswith('rudder_router_bus_dropped_total{kind="kv"')}
+        drops = {k.split('kind="')[1].split('"')[0] + ":" + k.split('reason="')[1].rstrip('"}'): v
+                 for k, v in end.items() if k.startswith("rudder_router_bus_dropped_total{")}
         backlogs = [s["backlog"] for s in samples if s["backlog"] is not None]
         return {
-            "target": name, "requests": done, "errors": errors, "rps": round(done / wall, 1),
+            "target": name, "replicas": len(routers), "requests": done, "errors": errors,
+            "rps": round(done / wall, 1),
             "ttft_p50_ms": round(pct(ttfts, 0.5) * 1e3, 2), "ttft_p99_ms": round(pct(ttfts, 0.99) * 1e3, 2),
             "rss_start_mb": first["rss_mb"], "rss_end_mb": last["rss_mb"],
             # second half only: the index and the caches fill in the first
@@ -122,10 +140,11 @@ async def run_one(name: str, bus: LocalBus, src: Path | None, seconds: float, cl
                 (last["rss_mb"] - mid["rss_mb"]) * 10_000 / max(last["requests"] - mid["requests"], 1), 2),
             "backlog_max": max(backlogs) if backlogs else None,
             "gaps": end.get('rudder_router_kv_index_events_total{reason="gap"}', 0.0),
-            "kv_dropped": drops, "samples": samples,
+            "bus_dropped": drops, "samples": samples,
         }
     finally:
-        router.stop()
+        for router in routers:
+            router.stop()
         fleet.stop()
 
 
@@ -140,20 +159,22 @@ async def main(args: argparse.Namespace) -> None:
             targets: list[tuple[str, Path | None]] = [("baseline", Path(args.baseline))] if args.baseline else []
             targets.append(("rudder", None))
             for name, src in targets:
-                runs.append(await run_one(name, bus, src, args.seconds, args.clients, args.workers, logs))
+                runs.append(await run_one(name, bus, src, args.seconds, args.clients, args.workers, logs,
+                                          args.routers))
         finally:
             bus.stop()
     print()
     print(f"{'target':<10}{'requests':>10}{'req/s':>8}{'TTFT p50':>10}{'p99':>9}{'RSS start':>11}{'RSS end':>9}"
-          f"{'MB/10k req (2nd half)':>23}{'backlog max':>13}{'gaps':>6}  KV dropped")
+          f"{'MB/10k req (2nd half)':>23}{'backlog max':>13}{'gaps':>6}  dropped on the bus (kind:reason)")
     for r in runs:
         backlog = "-" if r["backlog_max"] is None else f"{r['backlog_max']:.0f}"
         print(f"{r['target']:<10}{r['requests']:>10}{r['rps']:>8.0f}{r['ttft_p50_ms']:>8.1f}ms{r['ttft_p99_ms']:>7.1f}ms"
               f"{r['rss_start_mb']:>9.1f}MB"
               f"{r['rss_end_mb']:>7.1f}MB{r['rss_mb_per_10k_requests_second_half']:>23.2f}{backlog:>13}"
-              f"{r['gaps']:>6.0f}  {r['kv_dropped'] or '-'}")
+              f"{r['gaps']:>6.0f}  {r['bus_dropped'] or '-'}")
     path = write_result(args.output, {"benchmark": "kv_load", **machine(), "seconds": args.seconds,
                                       "clients": args.clients, "workers": args.workers,
+                                      "routers": args.routers,
                                       "baseline": args.baseline, "runs": runs})
     print(f"wrote {path}")
 
@@ -163,6 +184,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--seconds", type=float, default=60.0, help="length of the load on each router")
     p.add_argument("--clients", type=int, default=32, help="closed-loop clients")
     p.add_argument("--workers", type=int, default=2, help="mock workers behind the router")
+    p.add_argument("--routers", type=int, default=1,
+                   help="router replicas; each client sends its next request to the next one (no affinity)")
     p.add_argument("--baseline", default="", help="also run a router from this checkout, first")
     p.add_argument("--log-dir", default="", help="keep the routers' logs here")
     p.add_argument("--output", default="kv_load")
