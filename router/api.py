@@ -43,6 +43,7 @@ from controlplane.protocol.errors import (
     ServiceUnavailable,
 )
 from controlplane.protocol.hashing import chain_hashes
+from controlplane.protocol.inference import stream_flag
 from controlplane.telemetry import logs, traces
 from router.commands import (
     MarkUnavailable,
@@ -384,7 +385,7 @@ def _kv_transfer_params(content: bytes) -> Any:
     """What a prefill worker hands to the decode worker (vLLM's KV connectors), if anything."""
     try:
         answer = json.loads(content)
-    except ValueError:
+    except (ValueError, RecursionError):
         return None
     return answer.get("kv_transfer_params") if isinstance(answer, dict) else None
 
@@ -394,9 +395,11 @@ def _parse(raw: bytes | bytearray) -> dict[str, Any]:
     try:
         body = json_bytes(raw)
     except (ValueError, UnicodeDecodeError) as exc:
-        raise InvalidRequest(f"body is not valid JSON: {exc}") from exc
+        raise InvalidRequest(f"body is not valid JSON: {exc}", field="body") from exc
+    except RecursionError:  # nested deeper than the parser goes: not a body anyone sends
+        raise InvalidRequest("body is not valid JSON: nested too deeply", field="body") from None
     if not isinstance(body, dict):
-        raise InvalidRequest("body must be a JSON object")
+        raise InvalidRequest("body must be a JSON object", field="body")
     return body
 
 
@@ -429,7 +432,10 @@ async def _completion(request: Request, rt: Runtime, path: str, chat: bool) -> R
     # The metrics' model label from here on: a name the router serves, never a client's free
     # text (every unknown name would otherwise become a series of its own, kept for good).
     request.state.model = model
-    stream = body.get("stream", False) is True
+    try:
+        stream = stream_flag(body.get("stream"))
+    except ValueError as exc:
+        raise InvalidRequest(str(exc), field="stream") from None
     targets = parse_targets(body.get("nvext"), hdrs, lowered=True)
     slo = parse_ttft_slo(body.get("nvext"), hdrs)
     view = rt.scheduler.view

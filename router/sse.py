@@ -70,7 +70,7 @@ class FirstTokenDetector:
                 return True
             try:
                 event = json_bytes(data)
-            except ValueError:
+            except (ValueError, RecursionError):
                 continue
             if _carries_token(event):
                 self._found = True

@@ -255,3 +255,5 @@ async def _json(request: Request, limit: int) -> Any:
         return json.loads(b"".join(chunks))  # NaN/Infinity parse, then fail validation by name
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise InvalidRequest(f"body is not valid JSON: {exc}", field="body") from exc
+    except RecursionError:  # nested deeper than the parser goes
+        raise InvalidRequest("body is not valid JSON: nested too deeply", field="body") from None

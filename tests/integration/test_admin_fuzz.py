@@ -310,6 +310,13 @@ async def test_what_the_fuzzer_found_stays_fixed(nats_url: str, db: str, tokens:
             assert r.status_code != 400 or r.json()["error"]["field"] == "model"
             assert [(row.decision, row.reason_code, row.model) for row in await audited(running, r)] == [
                 ("rejected", code, "a\ufffdb")]
+        # A body nested deeper than the JSON parser goes was an internal error (500), not audited.
+        deep = b'{"model": "m", "expected_revision": 0, "parameters": ' + b"[" * 10_000 + b"]" * 10_000 + b"}"
+        r = await call("PATCH", "/router_policy", tokens.operator, content=deep,
+                       headers={"content-type": "application/json"})
+        assert r.status_code == 400 and r.json()["error"]["field"] == "body", r.text
+        assert [(row.decision, row.reason_code) for row in await audited(running, r)] == [
+            ("rejected", "invalid_request")]
         # A model name with a control character was published (a NUL-free one reached the stream).
         r = await call("POST", "/router_policy/calibration/reset", tokens.operator, json={"model": "G\u000fx"})
         assert r.status_code == 400 and r.json()["error"]["field"] == "model", r.text

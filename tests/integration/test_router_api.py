@@ -140,6 +140,7 @@ async def test_errors_use_the_openai_shape(fleet: tuple[InProcessRouter, list[Mo
         }}
         r = await http.post("/v1/chat/completions", content=b"{not json")
         assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_request"
+        assert r.json()["error"]["param"] == "body"
         # A client's model names are not metric labels: a hundred unknown ones add no series.
         def series(text: str) -> set[str]:
             return {line.split(" ")[0] for line in text.splitlines() if line.startswith("rudder_router_")}

@@ -82,6 +82,60 @@ async def test_odd_fields_are_refused_or_passed_on_never_an_internal_error(
     await wait_for(lambda: sched.inspect(lambda s: len(s.bookings) == 0), within=10)
 
 
+async def test_a_body_nested_deeper_than_the_parser_goes_is_refused_naming_the_body(
+    fleet: tuple[InProcessRouter, list[MockWorker]],
+) -> None:
+    """JSON nested past the parser's recursion limit raised RecursionError, which no refusal caught:
+    a 500 ``internal_error``. Small (parsed inline) and large (parsed in a thread), and the mock
+    engine called directly, as a client of a worker would."""
+    router, workers = fleet
+    bugs = router.runtime.metrics.rejections.labels("internal_error")
+    before = bugs._value.get()
+    head = b'{"model": "%s", "prompt": "x", "max_tokens": 2, "x": ' % MODEL.encode()
+    async with httpx.AsyncClient(timeout=30) as http:
+        for depth in (5_000, 100_000):
+            assert len(head) + 2 * depth > router.runtime.settings.offload_min_bytes or depth == 5_000
+            nested = head + b"[" * depth + b"]" * depth + b"}"
+            for url in (router.url, workers[0].url):
+                r = await http.post(url + "/v1/completions", content=nested,
+                                    headers={"content-type": "application/json"})
+                assert r.status_code == 400, (url, depth, r.text[:300])
+                assert "not valid JSON" in r.json()["error"]["message"]
+            assert r.status_code == 400
+    assert bugs._value.get() == before
+
+
+async def test_stream_is_read_as_the_worker_reads_it(fleet: tuple[InProcessRouter, list[MockWorker]]) -> None:
+    """A worker (vLLM's ``stream: bool | None``, pydantic's lax mode) streams for ``"true"`` or
+    ``1`` and not for ``"false"``; the router read only ``true`` as a stream, so it buffered such a
+    stream to its end and answered it whole (its first token counted at the end). The router and
+    the mock engine now read the field as vLLM does, and refuse a value vLLM refuses, naming it."""
+    router, workers = fleet
+    async with httpx.AsyncClient(timeout=30) as http:
+        for base in (router.url, workers[0].url):
+            for value, streamed in (("true", True), ("yes", True), (1, True), (True, True),
+                                    ("false", False), ("off", False), (0, False), (None, False)):
+                body = {"model": MODEL, "prompt": "read the stream flag", "max_tokens": 3, "stream": value}
+                async with http.stream("POST", base + "/v1/completions", json=body) as resp:
+                    content = await resp.aread()
+                assert resp.status_code == 200, (base, value, content[:300])
+                kind = resp.headers["content-type"]
+                if streamed:
+                    assert kind.startswith("text/event-stream"), (base, value, kind)
+                    assert "content-length" not in resp.headers, (base, value)  # relayed, not read whole
+                    assert content.rstrip().endswith(b"data: [DONE]"), (base, value, content[-200:])
+                else:
+                    assert kind.startswith("application/json"), (base, value, kind)
+                    assert json.loads(content)["choices"], (base, value)
+            for value in ("x", 2, [], {"a": 1}):
+                body = {"model": MODEL, "prompt": "read the stream flag", "max_tokens": 3, "stream": value}
+                r = await http.post(base + "/v1/completions", json=body)
+                assert r.status_code == 400, (base, value, r.text[:300])
+                assert r.json()["error"]["param"] == "stream", (base, value, r.text[:300])
+    sched = router.runtime.scheduler
+    await wait_for(lambda: sched.inspect(lambda s: len(s.bookings) == 0), within=10)
+
+
 async def test_concurrent_requests_with_one_client_request_id_are_each_served_and_freed(
     fleet: tuple[InProcessRouter, list[MockWorker]],
 ) -> None:

@@ -128,7 +128,7 @@ class Recorder:
     def _record(self, scope: Scope, raw: bytes) -> None:
         try:
             body = json.loads(raw)
-        except ValueError:
+        except (ValueError, RecursionError):
             body = None
         headers = {k.decode("latin-1"): v.decode("latin-1") for k, v in scope["headers"]}
         self.received.append(Received(scope["path"], headers, body))

@@ -44,7 +44,10 @@ def test_usage_only_and_garbage_are_not_tokens() -> None:
     d = FirstTokenDetector()
     assert d.feed(b'data: {"choices":[],"usage":{"prompt_tokens":3}}\n\n') is False
     assert d.feed(b"data: not json\n\n: comment\n\n") is False
+    # nested deeper than the parser goes (a worker's bytes: RecursionError, not ValueError)
+    assert d.feed(b"data: " + b"[" * 5_000 + b"]" * 5_000 + b"\n\n") is False
     assert d.found is False
+    assert d.feed(TOKEN) is True
 
 
 def test_non_sse_bytes_count_once_the_buffer_is_large() -> None:

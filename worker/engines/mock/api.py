@@ -31,6 +31,7 @@ from starlette.routing import Route
 from starlette.types import Receive
 
 from controlplane.protocol.events import WorkerRole
+from controlplane.protocol.inference import stream_flag
 from worker.engines.mock.engine import EngineStopped, MockCore, RequestHandle, RequestRejected
 from worker.engines.mock.tokenizer import BYTES, MockTokenizer
 
@@ -239,7 +240,10 @@ class MockApi:
             if body.get("n", 1) != 1:
                 raise ApiError(400, "only n=1 is supported", param="n")
             dp_rank = requested_dp_rank(request, body)
-            stream = bool(body.get("stream", False))
+            try:
+                stream = stream_flag(body.get("stream"))
+            except ValueError as exc:
+                raise ApiError(400, str(exc), param="stream") from None
             options = body.get("stream_options")
             handoff = self.core.role is WorkerRole.PREFILL and remote_decode_asked(body)
             include_usage = isinstance(options, dict) and bool(options.get("include_usage"))
@@ -381,7 +385,7 @@ class MockApi:
         raw = await request.body()
         try:
             body = json.loads(raw)
-        except ValueError:
+        except (ValueError, RecursionError):  # RecursionError: nested deeper than the parser goes
             raise ApiError(400, "the request body is not valid JSON") from None
         if not isinstance(body, dict):
             raise ApiError(400, "the request body must be a JSON object")

@@ -1,0 +1,31 @@
+"""How an OpenAI inference body's fields read where the router must agree with its workers (pure).
+
+The router relays an answer as a stream or reads it whole by the body's ``stream``, and the worker
+streams or not by its own reading of the same field. Where the two differ, a streamed answer is
+buffered to its end and counted as one first token (or a whole answer is taken for a stream), so
+the router reads the field as vLLM does, and the mock engine likewise.
+"""
+
+from __future__ import annotations
+
+import json
+
+from pydantic import TypeAdapter, ValidationError
+
+_FLAG: TypeAdapter[bool | None] = TypeAdapter(bool | None)
+
+
+def stream_flag(value: object) -> bool:
+    """Whether a body's ``stream`` asks for a streamed answer, read as vLLM's request models read it
+    (``stream: bool | None = False``, pydantic's lax mode): ``"true"``, ``"yes"``, ``"on"``, ``1``
+    stream; ``"false"``, ``"no"``, ``0`` and null do not. Raises ValueError, naming the value, for
+    one vLLM refuses (``"x"``, ``2``, a list)."""
+    if value is True:
+        return True
+    if value is False or value is None:
+        return False
+    try:
+        return bool(_FLAG.validate_python(value))
+    except ValidationError:
+        shown = json.dumps(value)[:40] if isinstance(value, (str, int, float, list, dict)) else repr(value)[:40]
+        raise ValueError(f"stream must be a boolean, got {shown}") from None
