@@ -40,10 +40,10 @@ MODEL = "bench-kv-load"
 SAMPLE_S = 10.0
 
 
-def unique_body(rng: random.Random) -> bytes:
+def unique_body(rng: random.Random, max_tokens: int = 8) -> bytes:
     """A streamed completion whose prompt (~120 tokens) no earlier request shared."""
     words = " ".join(f"w{rng.getrandbits(40):x}" for _ in range(60))
-    return json.dumps({"model": MODEL, "prompt": words, "max_tokens": 8, "stream": True}).encode()
+    return json.dumps({"model": MODEL, "prompt": words, "max_tokens": max_tokens, "stream": True}).encode()
 
 
 def scrape(text: str) -> dict[str, float]:
@@ -59,7 +59,7 @@ def scrape(text: str) -> dict[str, float]:
 
 
 async def run_one(name: str, bus: LocalBus, src: Path | None, seconds: float, clients: int, workers: int,
-                  logs: Path, replicas: int = 1) -> dict[str, Any]:
+                  logs: Path, replicas: int = 1, max_tokens: int = 8) -> dict[str, Any]:
     fleet = Fleet(bus, MODEL, workers, mock={"speedup_ratio": 1000}, launcher="cli")
     await fleet.start()
     routers = [Router(bus, MODEL, mode="kv", launcher="cli", log=logs / f"{name}-{i}.log", src=src, env=STARTUP)
@@ -86,7 +86,7 @@ async def run_one(name: str, bus: LocalBus, src: Path | None, seconds: float, cl
                     turn += 1
                     c = conns[turn % len(conns)]
                     try:
-                        ttft, _, status = await c.post_stream("/v1/completions", unique_body(rng))
+                        ttft, _, status = await c.post_stream("/v1/completions", unique_body(rng, max_tokens))
                     except (ConnectionError, OSError, asyncio.IncompleteReadError):
                         errors += 1
                         await c.close()
@@ -160,7 +160,7 @@ async def main(args: argparse.Namespace) -> None:
             targets.append(("rudder", None))
             for name, src in targets:
                 runs.append(await run_one(name, bus, src, args.seconds, args.clients, args.workers, logs,
-                                          args.routers))
+                                          args.routers, args.max_tokens))
         finally:
             bus.stop()
     print()
@@ -174,7 +174,7 @@ async def main(args: argparse.Namespace) -> None:
               f"{r['gaps']:>6.0f}  {r['bus_dropped'] or '-'}")
     path = write_result(args.output, {"benchmark": "kv_load", **machine(), "seconds": args.seconds,
                                       "clients": args.clients, "workers": args.workers,
-                                      "routers": args.routers,
+                                      "routers": args.routers, "max_tokens": args.max_tokens,
                                       "baseline": args.baseline, "runs": runs})
     print(f"wrote {path}")
 
@@ -184,6 +184,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--seconds", type=float, default=60.0, help="length of the load on each router")
     p.add_argument("--clients", type=int, default=32, help="closed-loop clients")
     p.add_argument("--workers", type=int, default=2, help="mock workers behind the router")
+    p.add_argument("--max-tokens", type=int, default=8, help="tokens each answer streams (a chunk each)")
     p.add_argument("--routers", type=int, default=1,
                    help="router replicas; each client sends its next request to the next one (no affinity)")
     p.add_argument("--baseline", default="", help="also run a router from this checkout, first")
