@@ -23,6 +23,12 @@ Two layers, each where the thing it bounds is visible:
     and dropped for at most ``DISCARD_S``, so that the client, which is still writing, can read
     the answer (nginx's lingering close); then the connection is closed.
 
+* An upgrade offer the server does not take (``Upgrade: h2c``, which Java's and Ktor's HTTP clients
+  add to ordinary POSTs) is ignored, as RFC 9110 §7.8 lets a server do, and the request is served
+  as HTTP/1.1 with its body. httptools ends such a message at its head and hands nothing of the
+  body on; uvicorn then warned and served the request with an empty body (uvicorn #2722). The
+  protocol re-reads the rest as the body (:meth:`GuardedHttpProtocol._ignore_upgrade`).
+
 * The body's size: :func:`read_body` takes it from ASGI chunk by chunk, refusing at once a
   ``Content-Length`` above the limit and, without one, stopping at the limit (413).
 
@@ -38,6 +44,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, ClassVar, cast
 
+import httptools
 from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 from uvicorn._types import ASGI3Application
@@ -100,6 +107,7 @@ class GuardedHttpProtocol(HttpToolsProtocol):
         self._write_timer: asyncio.TimerHandle | None = None
         self._discard_until: float | None = None
         self._probes_only = False  # opened past max_connections: probes and scrapes only
+        self._replaying = False  # a head re-read after an ignored upgrade (its callbacks are not news)
 
     # -- connection ----------------------------------------------------------------------------
 
@@ -187,7 +195,7 @@ class GuardedHttpProtocol(HttpToolsProtocol):
     def data_received(self, data: bytes) -> None:
         if self._refused:
             return
-        super().data_received(data)
+        self._feed(data)
         if self.transport.is_closing():
             return
         if self._in_head:
@@ -202,13 +210,75 @@ class GuardedHttpProtocol(HttpToolsProtocol):
         elif self._in_body and self._body_timer is None:
             self._body_timer = self.loop.call_later(self.limits.body_timeout_s, self._body_expired)
 
+    def _feed(self, data: bytes) -> None:
+        """uvicorn's ``data_received`` (a request the parser refuses is answered 400), with an
+        upgrade the server does not take ignored rather than its request's body lost."""
+        self._unset_keepalive_if_required()
+        try:
+            self.parser.feed_data(data)
+        except httptools.HttpParserError:
+            msg = "Invalid HTTP request received."
+            self.logger.warning(msg)
+            self.send_400_response(msg)
+        except httptools.HttpParserUpgrade as exc:
+            if self._should_upgrade():  # a WebSocket handshake: uvicorn's
+                self.handle_websocket_upgrade()
+            elif self.parser.get_method() == b"CONNECT":  # a tunnel, not an offer: nothing follows
+                self._unsupported_upgrade_warning()
+            else:
+                self._ignore_upgrade(data[exc.args[0]:])
+
+    def _upgrade_ignored(self) -> bool:
+        """The parser ends the message at its head for an upgrade the server will not take."""
+        return bool(self.parser.should_upgrade()) and not self._should_upgrade()
+
+    def _ignore_upgrade(self, rest: bytes) -> None:
+        """The request's head without its upgrade offer goes to a fresh parser, quietly (the
+        request's cycle has it already), then ``rest``, its body (and whatever is pipelined after
+        it): the request is served as if the offer had not been made."""
+        parser = self.parser
+        head = [parser.get_method(), b" ", self.url, b" HTTP/", parser.get_http_version().encode("ascii"), b"\r\n"]
+        for name, value in self.headers:
+            if name == b"upgrade":
+                continue
+            if name == b"connection":
+                tokens = [t.strip() for t in value.split(b",")]
+                value = b", ".join(t for t in tokens if t and t.lower() != b"upgrade")
+                if not value:
+                    continue
+            head += [name, b": ", value, b"\r\n"]
+        head.append(b"\r\n")
+        self.parser = httptools.HttpRequestParser(self)
+        self._replaying = True
+        try:
+            self.parser.feed_data(b"".join(head))
+        except httptools.HttpParserError:
+            self.send_400_response("Invalid HTTP request received.")
+            return
+        finally:
+            self._replaying = False
+        if rest:
+            self._feed(rest)
+
     def on_message_begin(self) -> None:
+        if self._replaying:
+            return
         super().on_message_begin()
         self._in_head = True
         self._head_bytes = 0
         self._discard_until = None
 
+    def on_url(self, url: bytes) -> None:
+        if not self._replaying:
+            super().on_url(url)
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        if not self._replaying:
+            super().on_header(name, value)
+
     def on_headers_complete(self) -> None:
+        if self._replaying:
+            return
         self._in_head = False
         self._in_body = True
         if self._head_timer is not None:
@@ -221,6 +291,8 @@ class GuardedHttpProtocol(HttpToolsProtocol):
             DirectCycle.adopt(self.cycle)
 
     def on_message_complete(self) -> None:
+        if self._upgrade_ignored():  # the body is still to come (_ignore_upgrade)
+            return
         self._in_body = False
         if self._body_timer is not None:
             self._body_timer.cancel()

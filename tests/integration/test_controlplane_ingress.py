@@ -5,6 +5,7 @@ one audit row per window, capped header values, trusted proxies."""
 from __future__ import annotations
 
 import asyncio
+import json
 import math
 import time
 import uuid
@@ -139,3 +140,29 @@ async def test_forwarded_for_is_believed_only_from_a_trusted_proxy(nats_url: str
         assert {"203.0.113.9", "203.0.113.10"} <= sources
     finally:
         await audit.close()
+
+
+async def test_a_write_offering_an_h2c_upgrade_is_served_with_its_body(nats_url: str, db: str, tokens: Tokens) -> None:
+    """The admin listener runs the router's connection protocol: a PATCH whose client offers
+    ``Upgrade: h2c`` (Java's and Ktor's clients do) is a write like any other, not a 400 for an
+    empty body (router.ingress, the ignored upgrade)."""
+    async with controlplane(nats_url, db) as cp:
+        host, port = cp.url.removeprefix("http://").split(":")
+        sent = body()
+        data = json.dumps(sent).encode()
+        reader, writer = await asyncio.open_connection(host, int(port))
+        writer.write(b"PATCH /router_policy HTTP/1.1\r\nHost: cp\r\nContent-Type: application/json\r\n"
+                     b"Authorization: Bearer " + tokens.operator.encode() + b"\r\n"
+                     b"Connection: Upgrade, HTTP2-Settings, close\r\nUpgrade: h2c\r\n"
+                     b"HTTP2-Settings: AAMAAABkAARAAAAAAAIAAAAA\r\n"
+                     b"Content-Length: %d\r\n\r\n" % len(data) + data)
+        await writer.drain()
+        raw = await asyncio.wait_for(reader.read(), 30)
+        writer.close()
+        head, _, answer = raw.partition(b"\r\n\r\n")
+        assert head.startswith(b"HTTP/1.1 200 "), raw[:400]
+        async with from_address(cp.url, "127.0.0.1", tokens.viewer) as http:
+            policy = (await http.get("/router_policy", params={"model": sent["model"]})).json()
+        assert json.loads(answer)["revision"] == 1, answer[:300]
+        assert [(d["kind"], d["revision"], d["document"]) for d in policy["documents"] if d["kind"] == "selection"] == [
+            ("selection", 1, sent["parameters"])], policy

@@ -170,6 +170,65 @@ async def test_oversized_request_head_is_refused_with_431(fleet: InProcessRouter
     assert _status(raw) == 431, raw[:200]
 
 
+def _answers(raw: bytes) -> list[tuple[int, bytes]]:
+    """(status, body) of each answer on a connection read to its end (bodies framed by
+    Content-Length: the router's non-streamed answers and probes)."""
+    out: list[tuple[int, bytes]] = []
+    while raw:
+        head, _, rest = raw.partition(b"\r\n\r\n")
+        length = next(int(line.split(b":", 1)[1]) for line in head.split(b"\r\n")
+                      if line.lower().startswith(b"content-length:"))
+        out.append((_status(head), rest[:length]))
+        raw = rest[length:]
+    return out
+
+
+async def test_an_h2c_upgrade_offer_is_ignored_and_the_request_served_with_its_body(
+    fleet: InProcessRouter,
+) -> None:
+    """Java's and Ktor's HTTP clients offer ``Upgrade: h2c`` on ordinary POSTs. httptools ends such
+    a message at its head, and uvicorn served it with an empty body ("body is not valid JSON"),
+    or refused the body's bytes as a bad request when they came in a later read (uvicorn #2722).
+    The offer is ignored (RFC 9110 §7.8): the body is read, framed by Content-Length or chunked,
+    in the same read as the head or later, and a request pipelined after it is served too."""
+    router = fleet
+    port = router.settings.port
+    data = json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "over h2c"}],
+                       "max_tokens": 3}).encode()
+    offer = b"Connection: Upgrade, HTTP2-Settings\r\nUpgrade: h2c\r\nHTTP2-Settings: AAMAAABkAARAAAAAAAIAAAAA\r\n"
+    start = b"POST /v1/chat/completions HTTP/1.1\r\nHost: router\r\nContent-Type: application/json\r\n" + offer
+    framings = {
+        "content-length": (b"Content-Length: %d\r\n\r\n" % len(data), data),
+        "chunked": (b"Transfer-Encoding: chunked\r\n\r\n",
+                    b"%x\r\n%b\r\n%x\r\n%b\r\n0\r\n\r\n" % (10, data[:10], len(data) - 10, data[10:])),
+    }
+    then = b"GET /live HTTP/1.1\r\nHost: router\r\nConnection: close\r\n\r\n"
+    assert router._server is not None
+    connections = router._server.server_state.connections
+
+    def waiting_for_its_body() -> bool:
+        return any(p.cycle is not None and p.cycle.more_body and p.url == b"/v1/chat/completions"
+                   for p in connections)
+
+    for (name, (framing, body)), split in [(f, split) for f in framings.items() for split in (False, True)]:
+        sock = socket.create_connection(("127.0.0.1", port))
+        try:
+            if split:  # the head first; the body once the router holds the request's head
+                sock.sendall(start + framing)
+                await wait_for(waiting_for_its_body, within=5)
+                sock.sendall(body + then)
+            else:
+                sock.sendall(start + framing + body + then)
+            sock.setblocking(False)
+            raw = await _read_to_eof(sock, within=20)
+        finally:
+            sock.close()
+        answers = _answers(raw)
+        assert [status for status, _ in answers] == [200, 200], (name, split, raw[:400])
+        assert json.loads(answers[0][1])["choices"][0]["message"]["content"], (name, split)
+        assert json.loads(answers[1][1]) == {"status": "ok"}, (name, split)
+
+
 async def _get(port: int, path: str) -> bytes:
     sock = socket.create_connection(("127.0.0.1", port))
     try:
