@@ -107,7 +107,7 @@ class GuardedHttpProtocol(HttpToolsProtocol):
         self._write_timer: asyncio.TimerHandle | None = None
         self._discard_until: float | None = None
         self._probes_only = False  # opened past max_connections: probes and scrapes only
-        self._replaying = False  # a head re-read after an ignored upgrade (its callbacks are not news)
+        self._replaying = False  # a head re-read after an ignored upgrade (_ignore_upgrade)
 
     # -- connection ----------------------------------------------------------------------------
 
@@ -248,6 +248,10 @@ class GuardedHttpProtocol(HttpToolsProtocol):
                     continue
             head += [name, b": ", value, b"\r\n"]
         head.append(b"\r\n")
+        # The replayed URL and headers land in fresh containers: the request's scope holds the
+        # first ones (on_message_begin and on_headers_complete, which would make another request
+        # of them, do nothing while replaying).
+        self.url, self.headers = b"", []
         self.parser = httptools.HttpRequestParser(self)
         self._replaying = True
         try:
@@ -267,14 +271,6 @@ class GuardedHttpProtocol(HttpToolsProtocol):
         self._in_head = True
         self._head_bytes = 0
         self._discard_until = None
-
-    def on_url(self, url: bytes) -> None:
-        if not self._replaying:
-            super().on_url(url)
-
-    def on_header(self, name: bytes, value: bytes) -> None:
-        if not self._replaying:
-            super().on_header(name, value)
 
     def on_headers_complete(self) -> None:
         if self._replaying:
