@@ -208,9 +208,11 @@ THRESHOLD_FIELDS = tuple(THRESHOLD_PARAMETERS)
 
 
 def asks_nothing(body: Body) -> bool:
-    """A threshold body that names no threshold and nothing to unset: the compatible API's read."""
+    """A threshold body that names no threshold and nothing to unset: the compatible API's read.
+    One that names a field the write does not have (a threshold's name misspelt) is not: the
+    write refuses it naming the field, where a read would answer 200 and change nothing."""
     return (isinstance(body.json, Mapping) and all(body.field(k) is None for k in THRESHOLD_FIELDS)
-            and not body.field("unset"))
+            and not body.field("unset") and all(key in ThresholdsUpdate.model_fields for key in body.json))
 
 
 def _threshold_changes(parameters: Mapping[str, Any], unset: list[str]) -> dict[str, Any]:

@@ -41,6 +41,7 @@ from controlplane.protocol.errors import (
     Overloaded,
     RudderError,
     ServiceUnavailable,
+    error_json,
 )
 from controlplane.protocol.hashing import chain_hashes
 from controlplane.protocol.inference import stream_flag
@@ -86,7 +87,7 @@ _TYPES = {
 }
 
 
-def error_response(exc: RudderError, *, overload_status: int = 529) -> JSONResponse:
+def error_response(exc: RudderError, *, overload_status: int = 529) -> Response:
     """The one mapping from an error to an OpenAI-shaped HTTP answer."""
     status = overload_status if isinstance(exc, Overloaded) else exc.status_code
     code = exc.code
@@ -99,7 +100,7 @@ def error_response(exc: RudderError, *, overload_status: int = 529) -> JSONRespo
     headers = {}
     if status in (503, 529):
         headers["Retry-After"] = str(getattr(exc, "retry_after", 1))
-    return JSONResponse(body, status_code=status, headers=headers)
+    return Response(error_json(body), status_code=status, headers=headers, media_type="application/json")
 
 
 class Runtime(Protocol):
@@ -405,8 +406,14 @@ def _parse(raw: bytes | bytearray) -> dict[str, Any]:
 
 def _tokenize(tok: Tokenizer, body: dict[str, Any], chat: bool,
               block_sizes: tuple[int, ...]) -> tuple[list[int], int, dict[int, list[int]]]:
-    """(token ids, prompt tokens, chain hashes per block size): pure, so it can run in a thread."""
-    tokens, n_prompt = tok.chat(body.get("messages")) if chat else tok.prompt(body.get("prompt"))
+    """(token ids, prompt tokens, chain hashes per block size): pure, so it can run in a thread.
+    Raises InvalidRequest naming the prompt's field for text that is not Unicode (a lone surrogate,
+    which a JSON ``\\ud800`` escape makes): no tokenizer encodes it (vLLM answers it 400 too)."""
+    try:
+        tokens, n_prompt = tok.chat(body.get("messages")) if chat else tok.prompt(body.get("prompt"))
+    except UnicodeEncodeError as exc:
+        field = "messages" if chat else "prompt"
+        raise InvalidRequest(f"{field} is not valid Unicode text ({exc.reason})", field=field) from None
     hashes = {bs: chain_hashes(tokens, bs) for bs in block_sizes} if tokens else {}
     return tokens, n_prompt, hashes
 

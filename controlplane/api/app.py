@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.openapi.utils import get_openapi
-from fastapi.responses import JSONResponse
+from fastapi.responses import Response
 from fastapi.routing import APIRoute
 from pydantic.json_schema import models_json_schema
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -37,6 +37,7 @@ from controlplane.protocol.errors import (
     Unauthenticated,
     UnsupportedMediaType,
     ValidationFailed,
+    error_json,
 )
 from controlplane.protocol.requests import WRITE_REQUESTS
 
@@ -55,7 +56,7 @@ BY_STATUS: dict[int, type[RudderError]] = {cls.status_code: cls for cls in (
 )}
 
 
-def error_response(exc: RudderError, request_id: str | None = None) -> JSONResponse:
+def error_response(exc: RudderError, request_id: str | None = None) -> Response:
     headers = {}
     if isinstance(exc, (ServiceUnavailable, RateLimited)):
         headers["Retry-After"] = str(exc.retry_after)
@@ -65,7 +66,8 @@ def error_response(exc: RudderError, request_id: str | None = None) -> JSONRespo
         headers["Allow"] = ", ".join(exc.allow)
     if request_id:
         headers["X-Request-Id"] = request_id
-    return JSONResponse({"error": exc.to_dict()}, status_code=exc.status_code, headers=headers)
+    return Response(error_json({"error": exc.to_dict()}), status_code=exc.status_code, headers=headers,
+                    media_type="application/json")
 
 
 def as_rudder_error(request: Request, exc: Exception) -> RudderError:
@@ -97,7 +99,7 @@ def allowed_methods(request: Request) -> list[str]:
     return sorted(methods)
 
 
-async def on_error(request: Request, exc: Exception) -> JSONResponse:
+async def on_error(request: Request, exc: Exception) -> Response:
     return error_response(as_rudder_error(request, exc), getattr(request.state, "request_id", None))
 
 

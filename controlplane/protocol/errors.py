@@ -38,6 +38,8 @@ them, with ``raise ... from exc``.
 
 from __future__ import annotations
 
+import json
+from collections.abc import Mapping
 from typing import Any
 
 
@@ -225,3 +227,10 @@ class ConfigurationError(RudderError):
     what the bus offers differs from what it relies on (a stream's settings)."""
 
     code = "configuration_error"
+
+
+def error_json(payload: Mapping[str, Any]) -> bytes:
+    """An error answer's JSON body, ASCII only (anything else as ``\\u`` escapes, which every JSON
+    reader takes back). A message may quote a client's text, and a client's JSON may hold a lone
+    surrogate (``"\\ud800"``) that UTF-8 cannot encode: the refusal must still render."""
+    return json.dumps(payload, ensure_ascii=True, separators=(",", ":")).encode("ascii")

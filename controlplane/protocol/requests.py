@@ -83,7 +83,10 @@ class Check:
 
 def _carried(error: RudderError) -> PydanticCustomError:
     """A check's RudderError as pydantic's error, carrying it (``ctx["error"]``) for :func:`parse`."""
-    return PydanticCustomError("rudder", "{message}", {"message": error.message, "error": error})
+    # pydantic renders the message in Rust: a lone surrogate the check quotes (a parameter's name
+    # from a "\ud800" escape) would fail it, so the rendered copy escapes what UTF-8 cannot hold.
+    shown = error.message.encode("utf-8", "backslashreplace").decode("utf-8")
+    return PydanticCustomError("rudder", "{message}", {"message": shown, "error": error})
 
 
 # ---- the checks (each raises the error the write path has always answered) --------------------

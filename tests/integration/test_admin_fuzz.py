@@ -26,6 +26,7 @@ case per route and mode. Generation is derandomized (the same cases every run) a
 from __future__ import annotations
 
 import itertools
+import json
 import os
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -317,6 +318,23 @@ async def test_what_the_fuzzer_found_stays_fixed(nats_url: str, db: str, tokens:
         assert r.status_code == 400 and r.json()["error"]["field"] == "body", r.text
         assert [(row.decision, row.reason_code) for row in await audited(running, r)] == [
             ("rejected", "invalid_request")]
+        # A parameter's name with a lone surrogate (a "\ud800" escape): pydantic could not render
+        # the check's message quoting it, and the write answered 500 internal_error.
+        body = json.dumps({"model": "m", "expected_revision": 0, "parameters": {"x\ud800": 0.5}}).encode()
+        r = await call("PATCH", "/router_policy", tokens.operator, content=body,
+                       headers={"content-type": "application/json"})
+        assert r.status_code == 422 and r.json()["error"]["field"] == "parameters.x\ud800", r.text
+        assert [(row.decision, row.reason_code) for row in await audited(running, r)] == [
+            ("rejected", "validation_failed")]
+        # A threshold POST whose threshold's name is misspelt was taken for a read: 200, nothing
+        # written, nothing refused. It is refused naming the field, and recorded.
+        r = await call("POST", "/busy_threshold", tokens.operator,
+                       json={"model": "m", "active_decode_blocks_threshhold": 5})
+        assert r.status_code == 422 and r.json()["error"]["field"] == "active_decode_blocks_threshhold", r.text
+        assert [(row.decision, row.reason_code) for row in await audited(running, r)] == [
+            ("rejected", "validation_failed")]
+        r = await call("POST", "/busy_threshold", tokens.viewer, json={"model": "m"})  # a read still
+        assert r.status_code == 200 and r.json()["model"] == "m", r.text
         # A model name with a control character was published (a NUL-free one reached the stream).
         r = await call("POST", "/router_policy/calibration/reset", tokens.operator, json={"model": "G\u000fx"})
         assert r.status_code == 400 and r.json()["error"]["field"] == "model", r.text

@@ -105,6 +105,31 @@ async def test_a_body_nested_deeper_than_the_parser_goes_is_refused_naming_the_b
     assert bugs._value.get() == before
 
 
+async def test_lone_surrogates_are_refused_naming_the_field(fleet: tuple[InProcessRouter, list[MockWorker]]) -> None:
+    """A JSON ``\\ud800`` escape is valid JSON and makes a str that UTF-8 cannot encode: the
+    tokenizers raised UnicodeEncodeError (a 500 ``internal_error``), and a 404 quoting such a model
+    name failed to render (a bare 500 from the server). The router and the mock engine refuse
+    the text naming its field, and render every refusal whatever it quotes."""
+    router, workers = fleet
+    bugs = router.runtime.metrics.rejections.labels("internal_error")
+    before = bugs._value.get()
+    cases = [
+        ("/v1/completions", {"model": MODEL, "prompt": "a \ud800 b", "max_tokens": 2}, 400, "prompt"),
+        ("/v1/completions", {"model": MODEL, "prompt": ["\udfff"], "max_tokens": 2, "stream": True}, 400, "prompt"),
+        ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "\ud800"}]},
+         400, "messages"),
+        ("/v1/completions", {"model": MODEL + "\udfff", "prompt": "x"}, 404, "model"),
+    ]
+    async with httpx.AsyncClient(timeout=30) as http:
+        for base in (router.url, workers[0].url):
+            for path, body, status, field in cases:
+                r = await http.post(base + path, content=json.dumps(body).encode(),  # ASCII: \ud800 escaped
+                                    headers={"content-type": "application/json"})
+                assert r.status_code == status, (base, path, body, r.text[:300])
+                assert r.json()["error"]["param"] == field, (base, path, r.text[:300])
+    assert bugs._value.get() == before
+
+
 async def test_stream_is_read_as_the_worker_reads_it(fleet: tuple[InProcessRouter, list[MockWorker]]) -> None:
     """A worker (vLLM's ``stream: bool | None``, pydantic's lax mode) streams for ``"true"`` or
     ``1`` and not for ``"false"``; the router read only ``true`` as a stream, so it buffered such a

@@ -30,6 +30,7 @@ from starlette.responses import JSONResponse, PlainTextResponse, Response, Strea
 from starlette.routing import Route
 from starlette.types import Receive
 
+from controlplane.protocol.errors import error_json
 from controlplane.protocol.events import WorkerRole
 from controlplane.protocol.inference import stream_flag
 from worker.engines.mock.engine import EngineStopped, MockCore, RequestHandle, RequestRejected
@@ -54,8 +55,8 @@ class ApiError(Exception):
         return {"error": {"message": self.message, "type": self.type, "param": self.param,
                           "code": self.code}}
 
-    def response(self) -> JSONResponse:
-        return JSONResponse(self.body(), status_code=self.status)
+    def response(self) -> Response:
+        return Response(error_json(self.body()), status_code=self.status, media_type="application/json")
 
 
 @dataclass(slots=True)
@@ -231,7 +232,11 @@ class MockApi:
             if model is not None and model != self.model:
                 raise ApiError(404, f"The model `{model}` does not exist.", param="model",
                                type_="NotFoundError", code="model_not_found")
-            prompt = chat_prompt(body, self.tokenizer) if chat else completion_prompt(body, self.tokenizer)
+            try:
+                prompt = chat_prompt(body, self.tokenizer) if chat else completion_prompt(body, self.tokenizer)
+            except UnicodeEncodeError as exc:  # a lone surrogate (a JSON "\ud800" escape): as vLLM, a 400
+                field = "messages" if chat else "prompt"
+                raise ApiError(400, f"{field} is not valid Unicode text ({exc.reason})", param=field) from None
             max_tokens = body.get("max_completion_tokens") if chat else None
             if max_tokens is None:
                 max_tokens = body.get("max_tokens")
