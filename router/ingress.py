@@ -228,10 +228,6 @@ class GuardedHttpProtocol(HttpToolsProtocol):
             else:
                 self._ignore_upgrade(data[exc.args[0]:])
 
-    def _upgrade_ignored(self) -> bool:
-        """The parser ends the message at its head for an upgrade the server will not take."""
-        return bool(self.parser.should_upgrade()) and not self._should_upgrade()
-
     def _ignore_upgrade(self, rest: bytes) -> None:
         """The request's head without its upgrade offer goes to a fresh parser, quietly (the
         request's cycle has it already), then ``rest``, its body (and whatever is pipelined after
@@ -287,7 +283,9 @@ class GuardedHttpProtocol(HttpToolsProtocol):
             DirectCycle.adopt(self.cycle)
 
     def on_message_complete(self) -> None:
-        if self._upgrade_ignored():  # the body is still to come (_ignore_upgrade)
+        # The parser ends the message at its head for an upgrade the server will not take: the
+        # body is still to come (_ignore_upgrade). One C call a request otherwise.
+        if self.parser.should_upgrade() and not self._should_upgrade():
             return
         self._in_body = False
         if self._body_timer is not None:
