@@ -371,7 +371,7 @@ async def _read_all(rt: Runtime, opened: _Opened) -> bytes:
     sel, resp = opened.sel, opened.resp
     read = False
     try:
-        content = await resp.aread()
+        content = await resp.aread(rt.settings.max_answer_bytes)
         read = True
         return content
     except UpstreamError as exc:

@@ -134,6 +134,10 @@ class RouterSettings(BusSettings):
     # Ingress limits (docs/router.md, "Ingress limits"): what one client can hold of a router.
     # A request body is read up to this size and refused with 413 past it (never buffered whole).
     max_body_bytes: int = Field(default=4 * 1024 * 1024, gt=0)
+    # A worker's answer the router reads whole (not streamed, an error, a disaggregated prefill's)
+    # is held in memory up to this size; past it the request fails (503) and the worker's
+    # connection is closed. A streamed answer is relayed as it comes and never held whole.
+    max_answer_bytes: int = Field(default=64 * 1024 * 1024, gt=0)
     # Request line and headers, in bytes (431 past it) and in time from the first byte (or the
     # connection's opening) to the end of the headers (408, then the connection is closed).
     max_header_bytes: int = Field(default=64 * 1024, ge=1024)

@@ -446,9 +446,17 @@ class UpstreamResponse:
         while (data := await self.next_chunk()) is not None:
             yield data
 
-    async def aread(self) -> bytes:
+    async def aread(self, limit: int | None = None) -> bytes:
+        """The whole body. Past ``limit`` bytes the connection is closed and UpstreamBroken
+        raised: a worker's answer read whole is held in the router's memory, and one that never
+        ends (a bug, or a worker that means harm) must not take all of it."""
         parts = []
+        size = 0
         while (data := await self.next_chunk()) is not None:
+            size += len(data)
+            if limit is not None and size > limit:
+                self._abandon()
+                raise UpstreamBroken(f"answer exceeds {limit} bytes (the router's max_answer_bytes)")
             parts.append(data)
         return b"".join(parts)
 

@@ -273,3 +273,23 @@ async def test_a_worker_stream_that_breaks_ends_the_answer_with_an_error_event(
     assert "data: [DONE]" not in rest
     assert broke.value == before + 1
     await wait_for(lambda: rt.scheduler.inspect(lambda s: len(s.bookings) == 0), within=10)
+
+
+async def test_an_answer_read_whole_past_the_routers_limit_fails_and_frees_its_booking(nats_url: str) -> None:
+    """A non-streamed answer is held whole in the router's memory: past ``max_answer_bytes`` the
+    request fails naming its worker and the limit, the worker's connection is closed and the
+    booking freed; the same answer streamed is relayed as it comes (never held whole)."""
+    async with routed_workers(nats_url, MODEL, 1, workers={"mock": {"speedup_ratio": 200}},
+                              max_answer_bytes=2048) as (router, workers):
+        body = {"model": MODEL, "prompt": "a long answer", "max_tokens": 3000}
+        async with httpx.AsyncClient(base_url=router.url, timeout=60) as http:
+            r = await http.post("/v1/completions", json=body)
+            assert r.status_code == 503, r.text[:300]
+            message = r.json()["error"]["message"]
+            assert f"worker {workers[0].instance_id} failed" in message and "exceeds 2048 bytes" in message, message
+            async with http.stream("POST", "/v1/completions", json={**body, "stream": True}) as resp:
+                content = await resp.aread()
+            assert resp.status_code == 200 and content.rstrip().endswith(b"data: [DONE]")
+            assert len(content) > 2048
+        sched = router.runtime.scheduler
+        await wait_for(lambda: sched.inspect(lambda s: len(s.bookings) == 0), within=10)

@@ -430,3 +430,39 @@ def test_the_client_on_uvloop_as_deployed() -> None:
 
     with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
         runner.run(exchanges())
+
+
+async def test_an_answer_read_whole_stops_at_its_limit_and_closes_the_connection() -> None:
+    """A worker whose answer never ends (a bug, or a worker that means harm) must not take the
+    router's memory: past the limit the read fails and the connection is closed (the worker sees
+    its writes fail); an answer of exactly the limit is read whole."""
+    closed = asyncio.Event()
+
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        line, _, _ = await read_request(reader)
+        if "/exact" in line:
+            writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 1024\r\nConnection: close\r\n\r\n" + b"x" * 1024)
+            await writer.drain()
+            writer.close()
+            return
+        writer.write(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n")
+        part = b"y" * 65536
+        try:
+            while True:  # without end
+                writer.write(b"%x\r\n%b\r\n" % (len(part), part))
+                await writer.drain()
+        except (ConnectionError, OSError):
+            closed.set()
+
+    server, url = await serve(handler)
+    c = client()
+    try:
+        resp = await c.open(url, "/exact", b"", {})
+        assert await resp.aread(1024) == b"x" * 1024
+        resp = await c.open(url, "/endless", b"", {})
+        with pytest.raises(UpstreamBroken, match="exceeds 1048576 bytes"):
+            await resp.aread(1024 * 1024)
+        await asyncio.wait_for(closed.wait(), 10)
+    finally:
+        await c.aclose()
+        server.close()
