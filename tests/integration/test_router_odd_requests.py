@@ -21,7 +21,7 @@ pytestmark = pytest.mark.timeout(180)
 MODEL = "org/odd-model:v1"
 
 ODD: list[Any] = [
-    None, True, False, 0, -1, 2**63, 1.5, -0.0, 1e308, "", "x", "\u0000\ud7ff\uffff", "é" * 3000,
+    None, True, False, 0, -1, 2**63, 1.5, -0.0, 1e308, "", "x", "\u0000\ud7ff\uffff", "é" * 3000, "lone \ud800",
     [], [1, "a", None], [[[]]], {}, {"a": {"b": [1]}}, list(range(3000)),
 ]
 CHAT: dict[str, Any] = {
@@ -67,7 +67,8 @@ async def test_odd_fields_are_refused_or_passed_on_never_an_internal_error(
         for path, name, body in variants():
             for stream in (False, True):
                 sent = {**body, "stream": stream} if "stream" not in body else body
-                resp = await http.post(path, json=sent)
+                resp = await http.post(path, content=json.dumps(sent).encode(),  # ASCII: a lone surrogate escaped
+                                       headers={"content-type": "application/json"})
                 text = resp.text
                 seen[resp.status_code] = seen.get(resp.status_code, 0) + 1
                 assert resp.status_code != 500, (path, name, text[:300])
