@@ -172,14 +172,29 @@ class Worker:
         loop = asyncio.get_running_loop()
         period = self.settings.heartbeat_s
         next_at = loop.time() + period
+        down = False  # the engine stopped serving: this worker left, until it serves again
         while True:
             await asyncio.sleep(max(next_at - loop.time(), 0))
             next_at = max(next_at + period, loop.time())
+            op = MembershipOp.HEARTBEAT
+            # An engine that died or hangs under this live agent (a CUDA error, a deadlock): the
+            # worker leaves, so routers stop routing here at once (a silent worker would age out
+            # only after their worker_stale_s, or up to their bus-outage grace when it is the only
+            # one), and heartbeats stop; once the engine serves again it joins again.
+            if not self.engine.healthy():
+                if down:
+                    continue
+                log.warning("worker %d: engine not serving; leaving until it does", self.instance_id)
+                op = MembershipOp.LEAVE
+            elif down:
+                log.info("worker %d: engine serving again; joining", self.instance_id)
+                op = MembershipOp.JOIN
             try:
-                await self._publish_membership(MembershipOp.HEARTBEAT,
-                                               ack_wait=min(max(period, 0.5), 5.0))
-            except Exception as exc:  # NATS away: keep trying, routers expire us after the TTL
-                log.warning("worker %d heartbeat failed: %r", self.instance_id, exc)
+                await self._publish_membership(op, ack_wait=min(max(period, 0.5), 5.0))
+                down = op is MembershipOp.LEAVE
+            except Exception as exc:  # NATS away: keep trying (a leave or a join, at the next tick);
+                log.warning("worker %d %s failed: %r", self.instance_id, op.value, exc)  # routers
+                # expire a silent worker after their TTL
 
     # -- KV events -------------------------------------------------------------------------
 

@@ -80,8 +80,11 @@ class StandInVllm:
         self.ctx.term()
 
 
+HEALTH = {"ok": True}  # what the stand-in's /health answers (vLLM asks its engine core)
+
+
 async def health(request: Request) -> Response:
-    return PlainTextResponse("")
+    return PlainTextResponse("", status_code=200 if HEALTH["ok"] else 500)
 
 
 async def metrics(request: Request) -> Response:
@@ -172,3 +175,43 @@ async def test_attached_worker_translates_replays_and_restarts(nats_url: str, nc
             dump = decode_kv_dump((await nc.request(kvdump_subject(s.instance_id), b"",
                                                     timeout=2)).data)
             assert [c for _, c, _ in dump.ranks[0].blocks] == [canon[0][0]]
+
+
+@pytest.mark.timeout(60)
+async def test_a_dead_engine_under_a_live_agent_leaves_and_joins_again(nats_url: str) -> None:
+    """vLLM's engine dies or hangs while the worker's agent lives on (a CUDA error, a deadlock):
+    the agent heartbeated the last load it had read, and routers counted the worker live and sent
+    it requests that failed or hung. Now the worker leaves once vLLM's /health fails
+    (``HEALTH_FAILURES`` polls in a row), sends no heartbeat while it does, and joins again once it
+    answers. A router forgets it at once (not after its stale time, which the bus clock stretches
+    when the worker is the only one heartbeating) and takes it back."""
+    from tests.support_router.workers import InProcessRouter, router_settings, wait_for
+
+    HEALTH["ok"] = True
+    async with stand_in() as (vllm, url):
+        s: WorkerSettings = buskit.worker_settings(  # type: ignore[assignment]
+            nats_url=nats_url, model=MODEL, engine="vllm", heartbeat_s=0.2,
+            vllm=VllmEngineSettings(attach_url=url, kv_events_endpoint=vllm.events,
+                                    kv_replay_endpoint=vllm.replay_endpoint, block_size=BS,
+                                    metrics_interval_s=0.2),
+        )
+        router = await InProcessRouter(router_settings(nats_url, MODEL)).start()
+        try:
+            async with Worker(s) as w:
+                sched = router.runtime.scheduler
+
+                def known() -> Any:
+                    return sched.inspect(lambda sc: s.instance_id in sc.discovery.workers)
+
+                assert w.engine.healthy()
+                await wait_for(lambda: sched.view.live_workers.get(MODEL) == 1, within=10)
+                HEALTH["ok"] = False
+                await wait_for(lambda: not w.engine.healthy(), within=5)
+                await wait_for(lambda: sched.view.live_workers.get(MODEL) == 0, within=5)
+                assert not await known()  # left, not merely stale
+                HEALTH["ok"] = True
+                await wait_for(lambda: sched.view.live_workers.get(MODEL) == 1, within=10)
+                assert await known()
+        finally:
+            HEALTH["ok"] = True
+            await router.stop()

@@ -248,3 +248,32 @@ async def test_chat_through_the_router_to_vllm_prediction_matches(nats_url: str,
         await client.close()
     finally:
         await router.stop()
+
+
+@pytest.mark.timeout(120)
+async def test_a_vllm_that_dies_under_its_worker_makes_the_worker_leave(nats_url: str, engine: Engine) -> None:
+    """vLLM's processes are killed (an OOM kill, a crash) while the worker's agent lives on: the
+    agent heartbeated on with the last load it had read, and routers routed to a dead engine
+    until the worker was restarted. Now the agent sees the process gone and the worker leaves:
+    the router forgets it within a few of its polls. (Last in the module: it kills the module's
+    vLLM.)"""
+    import psutil
+
+    from tests.support_router.workers import InProcessRouter, router_settings, wait_for
+
+    model = "tiny-llama"
+    router = await InProcessRouter(router_settings(nats_url, model)).start()
+    try:
+        sched = router.runtime.scheduler
+        await wait_for(lambda: sched.view.workers.get(model) == 1, within=30)
+        vllm = engine.worker.engine
+        assert vllm.healthy()
+        proc = vllm.proc  # type: ignore[attr-defined]
+        family = psutil.Process(proc.pid).children(recursive=True)
+        for p in [*family, psutil.Process(proc.pid)]:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                p.kill()
+        await wait_for(lambda: not vllm.healthy(), within=10)
+        await wait_for(lambda: sched.view.workers.get(model, 0) == 0, within=10)
+    finally:
+        await router.stop()

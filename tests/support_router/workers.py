@@ -193,6 +193,9 @@ class FrontedMock:
     def partial_view(self) -> bool:
         return False
 
+    def healthy(self) -> bool:  # the engine's (a closed front is the router's to find out)
+        return self.mock.healthy()
+
 
 class BusLink:
     """A TCP relay between one worker and its NATS server (one ``nats://host:port``).

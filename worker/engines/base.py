@@ -66,3 +66,9 @@ class Engine(Protocol):
     def partial_view(self) -> bool:
         """True when the engine may hold blocks it never reported (attached late)."""
         ...
+
+    def healthy(self) -> bool:
+        """Whether the engine serves now. While it does not, the worker leaves and sends no
+        heartbeat (worker.agent), so routers stop routing to an engine that died or hangs under a
+        live agent; it joins again once the engine serves."""
+        ...

@@ -53,6 +53,8 @@ from worker.httpserver import advertised_url, bind_socket
 from worker.settings import WorkerSettings
 
 log = logging.getLogger(__name__)
+# /health polls (one every metrics_interval_s) failed in a row after which vLLM counts as down.
+HEALTH_FAILURES = 2
 
 END_OF_REPLAY = -1
 _PR_SET_PDEATHSIG = 1
@@ -142,10 +144,18 @@ class VllmEngine:
         self._tasks = Tasks("vllm engine")
         self._sink: KvSink | None = None
         self._kv_total_blocks = 1
+        self._health_failures = 0  # /health polls failed in a row (HEALTH_FAILURES: unhealthy)
 
     @property
     def partial_view(self) -> bool:
         return self._attached or self.translator.partial
+
+    def healthy(self) -> bool:
+        """vLLM's own process is running (when the worker started it) and its ``/health`` (which
+        asks the engine core) answered 200 at one of the last ``HEALTH_FAILURES`` polls."""
+        if self.proc is not None and self.proc.poll() is not None:
+            return False
+        return self._health_failures < HEALTH_FAILURES
 
     # -- lifecycle -------------------------------------------------------------------------
 
@@ -360,9 +370,26 @@ class VllmEngine:
         except httpx.HTTPError as exc:
             log.warning("vLLM metrics unavailable: %r", exc)
 
+    async def _poll_health_once(self) -> None:
+        assert self._http is not None
+        was = self.healthy()
+        try:
+            ok = (await self._http.get(f"{self.url}/health", timeout=5)).status_code == 200
+        except httpx.HTTPError:
+            ok = False
+        self._health_failures = 0 if ok else self._health_failures + 1
+        if was != self.healthy():
+            if was:
+                exited = self.proc.returncode if self.proc is not None else None
+                log.error("vLLM at %s is not healthy (%s): the worker leaves until it is",
+                          self.url, f"exited with {exited}" if exited is not None else "/health failed")
+            else:
+                log.warning("vLLM at %s is healthy again: the worker joins again", self.url)
+
     async def _poll_metrics(self) -> None:
         while True:
             await asyncio.sleep(self.settings.vllm.metrics_interval_s)
+            await self._poll_health_once()
             await self._poll_metrics_once()
 
     def load(self) -> list[RankLoad]:

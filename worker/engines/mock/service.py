@@ -60,3 +60,6 @@ class MockEngine:
     @property
     def partial_view(self) -> bool:
         return False
+
+    def healthy(self) -> bool:
+        return self.core is not None and not self.core.stopped  # in-process: it serves while it runs
