@@ -8,7 +8,9 @@ behaviour after another at random:
   (a 200; a stream with ``[DONE]``, usage and no error event);
 - a stream closed after its first chunk; half a body sent, then closed; a request sent and closed
   at once; a long stream (2,000 tokens) closed as soon as its head came;
-- malformed JSON (400), an unknown model (404), no prompt (400), each in the OpenAI error shape;
+- malformed JSON (400), an unknown model (404), no prompt (400), JSON nested past the parser's
+  depth, a lone surrogate in the prompt, a ``stream`` neither true nor false (400 each), each in
+  the OpenAI error shape; a streamed completion offering ``Upgrade: h2c`` (a 200, read to its end);
 - pinned to a worker (``nvext.backend_instance_id``: answered by that worker), or to a worker or
   a rank that does not exist, or with a malformed ``nvext`` (a 4xx, never a 500).
 
@@ -288,12 +290,21 @@ async def long_stream_abandoned(ctx: Ctx) -> None:
 
 
 async def bad_request(ctx: Ctx) -> None:
-    kind = random.choice(["malformed JSON", "unknown model", "missing prompt"])
+    kind = random.choice(["malformed JSON", "unknown model", "missing prompt", "nested too deeply",
+                          "lone surrogate", "stream not boolean"])
     url = ctx.target.url + "/v1/completions"
     body = completion(random.random() < 0.5)
     if kind == "malformed JSON":
         r = await ctx.client.post(url, content=b'{"model": "soak", "prompt": "x",',
                                   headers={"content-type": "application/json"})
+    elif kind == "nested too deeply":  # past json's recursion limit (decision 124)
+        r = await ctx.client.post(url, content=json.dumps(body).encode()[:-1] + b', "x": ' + b"[" * 5000
+                                  + b"]" * 5000 + b"}", headers={"content-type": "application/json"})
+    elif kind == "lone surrogate":  # a JSON "\ud800" escape: no tokenizer encodes it
+        r = await ctx.client.post(url, content=json.dumps({**body, "prompt": "soak \ud800"}).encode(),
+                                  headers={"content-type": "application/json"})
+    elif kind == "stream not boolean":
+        r = await ctx.client.post(url, json={**body, "stream": "maybe"})
     elif kind == "unknown model":
         r = await ctx.client.post(url, json={**body, "model": "no-such-model"})
     else:
@@ -302,6 +313,21 @@ async def bad_request(ctx: Ctx) -> None:
     expected = 404 if kind == "unknown model" else 400
     ctx.tally.note(kind, f"{r.status_code}{'' if shaped(r) else ' (not OpenAI-shaped)'}",
                    ok=r.status_code == expected and shaped(r), example=r.text)
+
+
+async def h2c_offer(ctx: Ctx) -> None:
+    """A POST offering ``Upgrade: h2c`` (Java's and Ktor's clients do): served as HTTP/1.1 with its
+    body (decision 124)."""
+    request = raw_request(completion(True, random.randint(4, 32))).replace(
+        b"Host: soak\r\n", b"Host: soak\r\nConnection: Upgrade, HTTP2-Settings\r\nUpgrade: h2c\r\n"
+        b"HTTP2-Settings: AAMAAABkAARAAAAAAAIAAAAA\r\n", 1)
+    reader, writer = await open_raw(ctx.target.port, request)
+    try:
+        status = await read_status(reader)
+        n = await read_to_done(reader) if status == 200 else 0
+        ctx.tally.note("h2c offer", str(status), ok=status == 200 and n > 0)
+    finally:
+        close(writer)
 
 
 async def pinned(ctx: Ctx) -> None:
@@ -339,7 +365,7 @@ BEHAVIOURS: dict[str, Callable[[Ctx], Awaitable[None]]] = {
     "stream completion": stream_completion, "completion": plain_completion, "stream chat": stream_chat,
     "close after first chunk": close_after_first_chunk, "half body, close": half_body,
     "send and close": send_and_close, "bad request": bad_request, "pinned": pinned,
-    "long stream abandoned": long_stream_abandoned,
+    "long stream abandoned": long_stream_abandoned, "h2c offer": h2c_offer,
 }
 
 
