@@ -280,9 +280,10 @@ async def test_an_answer_read_whole_past_the_routers_limit_fails_and_frees_its_b
     """A non-streamed answer is held whole in the router's memory: past ``max_answer_bytes`` the
     request fails naming its worker and the limit, the worker's connection is closed and the
     booking freed; the same answer streamed is relayed as it comes (never held whole)."""
-    async with routed_workers(nats_url, MODEL, 1, workers={"mock": {"speedup_ratio": 200}},
+    model = "org/odd-model-limited:v1"  # its own: the module's fleet serves MODEL meanwhile
+    async with routed_workers(nats_url, model, 1, workers={"mock": {"speedup_ratio": 200}},
                               max_answer_bytes=2048) as (router, workers):
-        body = {"model": MODEL, "prompt": "a long answer", "max_tokens": 3000}
+        body = {"model": model, "prompt": "a long answer", "max_tokens": 3000}
         async with httpx.AsyncClient(base_url=router.url, timeout=60) as http:
             r = await http.post("/v1/completions", json=body)
             assert r.status_code == 503, r.text[:300]
