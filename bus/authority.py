@@ -6,7 +6,13 @@ A folder (``.rudder/bus`` under ``rudder up``; a Secret in Kubernetes) holds::
     account.seed   account.jwt       the RUDDER account (JetStream on): signs every user
     system.seed    system.jwt        the system account (server internals, monitoring)
     server-auth.conf                 what nats-server includes: operator, resolver, accounts
+    revocations.json                 revoked users (public key → time, name): in the account JWT
     creds/<name>.creds               issued user credentials (JWT + seed), mode 0600
+
+A user is revoked in the RUDDER account's JWT (:meth:`BusAuthority.revoke`): nats-server refuses
+its credentials issued up to the revocation's time, and credentials issued later for the same
+identity are valid. The account JWT is in ``server-auth.conf``'s MEMORY resolver preload, which
+nats-server reads when it starts (a configuration reload did not apply it here: decision 126).
 
 Seeds are written with mode 0600 and never logged. Whoever holds ``account.seed`` can issue any
 identity: it belongs to the bus admin (``rudder bus``, ``rudder up``), never to a long-running
@@ -15,7 +21,9 @@ service.
 
 from __future__ import annotations
 
+import json
 import os
+import time
 from pathlib import Path
 
 from bus import jwt
@@ -73,7 +81,8 @@ class BusAuthority:
     def _write_server_config(self) -> None:
         op, acc, sys_ = self._operator, self._account, self._system
         op_jwt = jwt.encode(jwt.operator_claims(op, name="rudder", system_account=sys_.public), op)
-        acc_jwt = jwt.encode(jwt.account_claims(acc, name="RUDDER", jetstream=True), op)
+        revoked = {key: at for key, (at, _) in self.revocations().items()}
+        acc_jwt = jwt.encode(jwt.account_claims(acc, name="RUDDER", jetstream=True, revocations=revoked), op)
         sys_jwt = jwt.encode(jwt.account_claims(sys_, name="SYS", jetstream=False), op)
         for name, token in (("operator", op_jwt), ("account", acc_jwt), ("system", sys_jwt)):
             (self.home / f"{name}.jwt").write_text(token + "\n")
@@ -88,6 +97,26 @@ class BusAuthority:
             f'  {acc.public}: "{acc_jwt}"\n'
             "}\n"
         )
+
+    def revocations(self) -> dict[str, tuple[int, str]]:
+        """Revoked users: public key → (epoch seconds, identity name)."""
+        path = self.home / "revocations.json"
+        if not path.exists():
+            return {}
+        data = json.loads(path.read_text())
+        return {str(key): (int(entry["at"]), str(entry.get("name", ""))) for key, entry in data.items()}
+
+    def revoke(self, user_public: str, *, name: str = "", at: int | None = None) -> int:
+        """Revoke a user (its public key, ``U...``): nats-server refuses its credentials issued at
+        or before ``at`` (now) once it restarts with the include rewritten here. Returns ``at``."""
+        if not (user_public.startswith("U") and len(user_public) == 56):
+            raise ValueError(f"not a NATS user public key: {user_public!r}")
+        when = int(time.time()) if at is None else at
+        revoked = {key: {"at": t, "name": n} for key, (t, n) in self.revocations().items()}
+        revoked[user_public] = {"at": when, "name": name}
+        write_secret(self.home / "revocations.json", json.dumps(revoked, indent=2, sort_keys=True) + "\n")
+        self._write_server_config()
+        return when
 
     @property
     def server_config(self) -> Path:

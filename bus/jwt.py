@@ -107,7 +107,10 @@ def operator_claims(op: KeyPair, *, name: str, system_account: str) -> dict[str,
 MAX_CONSUMERS = 16_384
 
 
-def account_claims(acc: KeyPair, *, name: str, jetstream: bool) -> dict[str, Any]:
+def account_claims(acc: KeyPair, *, name: str, jetstream: bool,
+                   revocations: dict[str, int] | None = None) -> dict[str, Any]:
+    """An account's claims; ``revocations``: user public key → a time (epoch seconds); the
+    server refuses that user's JWTs issued at or before it."""
     limits: dict[str, Any] = {
         "subs": _NO_LIMIT, "data": _NO_LIMIT, "payload": _NO_LIMIT, "imports": _NO_LIMIT,
         "exports": _NO_LIMIT, "wildcards": True, "conn": _NO_LIMIT, "leaf": _NO_LIMIT,
@@ -119,11 +122,11 @@ def account_claims(acc: KeyPair, *, name: str, jetstream: bool) -> dict[str, Any
                        "consumer": MAX_CONSUMERS})
     else:
         limits.update({"mem_storage": 0, "disk_storage": 0, "streams": 0, "consumer": 0})
-    return {
-        "sub": acc.public, "name": name,
-        "nats": {"type": "account", "version": 2, "limits": limits,
-                 "default_permissions": {"pub": {}, "sub": {}}},
-    }
+    nats: dict[str, Any] = {"type": "account", "version": 2, "limits": limits,
+                            "default_permissions": {"pub": {}, "sub": {}}}
+    if revocations:
+        nats["revocations"] = dict(revocations)
+    return {"sub": acc.public, "name": name, "nats": nats}
 
 
 @dataclass(frozen=True, slots=True)
@@ -152,6 +155,17 @@ def user_claims(user_public: str, *, name: str, permissions: Permissions,
     if expires_at is not None:
         claims["exp"] = expires_at
     return claims
+
+
+def creds_user(text: str) -> tuple[str, str, int]:
+    """(user public key, name, issued at) of a ``.creds`` file's JWT. Raises ValueError."""
+    _, sep, rest = text.partition("-----BEGIN NATS USER JWT-----")
+    token = rest.partition("------END NATS USER JWT------")[0].strip() if sep else ""
+    claims = decode_unverified(token)
+    sub, iat = claims.get("sub"), claims.get("iat")
+    if not isinstance(sub, str) or not sub.startswith("U") or not isinstance(iat, int):
+        raise ValueError("not a NATS user JWT")
+    return sub, str(claims.get("name", "")), iat
 
 
 def creds_file_text(token: str, seed: bytes) -> str:

@@ -7,6 +7,9 @@
   (``--home`` / ``RUDDER_BUS_HOME``: operator and account keys).
 - ``rudder bus authority``: create the authority folder and print the server include to put in
   nats-server's config.
+- ``rudder bus revoke``: revoke one user's credentials (a ``.creds`` file, or a user public key)
+  in the account JWT of the server include; nats-server applies it when it restarts (each node,
+  one at a time), then refuses them. Credentials issued afterwards for the identity are valid.
 - ``rudder bus setup``: everything a deployment needs before its first start, in one folder: the
   authority, the NATS auth include, TLS material for the NATS host names and one ``.creds`` file
   per identity (compose mounts each as its service's secret; Kubernetes makes Secrets of them).
@@ -104,6 +107,40 @@ def creds(
         print_json({"identity": identity.name, "path": str(path)})
     else:
         say(f"wrote credentials for {identity.name} to {path}")
+
+
+@app.command("revoke")
+def revoke(
+    creds: Annotated[Path | None, typer.Option("--creds", help="The .creds file to revoke.")] = None,
+    user: Annotated[str | None, typer.Option("--user", help="Or the user's public key (U...).")] = None,
+    home: HomeOpt = None,
+) -> None:
+    """Revoke one user's credentials (stolen, or of a retired process); restart nats-server to apply."""
+    from bus import jwt
+    from bus.authority import BusAuthority
+
+    if (creds is None) == (user is None):
+        raise CliError(ExitCode.USAGE, "give one of --creds FILE or --user PUBLIC_KEY")
+    name = ""
+    if creds is not None:
+        try:
+            user, name, _ = jwt.creds_user(creds.read_text())
+        except (OSError, ValueError) as exc:
+            raise CliError(ExitCode.USAGE, f"--creds {creds}: {exc}") from None
+    assert user is not None
+    try:
+        authority = BusAuthority.open(home or Path(".rudder/bus"), create=False)
+        at = authority.revoke(user, name=name)
+    except FileNotFoundError as exc:
+        raise CliError(ExitCode.USAGE, f"{exc}; create it with `rudder bus authority`") from None
+    except ValueError as exc:
+        raise CliError(ExitCode.USAGE, f"--user: {exc}") from None
+    if shared.json_mode():
+        print_json({"user": user, "name": name, "revoked_at": at, "server_include": str(authority.server_config)})
+    else:
+        say(f"revoked {name or user} ({user}): its credentials issued up to {at} (epoch s) are refused once "
+            f"nats-server restarts with {authority.server_config} (each node, one at a time; a reload does "
+            "not apply it). Issue new credentials for the identity with `rudder bus creds`.")
 
 
 @app.command("authority")

@@ -249,3 +249,62 @@ def test_secrets_stay_out_of_repr_and_settings(tmp_path: Path) -> None:
     authority = buskit.authority()
     assert "seed" not in repr(authority).lower()
     assert oct(creds.stat().st_mode & 0o777) == "0o600"
+
+
+async def test_revoked_credentials_are_refused_after_a_restart_and_new_ones_work(tmp_path: Path) -> None:
+    """A worker's credentials are stolen: ``rudder bus revoke --creds`` puts the user in the
+    account JWT's revocations, and once nats-server restarts with the rewritten include it refuses
+    them (a connection open before is dropped by the restart, and its reconnect is a connect with
+    the same credentials); credentials issued afterwards for the same identity work, and other
+    users' credentials are untouched."""
+    import time
+
+    from cli import bus as bus_cli
+    from cli.embedded import LocalBus
+    from tests.cli_runner import invoke
+
+    local = LocalBus(tmp_path)
+    local.start()
+    try:
+        authority = local.authority
+        stolen = authority.issue(WORKER, tmp_path / "stolen.creds")
+        other = authority.issue(ROUTER, tmp_path / "router.creds")
+
+        def opts(creds: Path) -> BusOptions:
+            return BusOptions(servers=(local.url,), creds=creds, name="revocation-test",
+                              connect_timeout_s=2, initial_timeout_s=2)
+
+        holder = await connect(opts(stolen))  # the thief's connection, open before the revocation
+        assert holder.is_connected
+        result = invoke(bus_cli.app, ["revoke", "--creds", str(stolen), "--home", str(authority.home)])
+        assert result.exit_code == 0, result.output
+        [(revoked_at, name)] = authority.revocations().values()
+        assert name == WORKER.name
+        local.restart(local.server)
+
+        async def refused() -> bool:  # the server is back and refuses the stolen credentials
+            try:
+                nc = await connect(opts(stolen))
+            except ConfigurationError as exc:
+                assert exc.field == "nats_creds"
+                return True
+            except Exception:  # not up yet
+                return False
+            await nc.close()
+            raise AssertionError("revoked credentials were accepted")
+
+        deadline = time.monotonic() + 30
+        while not await refused():
+            assert time.monotonic() < deadline, "nats-server did not come back"
+            await asyncio.sleep(0.2)
+        untouched = await connect(opts(other))  # another user's credentials still work
+        assert untouched.is_connected
+        await untouched.close()
+        # A JWT issued in the revocation's second is revoked too: the new one is issued after it.
+        await asyncio.sleep(max(revoked_at + 1 - time.time(), 0.0))
+        fresh = await connect(opts(authority.issue(WORKER, tmp_path / "fresh.creds")))
+        assert fresh.is_connected
+        await fresh.close()
+        await holder.close()
+    finally:
+        local.stop()
