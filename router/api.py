@@ -44,7 +44,7 @@ from controlplane.protocol.errors import (
     error_json,
 )
 from controlplane.protocol.hashing import chain_hashes
-from controlplane.protocol.inference import stream_flag
+from controlplane.protocol.inference import lax_bool
 from controlplane.telemetry import logs, traces
 from router.commands import (
     MarkUnavailable,
@@ -440,7 +440,7 @@ async def _completion(request: Request, rt: Runtime, path: str, chat: bool) -> R
     # text (every unknown name would otherwise become a series of its own, kept for good).
     request.state.model = model
     try:
-        stream = stream_flag(body.get("stream"))
+        stream = lax_bool(body.get("stream"), "stream")
     except ValueError as exc:
         raise InvalidRequest(str(exc), field="stream") from None
     targets = parse_targets(body.get("nvext"), hdrs, lowered=True)

@@ -15,11 +15,11 @@ from pydantic import TypeAdapter, ValidationError
 _FLAG: TypeAdapter[bool | None] = TypeAdapter(bool | None)
 
 
-def stream_flag(value: object) -> bool:
-    """Whether a body's ``stream`` asks for a streamed answer, read as vLLM's request models read it
-    (``stream: bool | None = False``, pydantic's lax mode): ``"true"``, ``"yes"``, ``"on"``, ``1``
-    stream; ``"false"``, ``"no"``, ``0`` and null do not. Raises ValueError, naming the value, for
-    one vLLM refuses (``"x"``, ``2``, a list)."""
+def lax_bool(value: object, field: str) -> bool:
+    """A boolean field of the body read as vLLM's request models read theirs (``bool | None``,
+    pydantic's lax mode): for ``stream``, ``"true"``, ``"yes"``, ``"on"``, ``1`` stream and
+    ``"false"``, ``"no"``, ``0`` and null do not. Raises ValueError, naming ``field`` and the value,
+    for one vLLM refuses (``"x"``, ``2``, a list)."""
     if value is True:
         return True
     if value is False or value is None:
@@ -28,4 +28,4 @@ def stream_flag(value: object) -> bool:
         return bool(_FLAG.validate_python(value))
     except ValidationError:
         shown = json.dumps(value)[:40] if isinstance(value, (str, int, float, list, dict)) else repr(value)[:40]
-        raise ValueError(f"stream must be a boolean, got {shown}") from None
+        raise ValueError(f"{field} must be a boolean, got {shown}") from None

@@ -295,3 +295,19 @@ async def test_an_answer_read_whole_past_the_routers_limit_fails_and_frees_its_b
             assert len(content) > 2048
         sched = router.runtime.scheduler
         await wait_for(lambda: sched.inspect(lambda s: len(s.bookings) == 0), within=10)
+
+
+async def test_the_mock_engine_reads_include_usage_as_vllm_does(
+    fleet: tuple[InProcessRouter, list[MockWorker]],
+) -> None:
+    """``stream_options.include_usage`` is vLLM's ``bool | None = False``, lax: ``"false"`` adds no
+    usage chunk (the mock engine read ``bool("false")``, true), ``"yes"`` does, ``"x"`` is refused."""
+    _, workers = fleet
+    base = {"model": MODEL, "prompt": "usage or not", "max_tokens": 2, "stream": True}
+    async with httpx.AsyncClient(base_url=workers[0].url, timeout=30) as http:
+        for value, usage in (("false", False), (False, False), ("yes", True), (True, True)):
+            r = await http.post("/v1/completions", json={**base, "stream_options": {"include_usage": value}})
+            assert r.status_code == 200, r.text[:300]
+            assert ('"usage"' in r.text) is usage, (value, r.text[-300:])
+        r = await http.post("/v1/completions", json={**base, "stream_options": {"include_usage": "x"}})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "stream_options.include_usage", r.text

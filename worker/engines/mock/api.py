@@ -32,7 +32,7 @@ from starlette.types import Receive
 
 from controlplane.protocol.errors import error_json
 from controlplane.protocol.events import WorkerRole
-from controlplane.protocol.inference import stream_flag
+from controlplane.protocol.inference import lax_bool
 from worker.engines.mock.engine import EngineStopped, MockCore, RequestHandle, RequestRejected
 from worker.engines.mock.tokenizer import BYTES, MockTokenizer
 
@@ -245,13 +245,15 @@ class MockApi:
             if body.get("n", 1) != 1:
                 raise ApiError(400, "only n=1 is supported", param="n")
             dp_rank = requested_dp_rank(request, body)
-            try:
-                stream = stream_flag(body.get("stream"))
-            except ValueError as exc:
-                raise ApiError(400, str(exc), param="stream") from None
             options = body.get("stream_options")
+            field = "stream"
+            try:  # as vLLM reads its booleans (lax); a value it refuses is a 400 naming the field
+                stream = lax_bool(body.get("stream"), field)
+                field = "stream_options.include_usage"
+                include_usage = isinstance(options, dict) and lax_bool(options.get("include_usage"), field)
+            except ValueError as exc:
+                raise ApiError(400, str(exc), param=field) from None
             handoff = self.core.role is WorkerRole.PREFILL and remote_decode_asked(body)
-            include_usage = isinstance(options, dict) and bool(options.get("include_usage"))
             try:
                 handle = await self.core.submit(prompt, max_tokens=max_tokens, dp_rank=dp_rank)
             except RequestRejected as exc:
