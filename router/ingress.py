@@ -251,13 +251,10 @@ class GuardedHttpProtocol(HttpToolsProtocol):
         self.parser = httptools.HttpRequestParser(self)
         self._replaying = True
         try:
-            self.parser.feed_data(b"".join(head))
-        except httptools.HttpParserError:
-            self.send_400_response("Invalid HTTP request received.")
-            return
+            self._feed(b"".join(head))  # without the offer: no upgrade again (a bad head: a 400)
         finally:
             self._replaying = False
-        if rest:
+        if rest and not self.transport.is_closing():
             self._feed(rest)
 
     def on_message_begin(self) -> None:
