@@ -250,9 +250,8 @@ class VllmEngine:
                 raise RuntimeError(
                     f"vLLM exited with {self.proc.returncode} during start-up:\n{self.log_tail()}"
                 )
-            with contextlib.suppress(httpx.HTTPError):
-                if (await self._http.get(f"{self.url}/health", timeout=2)).status_code == 200:
-                    return
+            if await self._answers_health(timeout_s=2):
+                return
             await asyncio.sleep(0.5)
         raise RuntimeError(f"vLLM at {self.url} not healthy after {timeout_s:g} s:\n"
                            f"{self.log_tail()}")
@@ -370,14 +369,17 @@ class VllmEngine:
         except httpx.HTTPError as exc:
             log.warning("vLLM metrics unavailable: %r", exc)
 
-    async def _poll_health_once(self) -> None:
+    async def _answers_health(self, *, timeout_s: float) -> bool:
+        """vLLM's ``/health`` answered 200 (it asks the engine core)."""
         assert self._http is not None
-        was = self.healthy()
         try:
-            ok = (await self._http.get(f"{self.url}/health", timeout=5)).status_code == 200
+            return (await self._http.get(f"{self.url}/health", timeout=timeout_s)).status_code == 200
         except httpx.HTTPError:
-            ok = False
-        self._health_failures = 0 if ok else self._health_failures + 1
+            return False
+
+    async def _poll_health_once(self) -> None:
+        was = self.healthy()
+        self._health_failures = 0 if await self._answers_health(timeout_s=5) else self._health_failures + 1
         if was != self.healthy():
             if was:
                 exited = self.proc.returncode if self.proc is not None else None
