@@ -108,6 +108,17 @@ async def stand_in() -> AsyncIterator[tuple[StandInVllm, str]]:
         vllm.close()
 
 
+def attached(nats_url: str, vllm: StandInVllm, url: str) -> WorkerSettings:
+    """A vLLM worker's settings, attached to the stand-in (heartbeats and polls every 0.2 s)."""
+    s: WorkerSettings = buskit.worker_settings(  # type: ignore[assignment]
+        nats_url=nats_url, model=MODEL, engine="vllm", heartbeat_s=0.2,
+        vllm=VllmEngineSettings(attach_url=url, kv_events_endpoint=vllm.events,
+                                kv_replay_endpoint=vllm.replay_endpoint, block_size=BS,
+                                metrics_interval_s=0.2),
+    )
+    return s
+
+
 def stored(tokens: list[int], hashes: list[int], parent: int | None) -> dict[str, Any]:
     return {"type": "BlockStored", "block_hashes": hashes, "parent_block_hash": parent,
             "token_ids": tokens, "block_size": BS, "lora_id": None, "medium": "GPU"}
@@ -131,12 +142,7 @@ async def test_attached_worker_translates_replays_and_restarts(nats_url: str, nc
     tokens = list(range(40, 56))  # 4 blocks of 4
     canon = block_hashes(tokens, BS)
     async with stand_in() as (vllm, url):
-        s: WorkerSettings = buskit.worker_settings(  # type: ignore[assignment]
-            nats_url=nats_url, model=MODEL, engine="vllm", heartbeat_s=0.2,
-            vllm=VllmEngineSettings(attach_url=url, kv_events_endpoint=vllm.events,
-                                    kv_replay_endpoint=vllm.replay_endpoint, block_size=BS,
-                                    metrics_interval_s=0.2),
-        )
+        s = attached(nats_url, vllm, url)
         await nc.subscribe(kv_subject(MODEL, s.instance_id), cb=on_msg)
         async with Worker(s) as w:
             assert w.record is not None and w.record.url == url
@@ -189,12 +195,7 @@ async def test_a_dead_engine_under_a_live_agent_leaves_and_joins_again(nats_url:
 
     HEALTH["ok"] = True
     async with stand_in() as (vllm, url):
-        s: WorkerSettings = buskit.worker_settings(  # type: ignore[assignment]
-            nats_url=nats_url, model=MODEL, engine="vllm", heartbeat_s=0.2,
-            vllm=VllmEngineSettings(attach_url=url, kv_events_endpoint=vllm.events,
-                                    kv_replay_endpoint=vllm.replay_endpoint, block_size=BS,
-                                    metrics_interval_s=0.2),
-        )
+        s = attached(nats_url, vllm, url)
         router = await InProcessRouter(router_settings(nats_url, MODEL)).start()
         try:
             async with Worker(s) as w:
