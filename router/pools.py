@@ -67,6 +67,11 @@ class Pools:
             (m, p): LoadTable(selectable) for m in models for p in self.roles
         }
         self.thresholds: dict[str, Thresholds] = {}
+        # Slots whose bookings changed since they were last re-read ((model, key) → whether
+        # their returns' rate changed too): re-read once, by :meth:`settle`, before anything
+        # reads them next. A request's commands change its slot's bookings two or three times
+        # between two selections; each re-read cost as much as the change itself.
+        self._unsettled: dict[tuple[str, WorkerKey], bool] = {}
 
     def table(self, model: str, role: WorkerRole) -> LoadTable[Slot]:
         return self.tables[(model, role)]
@@ -120,6 +125,24 @@ class Pools:
         if state is not None:
             for rank in range(state.record.dp_size):
                 self.refresh_slot(state.record.model, (wid, rank), state)
+
+    def booked(self, model: str, key: WorkerKey, *, rate: bool = True) -> None:
+        """The slot's bookings changed (and with ``rate``, its expected returns): it is re-read
+        (:meth:`refresh_slot`, its health aside) at the next :meth:`settle`."""
+        k = (model, key)
+        unsettled = self._unsettled
+        if rate or k not in unsettled:
+            unsettled[k] = rate or unsettled.get(k, False)
+
+    def settle(self) -> None:
+        """Re-read every slot whose bookings changed since :meth:`booked` noted it: before a
+        selection, and before anything else reads the slots (the scheduler's commands but a
+        request's own)."""
+        unsettled = self._unsettled
+        if unsettled:
+            self._unsettled = {}
+            for (model, key), rate in unsettled.items():
+                self.refresh_slot(model, key, health=False, rate=rate)
 
     def refresh_slot(self, model: str, key: WorkerKey, state: WorkerState | None = None, *,
                      health: bool = True, rate: bool = True) -> None:

@@ -196,6 +196,7 @@ class Scheduler:
 
     @property
     def _slots(self) -> dict[str, dict[WorkerKey, Slot]]:
+        self.tables.settle()  # the slots as their bookings have them
         return self.tables.slots
 
     @property
@@ -325,13 +326,21 @@ class Scheduler:
         None, and the caller submits it. Raises what a selection raises."""
         if self._stopping or not self._idle():
             return None
-        cmd = SelectWorker(request)
-        fut: asyncio.Future[Selection] = asyncio.get_running_loop().create_future()
-        cmd.future = fut
-        cmd.seq = next(self._seq)
-        self._queued_selections += 1  # as submit counts it (the handler counts it out)
-        self._handle_timed(cmd)
-        return fut.result()
+        if self.handling_clock is not None:  # timed, as a queued command is
+            cmd = SelectWorker(request)
+            fut: asyncio.Future[Selection] = asyncio.get_running_loop().create_future()
+            cmd.future = fut
+            cmd.seq = next(self._seq)
+            self._queued_selections += 1  # as submit counts it (the handler counts it out)
+            self._handle_timed(cmd)
+            return fut.result()
+        # The handler called as the actor would (no command, no future: what it raises, the
+        # caller gets).
+        self._handling = True
+        try:
+            return self._select(request, next(self._seq))
+        finally:
+            self._handling = False
 
     def send(self, cmd: Command[Any]) -> None:
         """A command nobody waits for (completions, KV events). Dropped when stopping.
@@ -343,16 +352,28 @@ class Scheduler:
         if self._stopping:
             return
         cmd.seq = next(self._seq)
-        if self._idle():
-            self._handle_timed(cmd)
-        else:
+        if not self._idle():
             self._enqueue(cmd)
+        elif self.handling_clock is not None:
+            self._handle_timed(cmd)
+        else:  # as _handle does for a command nobody waits for
+            self._handling = True
+            try:
+                self._dispatch(cmd)
+            except RudderError:
+                pass
+            except Exception:
+                log.exception("scheduler command %s failed", type(cmd).__name__)
+            finally:
+                self._handling = False
 
     def _idle(self) -> bool:
         """The actor runs, waits for a command (nothing queued) and is not inside a handler: a
         command handled now by its sender lands where the queue would have put it."""
         task = self._task
-        return not self._handling and task is not None and not task.done() and self._queue.empty()
+        # (The queue's own list read: Queue.empty is a Python call, and this runs for every
+        # command a request sends.)
+        return not self._handling and task is not None and not task.done() and not self._queue._queue  # type: ignore[attr-defined]
 
     def _enqueue(self, cmd: Command[Any]) -> None:
         """Into its lane: liveness (0) ahead of the rest (1), each in the order sent."""
@@ -396,12 +417,15 @@ class Scheduler:
                     self.tables.returns.finished(booking.key, booking.hashes, now)
                     if self.peer_sync and booking.hashes:
                         self.outbox.finish(booking.key, booking.hashes[-1], now)
-                    self.tables.refresh_slot(booking.model, booking.key, health=False)
+                    self.tables.booked(booking.model, booking.key)
                 for wid in self.timings.done(cmd.request_id, cmd.itl_ms, cmd.decode_tokens):
                     self._retime(wid)
                 if cmd.reported_cached is not None:
                     self._cache_outcome(cmd.instance_id, cmd.predicted_cached, cmd.reported_cached)
                 return None
+        # Every other command may read the slots: as their bookings have them (Pools.settle).
+        self.tables.settle()
+        match cmd:
             case ApplyPolicy():
                 return self._apply_policy(cmd)
             case RestorePolicy():
@@ -754,7 +778,7 @@ class Scheduler:
 
     def _select(self, req: RoutingRequest, seq: int) -> Selection:
         model = req.model
-        if model not in self._slots:
+        if model not in self._slots:  # (settles the slots)
             raise InvalidRequest(f"model {model!r} is not served by this router", field="model")
         revisions = self.revisions(model)
         pool, pin, then_decode = self.chooser.plan(req)
@@ -797,7 +821,7 @@ class Scheduler:
         )
         if self.approximate and hashes:
             self.index.record(slot.key, hashes, now=now, ttl=self.approx_ttl_s)
-        self.tables.refresh_slot(req.model, slot.key, health=False, rate=False)
+        self.tables.booked(req.model, slot.key, rate=False)
         self.stats["selections"] += 1
         if log.isEnabledFor(logging.DEBUG):
             log.debug(
@@ -833,7 +857,7 @@ class Scheduler:
             return
         back = self._returned(booking)
         if refresh:
-            self.tables.refresh_slot(booking.model, booking.key, health=False, rate=back == booking.key)
+            self.tables.booked(booking.model, booking.key, rate=back == booking.key)
         if ttft_ms is not None:
             found = self.timings.observation(request_id, ttft_ms)
             if found is not None:
@@ -854,7 +878,7 @@ class Scheduler:
         if self.peer_sync:
             self.outbox.close(h)
         if back != booking.key:
-            self.tables.refresh_slot(booking.model, back, health=False)
+            self.tables.booked(booking.model, back)
         return back
 
     # -- the view the HTTP side reads -----------------------------------------------------------

@@ -254,13 +254,14 @@ def test_a_long_prefill_goes_where_no_session_is_expected_back_a_returning_turn_
     assert costs[0] > costs[1]  # the wait it would cause at worker 1
     assert s._dispatch(SelectWorker(req(100, long_prompt), seq=100)).instance_id == 2
     s._dispatch(RequestDone("q100"))
-    before = slot1.arrival_rate
+    # A request's commands re-read its slot when the slots are next read (Scheduler._slots).
+    before = s._slots["m"][(1, 0)].arrival_rate
     # Session 0 comes back: its previous prompt, the answer, a new question.
     back = s._dispatch(SelectWorker(req(101, [*turns[0], *range(40), *range(90)]), seq=101))
     assert back.instance_id == 1
     s._dispatch(RequestFirstToken(back.booking_id))  # where a return is matched
     assert len(s.tables.returns) == 4  # session 0's entry closed, the long prompt's opened
-    assert 0.0 < slot1.arrival_rate < before
+    assert 0.0 < s._slots["m"][(1, 0)].arrival_rate < before
     # Without the term the two idle workers cost the same for the long prompt.
     off = sched(arrival_wait_weight=0.0)
     off.clock = off.tables.clock = lambda: clock[0]
