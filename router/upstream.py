@@ -60,18 +60,21 @@ class _Conn(asyncio.Protocol):
         # ``data_received``) instead of waking the reader; it returns False when it did not take
         # it (the reader is then woken and the sink cleared).
         self.sink: Callable[[bytes], bool] | None = None
+        # The parser hands the body straight to the list (its callbacks are read when it is made):
+        # held until data_received hands it on once the read is parsed; a second answer's bytes
+        # (``extra``) are cut off there, after the first answer's end (``_ended``). One parser and
+        # one list for the connection's life: a reused connection's last answer ended cleanly
+        # (else it is closed, never reused), where the parser is ready for the next one.
+        self.body: list[bytes] = []
+        self.on_body = self.body.append
+        self.parser = httptools.HttpResponseParser(self)
         self.begin()
 
     def begin(self) -> None:
-        """A new exchange: a fresh parser and nothing received."""
+        """A new exchange: nothing received."""
         self.active = True  # an exchange runs (bytes while none does are not an answer to anything)
-        # The parser hands the body straight to the list (its callbacks are read when it is made):
-        # held until data_received hands it on once the read is parsed; a second answer's bytes
-        # (``extra``) are cut off there, after the first answer's end (``_ended``).
-        self.body: list[bytes] = []
-        self.on_body = self.body.append
+        self.body.clear()
         self._ended = -1
-        self.parser = httptools.HttpResponseParser(self)
         self.received = 0  # bytes of this exchange's response
         self.status = 0
         self.raw_headers: list[tuple[bytes, bytes]] = []  # as they came (decoded when read: _decoded)

@@ -16,8 +16,19 @@ SEED = 1337
 _U64 = struct.Struct("<Q")
 
 
+def _packer(n: int) -> struct.Struct:
+    """The packing of ``n`` token ids as little-endian u32 (one per block size, kept)."""
+    packer = _BLOCKS.get(n)
+    if packer is None:
+        packer = _BLOCKS[n] = struct.Struct(f"<{n}I")
+    return packer
+
+
+_BLOCKS: dict[int, struct.Struct] = {}
+
+
 def block_hash(tokens: Sequence[int]) -> int:
-    data = struct.pack(f"<{len(tokens)}I", *tokens)
+    data = _packer(len(tokens)).pack(*tokens)
     h: int = xxhash.xxh3_64_intdigest(data, seed=SEED)
     return h
 
@@ -48,10 +59,12 @@ def chain_hashes(tokens: Sequence[int], block_size: int) -> list[int]:
     out: list[int] = []
     parent: int | None = None
     pack = _U64.pack
+    block = _packer(block_size).pack
+    digest = xxhash.xxh3_64_intdigest
     for start in range(0, len(tokens) - block_size + 1, block_size):
-        b = block_hash(tokens[start : start + block_size])
+        b = digest(block(*tokens[start : start + block_size]), seed=SEED)
         if parent is not None:
-            b = xxhash.xxh3_64_intdigest(pack(parent) + pack(b), seed=SEED)
+            b = digest(pack(parent) + pack(b), seed=SEED)
         out.append(b)
         parent = b
     return out
