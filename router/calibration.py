@@ -462,8 +462,9 @@ class Calibrations:
 
     def _changed(self, wid: int, cal: Calibration, before: Timing, own: bool) -> list[int]:
         """The worker, if its model changed, and the workers its pool's scale was lent to."""
-        if cal.timing == before and cal.own == own:
-            return []
+        timing = cal.timing
+        if (timing is before or timing == before) and cal.own == own:  # (unchanged: the same object,
+            return []  # a field-by-field comparison saved on every request)
         return ([wid] if cal.timing != before else []) + self._settle([wid])
 
     # -- fits off the caller (not inline) -----------------------------------------------------------

@@ -669,8 +669,10 @@ class Scheduler:
         """A claimed prior against the TTFT measured: persistently slower than it predicts, and the
         worker loses it (the router's own prior, then the fit of what it measured)."""
         prior = self._claimed_prior(wid)
+        if prior is None:
+            return
         state = self.discovery.get(wid)
-        if prior is None or state is None:
+        if state is None:
             return
         peers = SamePool(self.discovery, state.record.model, state.record.role)
         if self.timing_outcomes.report(wid, obs.ttft_ms(prior), obs.measured_ms, now=self.clock(), peers=peers):

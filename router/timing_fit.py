@@ -49,6 +49,7 @@ from __future__ import annotations
 import statistics
 from collections.abc import Iterable
 from dataclasses import dataclass, replace
+from typing import NamedTuple
 
 import numpy as np
 import numpy.typing as npt
@@ -86,9 +87,10 @@ def fit_with_running(x: Floats, running: Floats, y: Floats, prior: Floats, prior
     return theta
 
 
-@dataclass(frozen=True, slots=True)
-class PrefillObservation:
-    """One request's first token: what the router knew at selection and what it measured."""
+class PrefillObservation(NamedTuple):
+    """One request's first token: what the router knew at selection and what it measured. (A
+    tuple: made for every first token, where a frozen dataclass's constructor sets each field
+    through ``object.__setattr__``.)"""
 
     queued_tokens: float
     uncached_tokens: float

@@ -99,7 +99,7 @@ def test_a_decode_of_its_own_is_subtracted_before_the_prefill_ratio() -> None:
     rng = random.Random(5)
     for _ in range(3):
         o = obs(true, rng)
-        cal.observe_ttft(replace(o, running=2, measured_ms=ttft(true, o.queued_tokens, o.uncached_tokens, 2,
+        cal.observe_ttft(o._replace(running=2, measured_ms=ttft(true, o.queued_tokens, o.uncached_tokens, 2,
                                                                  o.kv_usage)))
         cal.observe_decode(o.kv_usage, true.decode_step_ms(o.kv_usage))
     assert not (cal.prefill_fitted or cal.decode_fitted)
