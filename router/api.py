@@ -27,7 +27,7 @@ import os
 import re
 import time
 from collections.abc import Awaitable, Callable, Mapping
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 from fastapi import FastAPI, Request
@@ -336,7 +336,7 @@ async def _open(
     selected_at = 0.0
     labels = (req.model,)
     while True:
-        sel = await _select(rt, replace(req, exclude=frozenset(exclude)) if exclude else req)
+        sel = await _select(rt, req._replace(exclude=frozenset(exclude)) if exclude else req)
         if attempts == 0:
             selected_at = time.perf_counter()
         out = dict(headers)
@@ -530,7 +530,7 @@ async def _completion(request: Request, rt: Runtime, path: str, chat: bool) -> R
             def decode_body(s: Selection) -> bytes:
                 return _target_body(body, s, kv_transfer_params=kv_params)
 
-            opened = await _open(rt, replace(routing, phase=Phase.DECODE), path, decode_body, headers)
+            opened = await _open(rt, routing._replace(phase=Phase.DECODE), path, decode_body, headers)
             phase_started = opened.selected_at
             rt.metrics.phase_overhead.labels(model, "decode").observe(phase_started - done)
             sel = opened.sel

@@ -47,8 +47,10 @@ class Phase(enum.Enum):
     DECODE = "decode"
 
 
-@dataclass(frozen=True, slots=True)
-class RoutingRequest:
+class RoutingRequest(NamedTuple):
+    """What a selection is asked (a tuple: made for every request, where a frozen dataclass's
+    constructor sets each field through ``object.__setattr__``)."""
+
     request_id: str
     model: str
     prompt_tokens: int

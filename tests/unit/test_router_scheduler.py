@@ -8,7 +8,6 @@ import json
 import random
 import time
 import uuid
-from dataclasses import replace
 from datetime import UTC, datetime, timedelta
 
 import pytest
@@ -257,7 +256,7 @@ async def test_a_selection_is_made_by_its_caller_only_when_the_actor_is_idle() -
         assert s.select_now(_req(3)) is None
         await queued
         with pytest.raises(InvalidRequest):  # what a selection raises, raised to the caller
-            s.select_now(replace(_req(4), model="not/served"))
+            s.select_now(_req(4)._replace(model="not/served"))
     finally:
         await s.stop()
     assert s.select_now(_req(5)) is None  # stopped: submit answers it (refused)
@@ -437,11 +436,11 @@ async def test_a_client_request_id_that_names_another_requests_booking_gets_one_
     s.send(ApplyMembership(_join(1)))
     s.start()
     try:
-        first = await s.select(replace(_req(0), request_id="dup"))
+        first = await s.select(_req(0)._replace(request_id="dup"))
         # Ids ahead of the actor's command count, so that the next selections' ``dup#seq`` are taken.
-        crafted = [await s.select(replace(_req(0), request_id=f"dup#{n}")) for n in range(100, 400)]
+        crafted = [await s.select(_req(0)._replace(request_id=f"dup#{n}")) for n in range(100, 400)]
         assert [c.booking_id for c in crafted] == [f"dup#{n}" for n in range(100, 400)]
-        again = [await s.select(replace(_req(0), request_id="dup")) for _ in range(3)]
+        again = [await s.select(_req(0)._replace(request_id="dup")) for _ in range(3)]
         ids = [first.booking_id, *(c.booking_id for c in crafted), *(a.booking_id for a in again)]
         assert len(set(ids)) == len(ids) == 304
         assert all(a.request_id == "dup" for a in again)
@@ -575,6 +574,6 @@ def test_an_instance_id_that_comes_back_serving_another_model_leaves_the_first()
         is Change.RESTARTED
     with pytest.raises(ServiceUnavailable):
         s._dispatch(SelectWorker(_req(2)))
-    got = s._dispatch(SelectWorker(replace(_req(3), model="n")))
+    got = s._dispatch(SelectWorker(_req(3)._replace(model="n")))
     assert got.instance_id == 1
     assert s.view.workers == {"m": 0, "n": 1}
