@@ -240,6 +240,11 @@ _ID_SEQ = itertools.count()
 
 _CACHED = re.compile(rb'"cached_tokens"\s*:\s*(\d+)')
 
+# Where a request's scope keeps its model label (once the router serves that model) and its trace,
+# for the error mapping (scope keys: Starlette's ``request.state`` makes an object per request).
+_MODEL = "rudder.model"
+_TRACE = "rudder.trace"
+
 
 def _answer_ended(rt: Runtime, sel: Selection, status: str, tail: bytes, ttft_ms: float | None, *,
                   itl_ms: float | None = None, decode_tokens: int | None = None,
@@ -438,7 +443,7 @@ async def _completion(request: Request, rt: Runtime, path: str, chat: bool) -> R
         raise NotFound(f"The model `{model}` does not exist on this router", field="model")
     # The metrics' model label from here on: a name the router serves, never a client's free
     # text (every unknown name would otherwise become a series of its own, kept for good).
-    request.state.model = model
+    request.scope[_MODEL] = model
     try:
         stream = lax_bool(body.get("stream"), "stream")
     except ValueError as exc:
@@ -461,7 +466,7 @@ async def _completion(request: Request, rt: Runtime, path: str, chat: bool) -> R
     headers["x-request-id"] = request_id
     tr: RequestTrace | None = None
     if traces.enabled():
-        tr = request.state.trace = RequestTrace(hdrs, request_id=request_id, model=model,
+        tr = request.scope[_TRACE] = RequestTrace(hdrs, request_id=request_id, model=model,
                                                 router_id=settings.router_id, path=path, started=t0,
                                                 prompt_tokens=n_prompt)
         tr.inject(headers)  # the worker's spans are children of this request's
@@ -745,7 +750,7 @@ def _rudder_error_response(rt: Runtime, request: Request, exc: RudderError) -> R
     overload = rt.settings.overload_status
     status = overload if isinstance(exc, Overloaded) else exc.status_code
     rt.metrics.rejections.labels(_reason(exc)).inc()
-    rt.metrics.requests.labels(getattr(request.state, "model", ""), request.url.path, str(status)).inc()
+    rt.metrics.requests.labels(request.scope.get(_MODEL, ""), request.scope["path"], str(status)).inc()
     _trace_done(request, status)
     if status >= 500 and not isinstance(exc, (ServiceUnavailable, Overloaded)):
         log.error("bug: %r", exc)
@@ -753,7 +758,7 @@ def _rudder_error_response(rt: Runtime, request: Request, exc: RudderError) -> R
 
 
 def _trace_done(request: Request, status: int) -> None:
-    tr: RequestTrace | None = getattr(request.state, "trace", None)
+    tr: RequestTrace | None = request.scope.get(_TRACE)
     if tr is not None:
         tr.done(str(status))
 
