@@ -112,7 +112,8 @@ def logging_off() -> None:
     logging.disable(logging.WARNING)
 
 
-def run_tree(src: Path, args: argparse.Namespace, requests: int, *, valgrind: str | None = None) -> tuple[dict[str, float], int | None]:
+def run_tree(src: Path, args: argparse.Namespace, requests: int, *,
+             valgrind: str | None = None) -> tuple[dict[str, float], int | None]:
     """(µs per command, instructions of the whole run if counted) of one tree."""
     cmd = [sys.executable, str(HERE), "--child", "--src", str(src), "--mode", args.mode, "--requests", str(requests),
            "--in-flight", str(args.in_flight), "--prompts", str(args.prompts)]
