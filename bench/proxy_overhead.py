@@ -392,14 +392,19 @@ def start_rust(package: str, python: Path, policy: str, worker_url: str, log: Pa
     return Target(f"{package} {policy}", f"http://127.0.0.1:{port}", proc)
 
 
-def start_floor(worker_url: str, log: Path | None, *, asgi: bool = False, count_calls: Path | None = None) -> Target:
-    """The Python floor (``bench/python_floor.py``): the least a reverse proxy in Python does per
-    request, with none of a router's work; what Rudder costs above it is its own."""
+FLOORS = {"python floor": [], "python floor (asgi)": ["--asgi"], "python floor (+work)": ["--work", MODEL]}
+
+
+def start_floor(worker_url: str, log: Path | None, *, name: str, count_calls: Path | None = None) -> Target:
+    """A Python floor (``bench/python_floor.py``): the least a reverse proxy in Python does per
+    request, with none of a router's work (what Rudder costs above it is its own); ``+work``: the
+    raw one doing Rudder's pure per-request work (parse, tokens, hashes, a real scheduler's
+    selection, first-token and end commands) from its callbacks."""
     port = free_port()
     script = Path(__file__).resolve().parent / "python_floor.py"
     proc = spawn([*python_command(count_calls), str(script), "--port", str(port), "--upstream", worker_url,
-                  *(["--asgi"] if asgi else [])], {}, log=log)
-    return Target("python floor (asgi)" if asgi else "python floor", f"http://127.0.0.1:{port}", proc, count_calls)
+                  *FLOORS[name]], {}, log=log)
+    return Target(name, f"http://127.0.0.1:{port}", proc, count_calls)
 
 
 async def wait_ok(url: str, *, within: float = 60.0) -> None:
@@ -485,10 +490,9 @@ async def main(args: argparse.Namespace) -> None:
                 routers.append(r)
                 await r.ready(1)
                 targets.append(Target("baseline", r.url, r.proc, calls))
-            for asgi in (False, True) if args.floor else ():
-                name = f"python floor{' (asgi)' if asgi else ''}"
-                t = start_floor(fleet.urls[0], log_dir / f"python-floor{'-asgi' if asgi else ''}.log", asgi=asgi,
-                                count_calls=counted(name))
+            for name in FLOORS if args.floor else ():
+                log_name = name.replace(" (", "-").replace(")", "").replace(" ", "-").replace("+", "")
+                t = start_floor(fleet.urls[0], log_dir / f"{log_name}.log", name=name, count_calls=counted(name))
                 targets.append(t)
                 await wait_ok(t.url + "/health")
             for policy in policies:
@@ -638,7 +642,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="uvicorn (as shipped), or uvicorn,granian: also Rudder --mode under granian's ASGI server")
     p.add_argument("--floor", action="store_true",
                    help="also the Python floors (bench/python_floor.py): a bare reverse proxy in Python, "
-                        "on raw protocols and as an ASGI app under uvicorn")
+                        "on raw protocols, as an ASGI app under uvicorn, and on raw protocols doing "
+                        "Rudder's pure per-request work")
     p.add_argument("--count-calls", default="",
                    help="run Rudder --mode, the baseline and the floors under cProfile, their profiles here, and "
                         "report Python function calls per request (a count: steady where timings are noise)")

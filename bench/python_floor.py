@@ -24,13 +24,20 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import itertools
+import re
 import signal
+import sys
+import time
 from collections import deque
+from pathlib import Path
 from typing import Any, Protocol
 from urllib.parse import urlsplit
 
 import httptools
 import uvloop
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # --work imports Rudder's modules
 
 HEAD = b"HTTP/1.1 %d OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n"
 
@@ -244,10 +251,105 @@ def asgi_app(pool: Pool) -> Any:
     return app
 
 
-async def serve(port: int, upstream: str) -> None:
+class Working(Downstream):
+    """``--work``: the raw floor doing a router's own pure work per request, with Rudder's modules
+    (docs/decisions.md 127): the body parsed, the prompt tokenized and hashed, a selection by a real
+    scheduler actor (``kv``, one worker, its fits in the background), the body sent with the
+    target appended, the first token found in the stream, the first-token and end commands with the
+    reported cached tokens. No metrics, logs, limits, errors or tracing. What a router handled from
+    its connections' callbacks (no task, no ASGI, no coroutines) could cost; against Rudder, in the
+    same run, what its request path's structure costs above the work it must do."""
+
+    scheduler: Any = None  # set by serve
+    first: Any = None  # the request's first-token detector, until its first token
+    booking: Any = None
+    sent_at = 0.0
+    tail = b""
+
+    def on_message_complete(self) -> None:
+        from controlplane.protocol import tokenizer
+        from controlplane.protocol.hashing import chain_hashes
+        from router.commands import RoutingRequest
+        from router.sse import FirstTokenDetector, json_bytes
+
+        if self.parser.get_method() != b"POST":  # a readiness probe: forwarded as the floor does
+            self.booking = None
+            super().on_message_complete()
+            return
+        raw = b"".join(self.body)
+        body = json_bytes(raw)
+        tokens = tokenizer.encode(body["prompt"])
+        sched = self.scheduler
+        self.booking = sched.select_now(RoutingRequest(
+            request_id=f"r{id(self)}-{len(tokens)}-{next(_SEQ)}", model=body["model"], prompt_tokens=len(tokens),
+            hashes={BLOCK: chain_hashes(tokens, BLOCK)}))
+        self.first = FirstTokenDetector()
+        self.sent_at = time.perf_counter()
+        self.tail = b""
+        sel = self.booking
+        out = b'%s,"nvext":{"backend_instance_id":%d,"dp_rank":%d}}' % (raw.strip()[:-1], sel.instance_id,
+                                                                       sel.dp_rank)
+        self.pool.send(self, self.pool.request(self.parser.get_method(), self.url, self.ctype, out))
+
+    def write(self, data: bytes) -> None:
+        from router.commands import RequestFirstToken
+
+        if self.booking is not None and self.first is not None and self.first.feed(data):
+            self.first = None
+            self.scheduler.send(RequestFirstToken(self.booking.booking_id,
+                                                  ttft_ms=(time.perf_counter() - self.sent_at) * 1e3))
+        self.tail = data
+        super().write(data)
+
+    def end(self) -> None:
+        from router.commands import RequestDone
+
+        if self.booking is None:
+            return
+        found = _CACHED.search(self.tail)
+        self.scheduler.send(RequestDone(self.booking.booking_id, instance_id=self.booking.instance_id,
+                                        predicted_cached=self.booking.cached_tokens,
+                                        reported_cached=int(found.group(1)) if found else None))
+
+
+BLOCK = 64  # the mock engine's default block size
+_SEQ = itertools.count()
+_CACHED = re.compile(rb'"cached_tokens"\s*:\s*(\d+)')
+
+
+def working_scheduler(upstream: str, model: str) -> Any:
+    """A ``kv`` scheduler actor with the upstream as its one worker (no bus: joined directly)."""
+    import random
+    from datetime import UTC, datetime
+
+    from controlplane.protocol.events import MembershipEvent, MembershipOp, RankLoad, RouterRole, WorkerRecord
+    from controlplane.protocol.policy import ALL_CACHE_INPUTS, PolicyKind, startup_values
+    from controlplane.protocol.signing import Keyring
+    from router.commands import ApplyMembership, LoadKvDump
+    from router.scheduler import Scheduler
+    from router.settings import RoutingMode
+
+    now = datetime.now(UTC)
+    s = Scheduler(router_id="floor", models=[model], role=RouterRole.AGGREGATED, mode=RoutingMode.KV,
+                  kv_events=True, cache_inputs=ALL_CACHE_INPUTS, startup={k: startup_values(k) for k in PolicyKind},
+                  worker_ttl_s=1e9, worker_stale_s=1e9, rng=random.Random(1), keyring=Keyring({}),
+                  background_fits=True)
+    rec = WorkerRecord(instance_id=1, model=model, url=upstream, block_size=BLOCK, kv_total_blocks=16384,
+                       max_num_batched_tokens=8192, started_at=now)
+    s._dispatch(ApplyMembership(MembershipEvent(op=MembershipOp.JOIN, worker=rec, load=[RankLoad()], at=now)))
+    s._dispatch(LoadKvDump(1, None, final=True))
+    s.start()
+    return s
+
+
+async def serve(port: int, upstream: str, work_model: str | None = None) -> None:
     pool = Pool(upstream)
     loop = asyncio.get_running_loop()
-    server = await loop.create_server(lambda: Downstream(pool), "127.0.0.1", port, backlog=2048)
+    if work_model is not None:
+        Working.scheduler = working_scheduler(upstream, work_model)
+        server = await loop.create_server(lambda: Working(pool), "127.0.0.1", port, backlog=2048)
+    else:
+        server = await loop.create_server(lambda: Downstream(pool), "127.0.0.1", port, backlog=2048)
     print(f"python floor on 127.0.0.1:{port} -> {upstream}", flush=True)
     stop = asyncio.Event()
     loop.add_signal_handler(signal.SIGTERM, stop.set)  # a clean exit (bench/count_calls.py writes its counts)
@@ -261,9 +363,11 @@ def main() -> None:
     p.add_argument("--port", type=int, required=True)
     p.add_argument("--upstream", required=True)
     p.add_argument("--asgi", action="store_true", help="a bare ASGI app under uvicorn instead")
+    p.add_argument("--work", default="", metavar="MODEL",
+                   help="the raw floor with a router's own work per request (class Working), for MODEL")
     args = p.parse_args()
     if not args.asgi:
-        uvloop.run(serve(args.port, args.upstream))
+        uvloop.run(serve(args.port, args.upstream, args.work or None))
         return
     import uvicorn
 
