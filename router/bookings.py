@@ -63,10 +63,7 @@ class Bookings:
             rank = self._by_key[key] = RankBookings()
         rank.prefill_tokens += prefill_tokens
         rank.requests += 1
-        blocks = rank.blocks
-        get = blocks.get
-        for h in booking.hashes:  # (Counter.update is Python, with type checks, for a few hashes)
-            blocks[h] = get(h, 0) + 1
+        rank.blocks.update(booking.hashes)
         return booking
 
     def first_token(self, request_id: str) -> Booking | None:
