@@ -67,10 +67,11 @@ class Pools:
             (m, p): LoadTable(selectable) for m in models for p in self.roles
         }
         self.thresholds: dict[str, Thresholds] = {}
-        # Slots whose bookings changed since they were last re-read ((model, key) → whether
-        # their returns' rate changed too): re-read once, by :meth:`settle`, before anything
-        # reads them next. A request's commands change its slot's bookings two or three times
-        # between two selections; each re-read cost as much as the change itself.
+        # With ``defer`` (the scheduler's actor runs), slots whose bookings changed since they
+        # were last re-read ((model, key) → whether their returns' rate changed too), re-read
+        # once by :meth:`settle`: a request's commands change its slot's bookings two or three
+        # times between two selections, and each re-read cost as much as the change itself.
+        self.defer = False
         self._unsettled: dict[tuple[str, WorkerKey], bool] = {}
 
     def table(self, model: str, role: WorkerRole) -> LoadTable[Slot]:
@@ -126,13 +127,18 @@ class Pools:
             for rank in range(state.record.dp_size):
                 self.refresh_slot(state.record.model, (wid, rank), state)
 
-    def booked(self, model: str, key: WorkerKey, *, rate: bool = True) -> None:
+    def booked(self, model: str, key: WorkerKey, *, rate: bool = True) -> bool:
         """The slot's bookings changed (and with ``rate``, its expected returns): it is re-read
-        (:meth:`refresh_slot`, its health aside) at the next :meth:`settle`."""
+        (:meth:`refresh_slot`, its health aside) at once, or with ``defer`` at the next
+        :meth:`settle` (True: noted for it)."""
+        if not self.defer:
+            self.refresh_slot(model, key, health=False, rate=rate)
+            return False
         k = (model, key)
         unsettled = self._unsettled
         if rate or k not in unsettled:
             unsettled[k] = rate or unsettled.get(k, False)
+        return True
 
     def settle(self) -> None:
         """Re-read every slot whose bookings changed since :meth:`booked` noted it: before a

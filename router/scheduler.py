@@ -180,6 +180,9 @@ class Scheduler:
         self._queue: asyncio.PriorityQueue[tuple[int, int, Any]] = asyncio.PriorityQueue()
         self._seq = itertools.count(1)
         self._task: asyncio.Task[None] | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        # The slots' re-read after a request's commands, due at the end of this turn of the loop.
+        self._settling: asyncio.Handle | None = None
         self._stopping = False
         self._handling = False  # inside a handler: a command sent meanwhile is queued, not nested
         self.stats: dict[str, int] = {"selections": 0, "skipped": 0, "applied": 0, "nacked": 0}
@@ -207,6 +210,8 @@ class Scheduler:
 
     def start(self) -> asyncio.Task[None]:
         if self._task is None:
+            self._loop = asyncio.get_running_loop()
+            self.tables.defer = True  # the slots' re-reads after a request's commands: once a turn
             self._task = asyncio.create_task(self._run(), name=f"scheduler-{self.router_id}")
         return self._task
 
@@ -224,6 +229,8 @@ class Scheduler:
             self._drain()
 
     def _drain(self) -> None:
+        self.tables.defer = False  # the actor has stopped: re-read at once again, from now on
+        self.tables.settle()
         while True:
             try:
                 _, _, cmd = self._queue.get_nowait()
@@ -367,6 +374,19 @@ class Scheduler:
             finally:
                 self._handling = False
 
+    def _settle_soon(self) -> None:
+        """A request's command noted changed bookings (Pools.booked, once the actor runs): the
+        slots are re-read at the end of this turn of the event loop, once for every command of
+        the turn and off the path of the request that sent it (its bytes go first), unless a
+        selection or another command reads them sooner (they settle first). The pure core driven
+        directly (tests, the simulator, bench/selection.py) re-reads at once, as it always did."""
+        if self._settling is None and self._loop is not None:
+            self._settling = self._loop.call_soon(self._settle_due)
+
+    def _settle_due(self) -> None:
+        self._settling = None
+        self.tables.settle()  # (a callback between two task steps: never inside a handler)
+
     def _idle(self) -> bool:
         """The actor runs, waits for a command (nothing queued) and is not inside a handler: a
         command handled now by its sender lands where the queue would have put it."""
@@ -417,7 +437,8 @@ class Scheduler:
                     self.tables.returns.finished(booking.key, booking.hashes, now)
                     if self.peer_sync and booking.hashes:
                         self.outbox.finish(booking.key, booking.hashes[-1], now)
-                    self.tables.booked(booking.model, booking.key)
+                    if self.tables.booked(booking.model, booking.key):
+                        self._settle_soon()
                 for wid in self.timings.done(cmd.request_id, cmd.itl_ms, cmd.decode_tokens):
                     self._retime(wid)
                 if cmd.reported_cached is not None:
@@ -823,7 +844,8 @@ class Scheduler:
         )
         if self.approximate and hashes:
             self.index.record(slot.key, hashes, now=now, ttl=self.approx_ttl_s)
-        self.tables.booked(req.model, slot.key, rate=False)
+        if self.tables.booked(req.model, slot.key, rate=False):
+            self._settle_soon()
         self.stats["selections"] += 1
         if log.isEnabledFor(logging.DEBUG):
             log.debug(
@@ -859,7 +881,8 @@ class Scheduler:
             return
         back = self._returned(booking)
         if refresh:
-            self.tables.booked(booking.model, booking.key, rate=back == booking.key)
+            if self.tables.booked(booking.model, booking.key, rate=back == booking.key):
+                self._settle_soon()
         if ttft_ms is not None:
             found = self.timings.observation(request_id, ttft_ms)
             if found is not None:
@@ -880,7 +903,8 @@ class Scheduler:
         if self.peer_sync:
             self.outbox.close(h)
         if back != booking.key:
-            self.tables.booked(booking.model, back)
+            if self.tables.booked(booking.model, back):
+                self._settle_soon()
         return back
 
     # -- the view the HTTP side reads -----------------------------------------------------------
