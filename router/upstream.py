@@ -23,7 +23,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass, field
-from typing import cast
+from typing import Protocol, cast
 from urllib.parse import urlsplit
 
 import httptools
@@ -44,6 +44,18 @@ class UpstreamBroken(UpstreamError):
     """The response started and then failed."""
 
 
+class Listener(Protocol):
+    """Who is told, from the connection's callbacks, what arrives of an exchange that no reader
+    awaits (router.express): once per read, and once when the connection is lost."""
+
+    def upstream_read(self, conn: _Conn) -> None:
+        """A read was parsed: the head may be in (``conn.head_done``), body parts held
+        (``conn.body``, taken with ``conn.take``), the answer complete (``conn.complete``)."""
+
+    def upstream_lost(self, conn: _Conn) -> None:
+        """The connection is gone (``conn.complete`` if an answer framed by the close ended)."""
+
+
 class _Conn(asyncio.Protocol):
     """One connection to a worker and the state of the exchange on it (one at a time)."""
 
@@ -60,6 +72,8 @@ class _Conn(asyncio.Protocol):
         # ``data_received``) instead of waking the reader; it returns False when it did not take
         # it (the reader is then woken and the sink cleared).
         self.sink: Callable[[bytes], bool] | None = None
+        # While set, each parsed read and the connection's loss go to it instead (no reader).
+        self.listener: Listener | None = None
         # The parser hands the body straight to the list (its callbacks are read when it is made):
         # held until data_received hands it on once the read is parsed; a second answer's bytes
         # (``extra``) are cut off there, after the first answer's end (``_ended``). One parser and
@@ -101,6 +115,10 @@ class _Conn(asyncio.Protocol):
             return
         if not self.head_done and self.received > _MAX_HEAD:
             self._fail("response head too large")
+        elif self.listener is not None:
+            if self.extra and self._ended >= 0:
+                del self.body[self._ended:]  # not this exchange's answer
+            self.listener.upstream_read(self)
         elif self.body:
             if self.extra and self._ended >= 0:
                 del self.body[self._ended:]  # not this exchange's answer
@@ -129,6 +147,9 @@ class _Conn(asyncio.Protocol):
             self.complete = True  # a body framed by the connection's close ends here
         elif not self.why:
             self.why = type(exc).__name__ if exc is not None else "connection closed"
+        listener, self.listener = self.listener, None
+        if listener is not None:
+            listener.upstream_lost(self)
         self._wake()
 
     def _fail(self, why: str) -> None:
@@ -270,14 +291,53 @@ class UpstreamClient:
         conn.reused = True
         pool.idle.append(conn)
 
+    def _request(self, url: str, path: str, body: bytes, headers: Mapping[str, str]) -> tuple[tuple[str, int], bytes]:
+        """(the worker's address, the bytes of a POST of ``body`` to ``url + path``)."""
+        host, port, prefix = self._address(url)
+        lines = [f"POST {prefix}{path} HTTP/1.1", f"Host: {host}:{port}", f"Content-Length: {len(body)}"]
+        lines += [f"{k}: {v}" for k, v in headers.items()]
+        return (host, port), ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1") + body
+
+    def idle(self, url: str) -> tuple[tuple[str, int], _Conn] | None:
+        """An idle keep-alive connection to ``url``'s worker (taken from the pool), with the pool's
+        key; None if there is none (or the URL is not one the client speaks to)."""
+        try:
+            host, port, _ = self._address(url)
+        except UpstreamUnreachable:
+            return None
+        conn = self._idle((host, port))
+        return None if conn is None else ((host, port), conn)
+
+    async def connect(self, url: str) -> tuple[tuple[str, int], _Conn]:
+        """A new connection to ``url``'s worker, with its pool's key. Raises UpstreamUnreachable."""
+        host, port, _ = self._address(url)
+        return (host, port), await self._connect(host, port)
+
+    def start(self, conn: _Conn, listener: Listener, url: str, path: str, body: bytes,
+              headers: Mapping[str, str]) -> asyncio.TimerHandle:
+        """POST on ``conn`` (from :meth:`idle`) with no reader: what arrives goes to ``listener``
+        from the connection's callbacks. Returns the head's timer (the connection is aborted if
+        no head comes within the read timeout; the caller cancels it at the head). The caller
+        gives the connection back with :meth:`release` once its answer ended, or closes it."""
+        _, request = self._request(url, path, body, headers)
+        conn.begin()
+        conn.listener = listener
+        timer = conn.loop.call_later(self.read_timeout_s, conn.expire)
+        assert conn.transport is not None
+        conn.transport.write(request)
+        return timer
+
+    def release(self, key: tuple[str, int], conn: _Conn) -> None:
+        """A connection whose answer was read to its end back to its pool (closed if it cannot
+        serve another)."""
+        conn.listener = None
+        self._release(key, conn)
+
     async def open(self, url: str, path: str, body: bytes, headers: Mapping[str, str]) -> UpstreamResponse:
         """POST ``body`` to ``url + path``; return once the status line and headers are in.
         Raises UpstreamUnreachable (nothing arrived) or UpstreamBroken."""
-        host, port, prefix = self._address(url)
-        key = (host, port)
-        lines = [f"POST {prefix}{path} HTTP/1.1", f"Host: {host}:{port}", f"Content-Length: {len(body)}"]
-        lines += [f"{k}: {v}" for k, v in headers.items()]
-        request = ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1") + body
+        key, request = self._request(url, path, body, headers)
+        host, port = key
         conn = self._idle(key) or await self._connect(host, port)
         try:
             return await self._exchange(key, conn, request)
@@ -322,7 +382,7 @@ class UpstreamClient:
             pool.idle.clear()
 
 
-class _ReadDeadline:
+class ReadDeadline:
     """The body's read timeout with one timer per response instead of one per read (an
     ``asyncio.timeout`` scope per read showed in the router's profile): reads mark when they
     start waiting and when they are served; the timer, when it fires, aborts the connection if a
@@ -384,7 +444,7 @@ class UpstreamResponse:
         # the body that arrives (but the end of the answer) goes to it as it arrives, without
         # waking the reader; ``next_chunk`` hands out only what it did not take.
         self.sink: Callable[[bytes], bool] | None = None
-        self._deadline: _ReadDeadline | None = None  # from the body's first read
+        self._deadline: ReadDeadline | None = None  # from the body's first read
 
     @property
     def headers(self) -> dict[str, str]:
@@ -415,7 +475,7 @@ class UpstreamResponse:
         # time between parts (no wait while it runs).
         deadline = self._deadline
         if deadline is None:
-            deadline = self._deadline = _ReadDeadline(conn.loop, conn.transport, self._client.read_timeout_s)
+            deadline = self._deadline = ReadDeadline(conn.loop, conn.transport, self._client.read_timeout_s)
         while True:
             if conn.body:
                 data = conn.take()
