@@ -71,6 +71,7 @@ from router.targets import (
     HDR_PREFILL,
     HDR_PREFILL_DP_RANK,
     HDR_WORKER,
+    Targets,
     parse_targets,
     parse_ttft_slo,
 )
@@ -244,9 +245,12 @@ _CACHED = re.compile(rb'"cached_tokens"\s*:\s*(\d+)')
 # for the error mapping (scope keys: Starlette's ``request.state`` makes an object per request).
 _MODEL = "rudder.model"
 _TRACE = "rudder.trace"
+# Where the express path (router.express) leaves the workers it found unreachable when it hands a
+# request to this one for its retries.
+UNREACHABLE = "rudder.unreachable"
 
 
-def _answer_ended(rt: Runtime, sel: Selection, status: str, tail: bytes, ttft_ms: float | None, *,
+def answer_ended(rt: Runtime, sel: Selection, status: str, tail: bytes, ttft_ms: float | None, *,
                   itl_ms: float | None = None, decode_tokens: int | None = None,
                   first_token: bool = False, first_ttft_ms: float | None = None) -> None:
     """A worker's answer ended: count it by worker and status, compare the cached tokens the
@@ -273,7 +277,7 @@ def _answer_ended(rt: Runtime, sel: Selection, status: str, tail: bytes, ttft_ms
             rt.metrics.observe_decision(record)
 
 
-def _target_body(
+def target_body(
     body: dict[str, Any], sel: Selection, *, kv_transfer_params: Any = None,
     raw: bytes | bytearray | None = None
 ) -> bytes:
@@ -316,7 +320,7 @@ def _prefill_body(body: dict[str, Any], sel: Selection, *, chat: bool) -> bytes:
     if chat or "max_completion_tokens" in out:
         out["max_completion_tokens"] = 1
     out.setdefault("kv_transfer_params", _PREFILL_KV_PARAMS)
-    return _target_body(out, sel)
+    return target_body(out, sel)
 
 
 @dataclass(slots=True)
@@ -329,15 +333,17 @@ class _Opened:
 
 async def _open(
     rt: Runtime, req: RoutingRequest, path: str,
-    make_body: Callable[[Selection], bytes], headers: Mapping[str, str],
+    make_body: Callable[[Selection], bytes], headers: Mapping[str, str], *,
+    unreachable: frozenset[int] = frozenset(),
 ) -> _Opened:
     """Select a worker for ``req`` and open the exchange with it (response head received).
 
     A connection failure before the first byte marks the worker unreachable and retries on
     another worker of the same pool, up to ``max_retries`` times; never for a pinned request.
-    Raises ServiceUnavailable, and what the selection raises."""
-    exclude: set[int] = set()
-    attempts = 0
+    ``unreachable``: workers already tried and found so (by the express path, router.express),
+    each one attempt. Raises ServiceUnavailable, and what the selection raises."""
+    exclude: set[int] = set(unreachable)
+    attempts = len(exclude)
     selected_at = 0.0
     labels = (req.model,)
     while True:
@@ -371,7 +377,7 @@ async def _open(
 
 async def _read_all(rt: Runtime, opened: _Opened) -> bytes:
     """The whole answer of a non-streamed exchange. Frees its booking if it fails; else the
-    caller ends it (:func:`_answer_ended`, or a ``RequestDone`` of its own), its first token
+    caller ends it (:func:`answer_ended`, or a ``RequestDone`` of its own), its first token
     with it (``first_token``: a non-streamed answer's first token comes with its end)."""
     sel, resp = opened.sel, opened.resp
     read = False
@@ -396,7 +402,7 @@ def _kv_transfer_params(content: bytes) -> Any:
     return answer.get("kv_transfer_params") if isinstance(answer, dict) else None
 
 
-def _parse(raw: bytes | bytearray) -> dict[str, Any]:
+def parse_body(raw: bytes | bytearray) -> dict[str, Any]:
     """The body as a JSON object. Raises InvalidRequest."""
     try:
         body = json_bytes(raw)
@@ -409,7 +415,7 @@ def _parse(raw: bytes | bytearray) -> dict[str, Any]:
     return body
 
 
-def _tokenize(tok: Tokenizer, body: dict[str, Any], chat: bool,
+def tokenize_request(tok: Tokenizer, body: dict[str, Any], chat: bool,
               block_sizes: tuple[int, ...]) -> tuple[list[int], int, dict[int, list[int]]]:
     """(token ids, prompt tokens, chain hashes per block size): pure, so it can run in a thread.
     Raises InvalidRequest naming the prompt's field for text that is not Unicode (a lone surrogate,
@@ -423,33 +429,61 @@ def _tokenize(tok: Tokenizer, body: dict[str, Any], chat: bool,
     return tokens, n_prompt, hashes
 
 
-async def _completion(request: Request, rt: Runtime, path: str, chat: bool) -> Response:
-    t0 = time.perf_counter()
-    settings = rt.settings
-    # The request's headers, read once (names are lower case in ASGI; the first of a repeated
-    # name is kept, as Starlette's ``Headers.get`` answers).
-    hdrs: dict[str, str] = {}
-    for name, value in request.scope["headers"]:
-        hdrs.setdefault(name.decode("latin-1"), value.decode("latin-1"))
-    raw = await read_body(request.receive, hdrs.get("content-length"), max_bytes=settings.max_body_bytes)
-    # A large body is parsed, tokenized and hashed in a thread so that the event loop keeps
-    # serving every other client meanwhile; a small one inline, where the hop costs more.
-    offload = len(raw) >= settings.offload_min_bytes
-    body = await asyncio.to_thread(_parse, raw) if offload else _parse(raw)
+def request_fields(rt: Runtime, scope: Scope, hdrs: Mapping[str, str],
+            body: dict[str, Any]) -> tuple[str, bool, Targets | None, float | None]:
+    """(model, stream, explicit targets, TTFT objective) of an inference request's parsed body and
+    headers, checked; the model's label set in ``scope`` for the metrics. Raises InvalidRequest,
+    NotFound."""
     model = body.get("model")
     if not isinstance(model, str) or not model:
         raise InvalidRequest("model must be a non-empty string", field="model")
-    if model not in settings.models:
+    if model not in rt.settings.models:
         raise NotFound(f"The model `{model}` does not exist on this router", field="model")
     # The metrics' model label from here on: a name the router serves, never a client's free
     # text (every unknown name would otherwise become a series of its own, kept for good).
-    request.scope[_MODEL] = model
+    scope[_MODEL] = model
     try:
         stream = lax_bool(body.get("stream"), "stream")
     except ValueError as exc:
         raise InvalidRequest(str(exc), field="stream") from None
-    targets = parse_targets(body.get("nvext"), hdrs, lowered=True)
-    slo = parse_ttft_slo(body.get("nvext"), hdrs)
+    return model, stream, parse_targets(body.get("nvext"), hdrs, lowered=True), parse_ttft_slo(body.get("nvext"), hdrs)
+
+
+def request_headers(scope: Scope) -> dict[str, str]:
+    """The request's headers, read once (names are lower case in ASGI; the first of a repeated
+    name is kept, as Starlette's ``Headers.get`` answers)."""
+    hdrs: dict[str, str] = {}
+    for name, value in scope["headers"]:
+        hdrs.setdefault(name.decode("latin-1"), value.decode("latin-1"))
+    return hdrs
+
+
+def routing_request(rt: Runtime, hdrs: Mapping[str, str], model: str, n_prompt: int, hashes: dict[int, list[int]],
+             targets: Targets | None, slo: float | None) -> tuple[str, dict[str, str], RoutingRequest]:
+    """(request id, the headers the worker gets, the selection's request) of a checked request."""
+    settings = rt.settings
+    request_id = hdrs.get("x-request-id") or f"{_ID_PREFIX}{next(_ID_SEQ):016x}"
+    headers = forward_headers(hdrs, allow=settings.credential_headers_allowed)
+    headers["x-request-id"] = request_id
+    return request_id, headers, RoutingRequest(
+        request_id=request_id, model=model, prompt_tokens=n_prompt, hashes=hashes, targets=targets,
+        ttft_slo_ms=slo,
+    )
+
+
+async def _completion(request: Request, rt: Runtime, path: str, chat: bool) -> Response:
+    t0 = time.perf_counter()
+    settings = rt.settings
+    scope = request.scope
+    if UNREACHABLE not in scope:  # (else counted on the express path, which began it)
+        rt.metrics.asgi_path.inc()
+    hdrs = request_headers(scope)
+    raw = await read_body(request.receive, hdrs.get("content-length"), max_bytes=settings.max_body_bytes)
+    # A large body is parsed, tokenized and hashed in a thread so that the event loop keeps
+    # serving every other client meanwhile; a small one inline, where the hop costs more.
+    offload = len(raw) >= settings.offload_min_bytes
+    body = await asyncio.to_thread(parse_body, raw) if offload else parse_body(raw)
+    model, stream, targets, slo = request_fields(rt, scope, hdrs, body)
     view = rt.scheduler.view
     names = view.tokenizers.get(model, frozenset())
     tok = rt.tokenizers.ready(names)
@@ -457,33 +491,28 @@ async def _completion(request: Request, rt: Runtime, path: str, chat: bool) -> R
         tok = await rt.tokenizers.get(names)
     block_sizes = tuple(view.block_sizes.get(model, ()))
     if offload:
-        _, n_prompt, hashes = await asyncio.to_thread(_tokenize, tok, body, chat, block_sizes)
+        _, n_prompt, hashes = await asyncio.to_thread(tokenize_request, tok, body, chat, block_sizes)
     else:
-        _, n_prompt, hashes = _tokenize(tok, body, chat, block_sizes)
-    request_id = hdrs.get("x-request-id") or f"{_ID_PREFIX}{next(_ID_SEQ):016x}"
+        _, n_prompt, hashes = tokenize_request(tok, body, chat, block_sizes)
+    request_id, headers, routing = routing_request(rt, hdrs, model, n_prompt, hashes, targets, slo)
     logs.bind(request_id=request_id, router_id=settings.router_id, model=model)  # this request's task only
-    headers = forward_headers(hdrs, allow=settings.credential_headers_allowed)
-    headers["x-request-id"] = request_id
     tr: RequestTrace | None = None
     if traces.enabled():
-        tr = request.scope[_TRACE] = RequestTrace(hdrs, request_id=request_id, model=model,
-                                                router_id=settings.router_id, path=path, started=t0,
-                                                prompt_tokens=n_prompt)
+        tr = scope[_TRACE] = RequestTrace(hdrs, request_id=request_id, model=model,
+                                          router_id=settings.router_id, path=path, started=t0,
+                                          prompt_tokens=n_prompt)
         tr.inject(headers)  # the worker's spans are children of this request's
     series = rt.metrics.model(model)
-    routing = RoutingRequest(
-        request_id=request_id, model=model, prompt_tokens=n_prompt, hashes=hashes, targets=targets,
-        ttft_slo_ms=slo,
-    )
 
     # From here until the answer's relay takes over, a client that goes away stops the wait
     # for its worker (router.api._ClientWatch): a 499, its booking freed, the worker stopped.
     with _ClientWatch(request) as watch:
         def first_body(s: Selection) -> bytes:
-            return _prefill_body(body, s, chat=chat) if s.disaggregated else _target_body(body, s, raw=raw)
+            return _prefill_body(body, s, chat=chat) if s.disaggregated else target_body(body, s, raw=raw)
 
         try:
-            opened = await _open(rt, routing, path, first_body, headers)
+            opened = await _open(rt, routing, path, first_body, headers,
+                                 unreachable=scope.get(UNREACHABLE, frozenset()))
         except Overloaded:
             if slo is not None:
                 rt.metrics.observe_slo(model, "rejected")
@@ -522,7 +551,7 @@ async def _completion(request: Request, rt: Runtime, path: str, chat: bool) -> R
             if status >= 400:
                 log.warning("request %s: prefill worker %s answered %d", request_id, sel.instance_id, status)
                 rt.metrics.answered(model, path, str(status))
-                _answer_ended(rt, sel, str(status), b"", None, first_token=True)
+                answer_ended(rt, sel, str(status), b"", None, first_token=True)
                 if tr is not None:
                     tr.done(str(status))
                 return Response(
@@ -533,7 +562,7 @@ async def _completion(request: Request, rt: Runtime, path: str, chat: bool) -> R
             kv_params = _kv_transfer_params(content)
 
             def decode_body(s: Selection) -> bytes:
-                return _target_body(body, s, kv_transfer_params=kv_params)
+                return target_body(body, s, kv_transfer_params=kv_params)
 
             opened = await _open(rt, routing._replace(phase=Phase.DECODE), path, decode_body, headers)
             phase_started = opened.selected_at
@@ -570,7 +599,7 @@ async def _completion(request: Request, rt: Runtime, path: str, chat: bool) -> R
             answered = time.perf_counter()
             observe_first_token(answered)
             rt.metrics.answered(model, path, str(resp.status_code))
-            _answer_ended(rt, sel, str(resp.status_code), content, (answered - opened.sent_at) * 1e3,
+            answer_ended(rt, sel, str(resp.status_code), content, (answered - opened.sent_at) * 1e3,
                           first_token=True)
             if tr is not None:
                 tr.done(str(resp.status_code))
@@ -602,7 +631,7 @@ async def _completion(request: Request, rt: Runtime, path: str, chat: bool) -> R
             itl_ms = (last - first_at) * 1e3 / (chunks - 1) if chunks > 1 and status == "200" else None
             rt.metrics.answered(model, path, status)
             ttft_ms = (first_at - opened.sent_at) * 1e3 if chunks else None
-            _answer_ended(rt, sel, status, previous + tail, ttft_ms, itl_ms=itl_ms, decode_tokens=chunks or None,
+            answer_ended(rt, sel, status, previous + tail, ttft_ms, itl_ms=itl_ms, decode_tokens=chunks or None,
                           first_token=first_with_end, first_ttft_ms=ttft_ms)
             if tr is not None:
                 tr.done(status)
@@ -746,19 +775,23 @@ class RelayResponse(Response):
 
 
 def _rudder_error_response(rt: Runtime, request: Request, exc: RudderError) -> Response:
+    return error_answer(rt, request.scope, exc)
+
+
+def error_answer(rt: Runtime, scope: Scope, exc: RudderError) -> Response:
     """The one mapping of a RudderError to the router's answer (OpenAI shape), with its metrics."""
     overload = rt.settings.overload_status
     status = overload if isinstance(exc, Overloaded) else exc.status_code
     rt.metrics.rejections.labels(_reason(exc)).inc()
-    rt.metrics.requests.labels(request.scope.get(_MODEL, ""), request.scope["path"], str(status)).inc()
-    _trace_done(request, status)
+    rt.metrics.requests.labels(scope.get(_MODEL, ""), scope["path"], str(status)).inc()
+    _trace_done(scope, status)
     if status >= 500 and not isinstance(exc, (ServiceUnavailable, Overloaded)):
         log.error("bug: %r", exc)
     return error_response(exc, overload_status=overload)
 
 
-def _trace_done(request: Request, status: int) -> None:
-    tr: RequestTrace | None = request.scope.get(_TRACE)
+def _trace_done(scope: Scope, status: int) -> None:
+    tr: RequestTrace | None = scope.get(_TRACE)
     if tr is not None:
         tr.done(str(status))
 
@@ -766,11 +799,11 @@ def _trace_done(request: Request, status: int) -> None:
 def _bug_response(rt: Runtime, request: Request) -> Response:
     log.exception("unhandled error on %s", request.url.path)
     rt.metrics.rejections.labels("internal_error").inc()
-    _trace_done(request, 500)
+    _trace_done(request.scope, 500)
     return error_response(RudderError("internal error"), overload_status=rt.settings.overload_status)
 
 
-_FAST_ROUTES = {"/v1/chat/completions": True, "/v1/completions": False}
+INFERENCE_ROUTES = {"/v1/chat/completions": True, "/v1/completions": False}
 
 
 class InferenceFastPath:
@@ -789,7 +822,7 @@ class InferenceFastPath:
         """``chat`` for a request this path serves, else None."""
         if scope["type"] != "http" or scope.get("method") != "POST":
             return None
-        return _FAST_ROUTES.get(scope.get("path", ""))
+        return INFERENCE_ROUTES.get(scope.get("path", ""))
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send, chat: bool) -> None:
         request = Request(scope, receive)

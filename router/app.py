@@ -46,6 +46,7 @@ from router.consumers import (
     tick,
 )
 from router.decisions import DecisionLog
+from router.express import Express
 from router.fitting import Fitter
 from router.ingress import IngressLimits, protocol_class
 from router.manifests import ManifestBook, ManifestConsumer
@@ -409,7 +410,8 @@ def uvicorn_options(app: FastAPI) -> dict[str, Any]:
     # more layer every request and every chunk of a stream passes through. No ``server: uvicorn``
     # on every answer either: it names the server software to whoever asks, and is one more
     # header checked and written per answer (``date`` stays: RFC 9110 asks it of origin servers).
-    return {"http": protocol_class(limits), "proxy_headers": False, "server_header": False}
+    express = Express(rt) if s.express_path else None
+    return {"http": protocol_class(limits, express), "proxy_headers": False, "server_header": False}
 
 
 # Allocations less deallocations of tracked objects that start a young-generation collection.

@@ -42,7 +42,7 @@ import asyncio
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, ClassVar, cast
+from typing import Any, ClassVar, Protocol, cast
 
 import httptools
 from starlette.responses import Response
@@ -87,13 +87,37 @@ class IngressLimits:
     probe_paths: frozenset[str] = frozenset({"/health", "/live", "/metrics"})
 
 
-def protocol_class(limits: IngressLimits) -> type[GuardedHttpProtocol]:
-    """A protocol class for ``uvicorn.Config(http=...)`` bound to ``limits``."""
-    return type("GuardedHttpProtocol", (GuardedHttpProtocol,), {"limits": limits})
+class ExpressPath(Protocol):
+    """The router's express path (router.express.Express), as the protocol drives it."""
+
+    max_body: int
+
+    def route(self, scope: Any) -> bool | None: ...
+
+    def serve(self, side: Any, cycle: RequestResponseCycle, chat: bool) -> bool: ...
+
+
+class ExpressExchange(Protocol):
+    """A request in flight on the express path (router.express.Exchange)."""
+
+    def client_gone(self) -> None: ...
+
+    def client_paused(self) -> None: ...
+
+    def client_resumed(self) -> None: ...
+
+
+def protocol_class(limits: IngressLimits, express: ExpressPath | None = None) -> type[GuardedHttpProtocol]:
+    """A protocol class for ``uvicorn.Config(http=...)`` bound to ``limits`` (and the router's
+    express path, if given)."""
+    return type("GuardedHttpProtocol", (GuardedHttpProtocol,), {"limits": limits, "express": express})
 
 
 class GuardedHttpProtocol(HttpToolsProtocol):
     limits: ClassVar[IngressLimits]
+    # The express path (router.express): an inference request whose body is in is served from
+    # this protocol's callbacks; anything it does not take starts its ASGI task as before.
+    express: ClassVar[ExpressPath | None] = None
 
     def __init__(self, config: Config, server_state: ServerState, app_state: dict[str, Any],
                  _loop: asyncio.AbstractEventLoop | None = None) -> None:
@@ -108,6 +132,12 @@ class GuardedHttpProtocol(HttpToolsProtocol):
         self._discard_until: float | None = None
         self._probes_only = False  # opened past max_connections: probes and scrapes only
         self._replaying = False  # a head re-read after an ignored upgrade (_ignore_upgrade)
+        # An express-path request waiting for the rest of its body (its app, whether chat), and
+        # the one in flight there.
+        self._pending: RequestResponseCycle | None = None
+        self._pending_app: ASGI3Application | None = None
+        self._pending_chat = False
+        self.exchange: ExpressExchange | None = None
 
     # -- connection ----------------------------------------------------------------------------
 
@@ -130,6 +160,10 @@ class GuardedHttpProtocol(HttpToolsProtocol):
         if self._refused:
             return
         super().connection_lost(exc)
+        self._pending = self._pending_app = None
+        exchange, self.exchange = self.exchange, None
+        if exchange is not None:
+            exchange.client_gone()
         cycle = self.cycle
         if isinstance(cycle, DirectCycle) and cycle.disconnected:
             cycle.gone()
@@ -149,7 +183,28 @@ class GuardedHttpProtocol(HttpToolsProtocol):
         if self._probes_only and cycle.scope["path"] not in self.limits.probe_paths:
             self.limits.on_refused("max_connections")
             app = cast(ASGI3Application, self._over_the_limit)
+        elif (express := self.express) is not None and app is self.app and not cycle.waiting_for_100_continue:
+            chat = express.route(cycle.scope)
+            if chat is not None:  # the express path's, once its body is in
+                self._pending, self._pending_app, self._pending_chat = cycle, app, chat
+                if not cycle.more_body:  # (a pipelined request, started after the one before it)
+                    self._serve_pending()
+                return
         super()._start_asgi_task(cycle, app)
+
+    def _serve_pending(self) -> None:
+        cycle, self._pending = self._pending, None
+        assert cycle is not None and self.express is not None
+        if not self.express.serve(self, cycle, self._pending_chat):
+            self.to_asgi(cycle)
+
+    def to_asgi(self, cycle: RequestResponseCycle) -> None:
+        """Serve an express-path request the ASGI way after all (its body is still in ``cycle``)."""
+        app, self._pending_app = self._pending_app, None
+        self._pending = None
+        if type(cycle) is RequestResponseCycle:
+            DirectCycle.adopt(cycle)
+        super()._start_asgi_task(cycle, app or self.app)
 
     async def _over_the_limit(self, scope: Scope, receive: Receive, send: Send) -> None:
         response = self.limits.render(self._limit_error())
@@ -276,7 +331,7 @@ class GuardedHttpProtocol(HttpToolsProtocol):
         super().on_headers_complete()
         # uvicorn made the request's cycle (and started its task, or queued it behind the answer
         # in progress): it becomes the router's before the app sees it (the task has not run yet).
-        if type(self.cycle) is RequestResponseCycle:
+        if type(self.cycle) is RequestResponseCycle and self.cycle is not self._pending:
             DirectCycle.adopt(self.cycle)
 
     def on_message_complete(self) -> None:
@@ -289,6 +344,8 @@ class GuardedHttpProtocol(HttpToolsProtocol):
             self._body_timer.cancel()
             self._body_timer = None
         super().on_message_complete()
+        if self._pending is not None and self._pending is self.cycle:
+            self._serve_pending()
 
     # -- the body after an early answer --------------------------------------------------------
 
@@ -302,6 +359,10 @@ class GuardedHttpProtocol(HttpToolsProtocol):
                 self.transport.close()
                 return
         super().on_body(body)
+        pending = self._pending
+        if pending is not None and pending is cycle and self.express is not None \
+                and len(pending.body) >= self.express.max_body:
+            self.to_asgi(pending)  # too large for the express path: read by its app
 
     # -- writing -------------------------------------------------------------------------------
 
@@ -309,12 +370,16 @@ class GuardedHttpProtocol(HttpToolsProtocol):
         super().pause_writing()
         if self._write_timer is None:
             self._write_timer = self.loop.call_later(self.limits.write_timeout_s, self._write_expired)
+        if self.exchange is not None:
+            self.exchange.client_paused()
 
     def resume_writing(self) -> None:
         super().resume_writing()
         if self._write_timer is not None:
             self._write_timer.cancel()
             self._write_timer = None
+        if self.exchange is not None:
+            self.exchange.client_resumed()
 
     def _write_expired(self) -> None:
         self._write_timer = None

@@ -198,6 +198,12 @@ class RouterMetrics:
             "Selection asked of the scheduler to its answer (queue wait and scoring)", ["model"],
             buckets=_OVERHEAD, registry=r,
         )
+        self.request_path = FastCounter(
+            "rudder_router_request_path", "Inference requests by the path that served them (express: "
+            "from the connections' callbacks; asgi: a task each, where the express path does not serve them)",
+            ["path"], registry=r,
+        )
+        self.express_path, self.asgi_path = self.request_path.labels("express"), self.request_path.labels("asgi")
         self.predicted_cached = FastCounter(
             "rudder_router_predicted_cached_tokens", "Prompt tokens predicted cached on the chosen "
             "worker (requests whose worker reported its cached tokens)", ["model"], registry=r,

@@ -387,6 +387,15 @@ class Scheduler:
         self._settling = None
         self.tables.settle()  # (a callback between two task steps: never inside a handler)
 
+    def idle(self) -> bool:
+        """Whether a selection asked now is made at once (:meth:`select_now`)."""
+        return not self._stopping and self._idle()
+
+    def disaggregated(self, model: str) -> bool:
+        """Whether the model's requests run in two phases (prefill, then decode): read by the HTTP
+        side on the actor's thread while the actor is idle, as :meth:`select_now` does."""
+        return self.chooser.disaggregated(model)
+
     def _idle(self) -> bool:
         """The actor runs, waits for a command (nothing queued) and is not inside a handler: a
         command handled now by its sender lands where the queue would have put it."""

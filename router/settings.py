@@ -205,6 +205,10 @@ class RouterSettings(BusSettings):
     # tokens / TTFT (x-worker-instance-id, x-rudder-predicted-cached-tokens, ...): a debugging aid
     # and a cache oracle for any client, so off by default.
     debug_headers: bool = False
+    # The express path (router.express; docs/decisions.md 128): the common inference request served
+    # from the connections' callbacks, no task or ASGI. Off: every request takes the ASGI path
+    # (what a benchmark compares it with; a fallback for an operator who suspects it).
+    express_path: bool = True
 
     @functools.cached_property
     def credential_headers_allowed(self) -> frozenset[str]:  # read on every request

@@ -412,8 +412,10 @@ async def test_a_large_prompt_is_tokenized_and_hashed_off_the_event_loop(
     has its answer, so the test shows it without timing anything: inline, the loop could not serve
     the other client, and the work would run on the loop's thread. A small body is parsed and
     tokenized inline (a thread hop costs more than the work). The requests pin an unknown worker,
-    so the router refuses them after that work, without a worker."""
+    so the router refuses them after that work, without a worker (the small one on the express
+    path, router.express, which calls the same two functions)."""
     import router.api as api
+    import router.express as express
 
     router = fleet
     assert router.settings.offload_min_bytes < 3_000_000
@@ -421,7 +423,7 @@ async def test_a_large_prompt_is_tokenized_and_hashed_off_the_event_loop(
     other_served = threading.Event()
     parsed: list[tuple[int, int]] = []  # (thread, body bytes)
     tokenized: list[tuple[int, int, bool]] = []  # (thread, prompt characters, the other client served)
-    parse, tokenize = api._parse, api._tokenize
+    parse, tokenize = api.parse_body, api.tokenize_request
 
     def parse_spy(raw: bytes) -> dict[str, Any]:
         parsed.append((threading.get_ident(), len(raw)))
@@ -433,8 +435,9 @@ async def test_a_large_prompt_is_tokenized_and_hashed_off_the_event_loop(
         tokenized.append((threading.get_ident(), size, served))
         return tokenize(tok, body, chat, block_sizes)
 
-    monkeypatch.setattr(api, "_parse", parse_spy)
-    monkeypatch.setattr(api, "_tokenize", tokenize_spy)
+    for module in (api, express):
+        monkeypatch.setattr(module, "parse_body", parse_spy)
+        monkeypatch.setattr(module, "tokenize_request", tokenize_spy)
 
     def body(chars: int) -> dict[str, Any]:
         return {"model": MODEL, "messages": [{"role": "user", "content": "y" * chars}]}

@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from router.api import RelayResponse, _target_body
+from router.api import RelayResponse, target_body
 from router.commands import NO_REVISIONS, Selection
 from router.upstream import UpstreamBroken, UpstreamClient
 
@@ -25,8 +25,8 @@ SEL = Selection("r", "m", 12345, 2, "http://w", NO_REVISIONS, 1, None, 0, 0, 0, 
 ])
 def test_the_target_body_is_the_clients_with_the_target_whether_spliced_or_encoded(raw: bytes) -> None:
     body = json.loads(raw)
-    spliced = _target_body(body, SEL, raw=bytearray(raw))
-    encoded = _target_body(body, SEL)
+    spliced = target_body(body, SEL, raw=bytearray(raw))
+    encoded = target_body(body, SEL)
     assert json.loads(spliced) == json.loads(encoded) == {
         **body, "nvext": {**body.get("nvext", {}), "backend_instance_id": 12345, "dp_rank": 2}}
     if "nvext" not in body:
@@ -36,7 +36,7 @@ def test_the_target_body_is_the_clients_with_the_target_whether_spliced_or_encod
 def test_a_body_in_utf16_is_encoded_not_spliced() -> None:
     raw = json.dumps({"prompt": "x"}).encode("utf-16-be")
     body = json.loads(raw)
-    out = _target_body(body, SEL, raw=raw)
+    out = target_body(body, SEL, raw=raw)
     assert json.loads(out) == {"prompt": "x", "nvext": {"backend_instance_id": 12345, "dp_rank": 2}}
 
 
