@@ -481,6 +481,13 @@ async def main(args: argparse.Namespace) -> None:
                 routers.append(r)
                 await r.ready(1)
                 targets.append(Target(f"rudder {mode}", r.url, r.proc, calls))
+            if args.asgi:  # the same router with its express path off: every request a task, ASGI
+                r = Router(server, MODEL, mode=args.mode, launcher=args.launcher,
+                           log=log_dir / f"rudder-{args.mode}-asgi.log", count_calls=counted("asgi path"),
+                           env={**STARTUP, "RUDDER_EXPRESS_PATH": "false"})
+                routers.append(r)
+                await r.ready(1)
+                targets.append(Target(f"rudder {args.mode} (asgi path)", r.url, r.proc, counted("asgi path")))
             if "granian" in args.servers.split(","):
                 targets.append(await start_granian(server, args.mode, log_dir / "rudder-granian.log"))
             if args.baseline:
@@ -630,6 +637,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="output tokens per request (a streamed chunk each: more measures the relay per chunk)")
     p.add_argument("--mode", default="kv", help="the Rudder mode profiled and compared with --baseline")
     p.add_argument("--modes", default="kv,round_robin", help="Rudder routers, one per mode")
+    p.add_argument("--asgi", action="store_true",
+                   help="also a --mode router with its express path off (RUDDER_EXPRESS_PATH=false)")
     p.add_argument("--rust", default="vllm-router", choices=(*RUST_ROUTERS, "none"),
                    help="a Rust router from PyPI, in a bench-only venv under ~/.cache/rudder/")
     p.add_argument("--rust-policies", default="round_robin,cache_aware", help="one Rust router per policy")
