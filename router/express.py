@@ -14,13 +14,13 @@ decided before anything of the request has changed state:
 
 * a body larger than ``offload_min_bytes`` (parsed in a thread there), or not yet complete when it
   grows past that; ``Expect: 100-continue``; tracing on;
-* a model whose tokenizer is not loaded yet, a disaggregated model (two phases), a scheduler actor
-  with queued work (the selection waits in its queue there);
-* no idle keep-alive connection to the selected worker (the ASGI path connects), its booking freed;
+* a model whose tokenizer is not loaded yet, or a disaggregated model (two phases);
 * a worker found unreachable before its answer's head, for the retries on other workers (its
   booking freed, the worker marked, the ASGI path told which workers to leave out).
 
-Everything else behaves as on the ASGI path, with the same helpers: the error mapping and its
+A selection behind the scheduler actor's queued work continues the request from its future's
+callback; a request to a worker with no idle connection makes one in a task (its callback sends
+the request). Everything else behaves as on the ASGI path, with the same helpers: the error mapping and its
 metrics, the target in ``nvext``, the worker's timeouts (head, and each wait for its body), the
 first token and the inter-token times, usage's cached tokens, the booking's end, a stream that
 breaks (an error event), a client that goes away (its worker connection closed, its booking freed),
@@ -49,6 +49,7 @@ from router.api import (
     Runtime,
     answer_ended,
     error_answer,
+    error_response,
     parse_body,
     request_fields,
     request_headers,
@@ -56,15 +57,17 @@ from router.api import (
     target_body,
     tokenize_request,
 )
-from router.commands import MarkUnavailable, RequestDone, RequestFirstToken, Selection
+from router.commands import MarkUnavailable, RequestDone, RequestFirstToken, Revisions, Selection, SelectWorker
 from router.sse import FirstTokenDetector
 from router.targets import HDR_DP_RANK, HDR_POLICY_REVISIONS, HDR_PREDICTED_CACHED, HDR_PREDICTED_TTFT, HDR_WORKER
 from router.upstream import ReadDeadline, _Conn
 
 if TYPE_CHECKING:
-    from router.metrics import ModelSeries
+    pass
 
 log = logging.getLogger("router.api")  # the request path's lines, as the ASGI path's
+# An exchange's selection until it is made.
+NO_SELECTION = Selection("", "", 0, 0, "", Revisions({}), 0, None, 0, 0, 0, 0)
 
 
 class ClientSide(Protocol):
@@ -100,10 +103,10 @@ class Express:
         being answered), False if it is to go the ASGI way (nothing of it changed)."""
         t0 = time.perf_counter()
         raw = cycle.body
+        if len(raw) >= self.max_body:
+            return False
         rt = self.rt
         sched = rt.scheduler
-        if len(raw) >= self.max_body or not sched.idle():
-            return False
         scope = cast(Scope, cycle.scope)
         model = ""
         slo: float | None = None
@@ -119,34 +122,31 @@ class Express:
             request_id, headers, routing = routing_request(rt, hdrs, model, n_prompt, hashes, targets, slo)
             asked = time.perf_counter()
             sel = sched.select_now(routing)
+            # Behind the actor's queued work: its answer continues the request from the future's
+            # callback (a client gone meanwhile cancels it; the actor skips it).
+            queued = sched.submit(SelectWorker(routing)) if sel is None else None
         except RudderError as exc:
             if isinstance(exc, Overloaded) and slo is not None:
                 rt.metrics.observe_slo(model, "rejected")
             self.served.inc()
             refuse(side, cycle, rt, exc)
             return True
-        if sel is None:
-            return False
-        if sel.disaggregated:
-            sched.send(RequestDone(sel.booking_id))
-            return False
-        selected_at = time.perf_counter()
-        series = rt.metrics.model(model)
-        series.selection.observe(selected_at - asked)
-        series.overhead.observe(selected_at - t0)
-        series.hit_rate.observe(sel.predicted_hit_rate)
-        ex = Exchange(self, side, cycle, sel, series, t0=t0, chat=chat, stream=stream, slo=slo,
-                      request_id=request_id)
+        except Exception:  # a bug: answered as the ASGI path answers one (500, logged)
+            log.exception("unhandled error on %s", scope["path"])
+            rt.metrics.rejections.labels("internal_error").inc()
+            self.served.inc()
+            refuse(side, cycle, rt, RudderError("internal error"), counted=False)
+            return True
+        ex = Exchange(self, side, cycle, model, t0=t0, asked=asked, chat=chat, stream=stream, slo=slo,
+                      request_id=request_id, body=body, headers=headers)
         side.exchange = ex
         self.served.inc()
-        if log.isEnabledFor(logging.INFO):
-            with logs.bound(request_id=request_id, router_id=rt.settings.router_id, model=model,
-                            worker_id=sel.instance_id, revision=sel.revisions.text):
-                log.info("request %s → %s worker %s rank %d (revision %s, predicted hit %.2f)", request_id,
-                         sel.pool.value, sel.instance_id, sel.dp_rank, sel.revisions, sel.predicted_hit_rate)
-        headers[HDR_WORKER] = str(sel.instance_id)
-        headers[HDR_DP_RANK] = str(sel.dp_rank)
-        ex.send(target_body(body, sel, raw=raw), headers)
+        if queued is None:
+            assert sel is not None
+            ex.selected(sel)
+        else:
+            ex.queued = queued
+            queued.add_done_callback(ex.on_queued)
         return True
 
 
@@ -156,6 +156,7 @@ class Exchange:
     client's (:meth:`client_gone`, :meth:`client_paused`, :meth:`client_resumed`)."""
 
     __slots__ = (
+        "asked",
         "body",
         "chat",
         "chunks",
@@ -176,7 +177,9 @@ class Exchange:
         "path",
         "paused",
         "previous",
+        "queued",
         "relaying",
+        "request",
         "request_id",
         "sel",
         "sent_at",
@@ -189,16 +192,19 @@ class Exchange:
         "tail",
     )
 
-    def __init__(self, express: Express, side: ClientSide, cycle: RequestResponseCycle, sel: Selection,
-                 series: ModelSeries, *, t0: float, chat: bool, stream: bool,
-                 slo: float | None, request_id: str) -> None:
+    def __init__(self, express: Express, side: ClientSide, cycle: RequestResponseCycle, model: str, *,
+                 t0: float, asked: float, chat: bool, stream: bool, slo: float | None, request_id: str,
+                 body: dict[str, Any], headers: dict[str, str]) -> None:
         self.express = express
         self.side = side
         self.cycle = cycle
-        self.sel = sel
-        self.model = sel.model
+        self.model = model
         self.path: str = cycle.scope["path"]
-        self.series = series
+        self.series = express.rt.metrics.model(model)
+        self.request: tuple[dict[str, Any], dict[str, str]] | None = (body, headers)  # until sent
+        self.sel: Selection = NO_SELECTION  # once selected
+        self.queued: asyncio.Future[Selection] | None = None  # a selection behind the actor's work
+        self.asked = asked
         self.key: tuple[str, int] = ("", 0)
         self.conn: _Conn | None = None  # once connected
         self.t0 = t0
@@ -221,6 +227,50 @@ class Exchange:
         self.first_at = self.last = 0.0
         self.previous = self.tail = b""
         self.first_with_end = False
+
+    # -- the selection -----------------------------------------------------------------------
+
+    def on_queued(self, fut: asyncio.Future[Selection]) -> None:
+        """The queued selection's future is done (the actor's answer, or cancelled)."""
+        self.queued = None
+        sched = self.express.rt.scheduler
+        if self.done:  # the client went away meanwhile: a selection made for nobody is freed
+            if not fut.cancelled() and fut.exception() is None:
+                sched.send(RequestDone(fut.result().booking_id))
+            return
+        try:
+            exc = fut.exception() if not fut.cancelled() else ServiceUnavailable("router is stopping", retry_after=1)
+            if exc is None:
+                self.selected(fut.result())
+            elif isinstance(exc, RudderError):
+                if isinstance(exc, Overloaded) and self.slo is not None:
+                    self.express.rt.metrics.observe_slo(self.model, "rejected")
+                self._refused(exc)
+            else:
+                raise exc
+        except Exception:
+            self._bug()
+
+    def selected(self, sel: Selection) -> None:
+        """The selection is made: counted, logged, the request sent to its worker."""
+        self.sel = sel
+        selected_at = time.perf_counter()
+        series = self.series
+        series.selection.observe(selected_at - self.asked)
+        series.overhead.observe(selected_at - self.t0)
+        series.hit_rate.observe(sel.predicted_hit_rate)
+        if log.isEnabledFor(logging.INFO):
+            rt = self.express.rt
+            with logs.bound(request_id=self.request_id, router_id=rt.settings.router_id, model=self.model,
+                            worker_id=sel.instance_id, revision=sel.revisions.text):
+                log.info("request %s → %s worker %s rank %d (revision %s, predicted hit %.2f)", self.request_id,
+                         sel.pool.value, sel.instance_id, sel.dp_rank, sel.revisions, sel.predicted_hit_rate)
+        request, self.request = self.request, None
+        assert request is not None
+        body, headers = request
+        headers[HDR_WORKER] = str(sel.instance_id)
+        headers[HDR_DP_RANK] = str(sel.dp_rank)
+        self.send(target_body(body, sel, raw=self.cycle.body), headers)
 
     # -- the worker's side -------------------------------------------------------------------
 
@@ -253,6 +303,33 @@ class Exchange:
         self.head_timer = self.express.client.start(self.conn, self, self.sel.url, self.path, body, headers)
 
     def upstream_read(self, conn: _Conn) -> None:
+        try:
+            self._read(conn)
+        except Exception:
+            self._bug()
+
+    def upstream_lost(self, conn: _Conn) -> None:
+        try:
+            self._lost(conn)
+        except Exception:
+            self._bug()
+
+    def _bug(self) -> None:
+        """A bug in this exchange's handling: logged, both connections closed (as uvicorn closes
+        a connection whose app raised once its answer began), the booking freed."""
+        log.exception("request %s: unhandled error on the express path", self.request_id)
+        self.express.rt.metrics.rejections.labels("internal_error").inc()
+        if not self.done:
+            self.done = True
+            if self.sel is not NO_SELECTION:
+                self.express.rt.scheduler.send(RequestDone(self.sel.booking_id,
+                                                           first_token=self.deadline is not None))
+        self._close_upstream()
+        self.side.exchange = None
+        self.cycle.on_response = _nothing
+        self.side.transport.close()
+
+    def _read(self, conn: _Conn) -> None:
         if self.done or not conn.head_done:
             return
         if self.deadline is None:
@@ -299,11 +376,11 @@ class Exchange:
         if not self.paused:
             self.deadline.waiting()
 
-    def upstream_lost(self, conn: _Conn) -> None:
+    def _lost(self, conn: _Conn) -> None:
         if self.done:
             return
         if conn.head_done and conn.complete:  # an answer framed by the connection's close
-            self.upstream_read(conn)
+            self._read(conn)
             return
         sel = self.sel
         if self.head_timer is not None:
@@ -354,11 +431,19 @@ class Exchange:
     # -- the client's side -------------------------------------------------------------------
 
     def client_gone(self) -> None:
-        """The client's connection was lost: the worker connection closed, the booking freed."""
+        """The client's connection was lost: the worker connection closed, the booking freed (or
+        the queued selection cancelled)."""
         if self.done:
             return
         self._close_upstream()
         rt = self.express.rt
+        if self.sel is NO_SELECTION:
+            self.done = True
+            self.cycle.on_response = _nothing
+            if self.queued is not None and not self.queued.done():
+                self.queued.cancel()  # (a done one is freed by its callback, which runs next)
+            error_answer(rt, cast(Scope, self.cycle.scope), ClientGone("client disconnected before its answer"))
+            return
         if self.relaying:  # its answer had begun: it ends as a 499
             self._ended("499")
             return
@@ -538,10 +623,15 @@ class Exchange:
             conn.transport.abort()
 
 
-def refuse(side: ClientSide, cycle: RequestResponseCycle, rt: Runtime, exc: RudderError) -> None:
-    """Answer ``exc`` by the router's one error mapping (its metrics with it) on the client's
-    connection, as uvicorn would write the response, and complete the request."""
-    response = error_answer(rt, cast(Scope, cycle.scope), exc)
+def refuse(side: ClientSide, cycle: RequestResponseCycle, rt: Runtime, exc: RudderError, *,
+           counted: bool = True) -> None:
+    """Answer ``exc`` by the router's one error mapping (its metrics with it, unless ``counted``
+    is False) on the client's connection, as uvicorn would write the response, and complete the
+    request."""
+    if counted:
+        response = error_answer(rt, cast(Scope, cycle.scope), exc)
+    else:
+        response = error_response(exc, overload_status=rt.settings.overload_status)
     out = [STATUS_LINE[response.status_code]]
     for name, value in [*cycle.default_headers, *response.raw_headers]:
         out += [name, b": ", value, b"\r\n"]

@@ -387,10 +387,6 @@ class Scheduler:
         self._settling = None
         self.tables.settle()  # (a callback between two task steps: never inside a handler)
 
-    def idle(self) -> bool:
-        """Whether a selection asked now is made at once (:meth:`select_now`)."""
-        return not self._stopping and self._idle()
-
     def disaggregated(self, model: str) -> bool:
         """Whether the model's requests run in two phases (prefill, then decode): read by the HTTP
         side on the actor's thread while the actor is idle, as :meth:`select_now` does."""

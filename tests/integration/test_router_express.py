@@ -322,3 +322,93 @@ def _listens(pid: int, port: int) -> bool:
             if target.startswith("socket:[") and target[8:-1] in inodes:
                 return True
     return False
+
+
+async def test_a_bug_on_the_express_path_is_a_500_or_a_closed_stream_and_frees_the_booking(
+    routers: tuple[InProcessRouter, InProcessRouter, list[MockWorker]], monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A bug (an exception that is not a RudderError) while a request is prepared is answered 500
+    in the OpenAI shape, as the ASGI path answers one; one while its answer streams closes the
+    client's connection (as uvicorn does when an app raises once its answer began). Either way it
+    is counted as an internal error and nothing stays booked; the router serves the next request."""
+    import router.express as express_module
+
+    express, _, _ = routers
+    bugs = express.runtime.metrics.rejections.labels("internal_error")
+    before = bugs._value.get()
+    body = {"model": MODEL, "prompt": "a bug", "max_tokens": 3}
+
+    def broken_tokenize(*args: Any) -> Any:
+        raise RuntimeError("a bug in tokenizing")
+
+    async with httpx.AsyncClient(base_url=express.url, timeout=30) as http:
+        with monkeypatch.context() as m:
+            m.setattr(express_module, "tokenize_request", broken_tokenize)
+            r = await http.post("/v1/completions", json=body)
+        assert r.status_code == 500, r.text
+        assert r.json()["error"]["type"] == "server_error"
+
+        class BrokenDetector:
+            def feed(self, chunk: bytes) -> bool:
+                raise RuntimeError("a bug in the relay")
+
+        with monkeypatch.context() as m:
+            m.setattr(express_module, "FirstTokenDetector", BrokenDetector)
+            with pytest.raises(httpx.HTTPError):
+                async with http.stream("POST", "/v1/completions", json={**body, "stream": True}) as resp:
+                    await resp.aread()
+        assert (await http.post("/v1/completions", json=body)).status_code == 200
+    assert bugs._value.get() == before + 2
+    await wait_for(lambda: _in_flight_zero(express), within=5)
+
+
+async def test_a_selection_behind_the_actors_work_continues_on_the_express_path(
+    routers: tuple[InProcessRouter, InProcessRouter, list[MockWorker]],
+) -> None:
+    """While the scheduler actor is busy (a command that queues itself again until released), a
+    request's selection waits in its queue: its answer continues the request on the express path
+    (no ASGI task), and the client gets its answer. A client that goes away while its selection
+    waits cancels it: the actor skips it, nothing is booked, and a 499 is counted."""
+    from router.commands import Inspect
+
+    class Hold(Inspect):
+        liveness = True  # ahead of every request's command: the selections wait behind it
+
+    express, _, _ = routers
+    sched = express.runtime.scheduler
+    release = asyncio.Event()
+
+    def busy(s: Any) -> None:
+        if not release.is_set():
+            s.submit(Hold(busy))
+
+    gone = express.runtime.metrics.rejections.labels("client_gone")
+    gone_before = gone._value.get()
+    before = paths(express)
+    body = json.dumps({"model": MODEL, "prompt": "queued", "max_tokens": 2, "stream": True}).encode()
+    request = (b"POST /v1/completions HTTP/1.1\r\nHost: r\r\nContent-Type: application/json\r\n"
+               b"Connection: close\r\nContent-Length: %d\r\n\r\n" % len(body) + body)
+    skipped = sched.stats["skipped"]
+    sched.submit(Hold(busy))
+    try:
+        leaving = socket.create_connection(("127.0.0.1", express.settings.port))
+        leaving.sendall(request)
+        await wait_for(lambda: sched._queued_selections >= 1, within=10)
+        leaving.close()
+        await wait_for(lambda: gone._value.get() == gone_before + 1, within=10)
+        staying = socket.create_connection(("127.0.0.1", express.settings.port))
+        staying.sendall(request)
+        await wait_for(lambda: sched._queued_selections >= 2, within=10)  # (the one gone still queued)
+    finally:
+        release.set()
+    try:
+        staying.setblocking(False)
+        raw = await _read_to_eof(staying, within=15)
+    finally:
+        staying.close()
+    assert raw.startswith(b"HTTP/1.1 200") and raw.endswith(b"0\r\n\r\n"), raw[:300]
+    assert b"data: [DONE]" in raw
+    assert paths(express) == (before[0] + 2, before[1])
+    assert await sched.inspect(lambda s: s._queued_selections) == 0
+    assert sched.stats["skipped"] == skipped + 1  # the gone client's selection, never made
+    await wait_for(lambda: _in_flight_zero(express), within=5)
