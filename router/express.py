@@ -252,9 +252,16 @@ class Exchange:
             self._bug()
 
     def selected(self, sel: Selection) -> None:
-        """The selection is made: counted, logged, the request sent to its worker."""
+        """The selection is made: the request sent to its worker, then counted and logged (off
+        the time to the first token)."""
         self.sel = sel
         selected_at = time.perf_counter()
+        request, self.request = self.request, None
+        assert request is not None
+        body, headers = request
+        headers[HDR_WORKER] = str(sel.instance_id)
+        headers[HDR_DP_RANK] = str(sel.dp_rank)
+        self.send(target_body(body, sel, raw=self.cycle.body), headers)
         series = self.series
         series.selection.observe(selected_at - self.asked)
         series.overhead.observe(selected_at - self.t0)
@@ -265,12 +272,6 @@ class Exchange:
                             worker_id=sel.instance_id, revision=sel.revisions.text):
                 log.info("request %s → %s worker %s rank %d (revision %s, predicted hit %.2f)", self.request_id,
                          sel.pool.value, sel.instance_id, sel.dp_rank, sel.revisions, sel.predicted_hit_rate)
-        request, self.request = self.request, None
-        assert request is not None
-        body, headers = request
-        headers[HDR_WORKER] = str(sel.instance_id)
-        headers[HDR_DP_RANK] = str(sel.dp_rank)
-        self.send(target_body(body, sel, raw=self.cycle.body), headers)
 
     # -- the worker's side -------------------------------------------------------------------
 
@@ -473,9 +474,8 @@ class Exchange:
     # -- the answer --------------------------------------------------------------------------
 
     def _relay(self, chunk: bytes, complete: bool, *, status: str = "200", seen: bool = True) -> None:
-        """A streamed answer's next part to the client (its head with the first), the end with it."""
-        if chunk and seen:
-            self._seen(chunk, complete)
+        """A streamed answer's next part to the client (its head with the first), the end with it;
+        written first, then looked at (first token, inter-token time: off the client's wait)."""
         out = b"%x\r\n%b\r\n" % (len(chunk), chunk) if chunk else b""
         if complete:
             out += b"0\r\n\r\n"
@@ -483,6 +483,8 @@ class Exchange:
             out = self.head + out
             self.head = b""
         self._write(out)
+        if chunk and seen:
+            self._seen(chunk, complete)
         if complete:
             self._ended(status)
 
