@@ -153,7 +153,7 @@ class Express:
 class Exchange:
     """One request on the express path, from its worker's head to its answer's end (the module's
     text); driven by the worker connection (:meth:`upstream_read`, :meth:`upstream_lost`) and the
-    client's (:meth:`client_gone`, :meth:`client_paused`, :meth:`client_resumed`)."""
+    client's (:meth:`client_gone`, :meth:`client_paused`)."""
 
     __slots__ = (
         "asked",
@@ -454,22 +454,15 @@ class Exchange:
         # (its metrics: the answer cannot be written)
         error_answer(rt, cast(Scope, self.cycle.scope), ClientGone("client disconnected before its answer"))
 
-    def client_paused(self) -> None:
-        """The client takes no bytes (its transport's buffer is full): stop reading the worker."""
+    def client_paused(self, paused: bool) -> None:
+        """The client takes no bytes (its transport's buffer is full): the worker is not read
+        (nor its read deadline counted: the client's time is not the worker's) until it does."""
         conn = self.conn
-        self.paused = True
+        self.paused = paused
         if not self.done and conn is not None and conn.transport is not None:
-            conn.transport.pause_reading()
+            (conn.transport.pause_reading if paused else conn.transport.resume_reading)()
             if self.deadline is not None:
-                self.deadline.served()  # the client's time is not the worker's
-
-    def client_resumed(self) -> None:
-        conn = self.conn
-        self.paused = False
-        if not self.done and conn is not None and conn.transport is not None:
-            conn.transport.resume_reading()
-            if self.deadline is not None:
-                self.deadline.waiting()
+                (self.deadline.served if paused else self.deadline.waiting)()
 
     # -- the answer --------------------------------------------------------------------------
 

@@ -102,9 +102,7 @@ class ExpressExchange(Protocol):
 
     def client_gone(self) -> None: ...
 
-    def client_paused(self) -> None: ...
-
-    def client_resumed(self) -> None: ...
+    def client_paused(self, paused: bool) -> None: ...
 
 
 def protocol_class(limits: IngressLimits, express: ExpressPath | None = None) -> type[GuardedHttpProtocol]:
@@ -371,7 +369,7 @@ class GuardedHttpProtocol(HttpToolsProtocol):
         if self._write_timer is None:
             self._write_timer = self.loop.call_later(self.limits.write_timeout_s, self._write_expired)
         if self.exchange is not None:
-            self.exchange.client_paused()
+            self.exchange.client_paused(True)
 
     def resume_writing(self) -> None:
         super().resume_writing()
@@ -379,7 +377,7 @@ class GuardedHttpProtocol(HttpToolsProtocol):
             self._write_timer.cancel()
             self._write_timer = None
         if self.exchange is not None:
-            self.exchange.client_resumed()
+            self.exchange.client_paused(False)
 
     def _write_expired(self) -> None:
         self._write_timer = None
