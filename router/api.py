@@ -724,9 +724,7 @@ class RelayResponse(Response):
         self.status_code = status_code
         self.background = None
         self.body = b""
-        if media_type.startswith("text/") and "charset=" not in media_type.lower():
-            media_type += "; charset=utf-8"
-        self.raw_headers = [(b"content-type", media_type.encode("latin-1"))]
+        self.raw_headers = [(b"content-type", with_charset(media_type).encode("latin-1"))]
         self.raw_headers += [(k.lower().encode("latin-1"), v.encode("latin-1")) for k, v in headers.items()]
         self.next_part = body  # the answer's next part, None at its end
         self.on_disconnect = on_disconnect
@@ -774,10 +772,6 @@ class RelayResponse(Response):
             await self.on_close()  # the booking and the worker connection released, once
 
 
-def _rudder_error_response(rt: Runtime, request: Request, exc: RudderError) -> Response:
-    return error_answer(rt, request.scope, exc)
-
-
 def error_answer(rt: Runtime, scope: Scope, exc: RudderError) -> Response:
     """The one mapping of a RudderError to the router's answer (OpenAI shape), with its metrics."""
     overload = rt.settings.overload_status
@@ -796,11 +790,20 @@ def _trace_done(scope: Scope, status: int) -> None:
         tr.done(str(status))
 
 
-def _bug_response(rt: Runtime, request: Request) -> Response:
-    log.exception("unhandled error on %s", request.url.path)
+def bug_answer(rt: Runtime, scope: Scope) -> Response:
+    """The router's answer to a bug on the request's path (called where it was caught): logged with
+    its traceback, counted, a 500 in the OpenAI shape."""
+    log.exception("unhandled error on %s", scope["path"])
     rt.metrics.rejections.labels("internal_error").inc()
-    _trace_done(request.scope, 500)
+    _trace_done(scope, 500)
     return error_response(RudderError("internal error"), overload_status=rt.settings.overload_status)
+
+
+def with_charset(media_type: str) -> str:
+    """A content type as Starlette writes it: ``text/*`` gets a charset."""
+    if media_type.startswith("text/") and "charset=" not in media_type.lower():
+        return media_type + "; charset=utf-8"
+    return media_type
 
 
 INFERENCE_ROUTES = {"/v1/chat/completions": True, "/v1/completions": False}
@@ -830,9 +833,9 @@ class InferenceFastPath:
         try:
             response = await _completion(request, self.rt, scope["path"], chat=chat)
         except RudderError as exc:
-            response = _rudder_error_response(self.rt, request, exc)
+            response = error_answer(self.rt, scope, exc)
         except Exception:
-            response = _bug_response(self.rt, request)
+            response = bug_answer(self.rt, scope)
         await response(scope, receive, send)
 
 
@@ -856,11 +859,11 @@ def build_api(rt: Runtime, app: RouterApp) -> None:
 
     @app.exception_handler(RudderError)
     async def _rudder_error(request: Request, exc: RudderError) -> Response:
-        return _rudder_error_response(rt, request, exc)
+        return error_answer(rt, request.scope, exc)
 
     @app.exception_handler(Exception)
     async def _bug(request: Request, exc: Exception) -> Response:
-        return _bug_response(rt, request)
+        return bug_answer(rt, request.scope)
 
     app.fast_path = InferenceFastPath(rt)
 

@@ -35,8 +35,9 @@ import asyncio
 import json
 import logging
 import time
-from typing import TYPE_CHECKING, Any, Protocol, cast
+from typing import Any, Protocol, cast
 
+from starlette.responses import Response
 from starlette.types import Scope
 from uvicorn.protocols.http.flow_control import HIGH_WATER_LIMIT
 from uvicorn.protocols.http.httptools_impl import STATUS_LINE, RequestResponseCycle
@@ -48,22 +49,20 @@ from router.api import (
     UNREACHABLE,
     Runtime,
     answer_ended,
+    bug_answer,
     error_answer,
-    error_response,
     parse_body,
     request_fields,
     request_headers,
     routing_request,
     target_body,
     tokenize_request,
+    with_charset,
 )
 from router.commands import MarkUnavailable, RequestDone, RequestFirstToken, Revisions, Selection, SelectWorker
 from router.sse import FirstTokenDetector
 from router.targets import HDR_DP_RANK, HDR_POLICY_REVISIONS, HDR_PREDICTED_CACHED, HDR_PREDICTED_TTFT, HDR_WORKER
-from router.upstream import ReadDeadline, _Conn
-
-if TYPE_CHECKING:
-    pass
+from router.upstream import ReadDeadline, _Conn, header_value
 
 log = logging.getLogger("router.api")  # the request path's lines, as the ASGI path's
 # An exchange's selection until it is made.
@@ -129,15 +128,13 @@ class Express:
             if isinstance(exc, Overloaded) and slo is not None:
                 rt.metrics.observe_slo(model, "rejected")
             self.served.inc()
-            refuse(side, cycle, rt, exc)
+            answer(side, cycle, error_answer(rt, scope, exc))
             return True
         except Exception:  # a bug: answered as the ASGI path answers one (500, logged)
-            log.exception("unhandled error on %s", scope["path"])
-            rt.metrics.rejections.labels("internal_error").inc()
             self.served.inc()
-            refuse(side, cycle, rt, RudderError("internal error"), counted=False)
+            answer(side, cycle, bug_answer(rt, scope))
             return True
-        ex = Exchange(self, side, cycle, model, t0=t0, asked=asked, chat=chat, stream=stream, slo=slo,
+        ex = Exchange(self, side, cycle, model, t0=t0, asked=asked, stream=stream, slo=slo,
                       request_id=request_id, body=body, headers=headers)
         side.exchange = ex
         self.served.inc()
@@ -158,7 +155,6 @@ class Exchange:
     __slots__ = (
         "asked",
         "body",
-        "chat",
         "chunks",
         "conn",
         "content_type",
@@ -193,7 +189,7 @@ class Exchange:
     )
 
     def __init__(self, express: Express, side: ClientSide, cycle: RequestResponseCycle, model: str, *,
-                 t0: float, asked: float, chat: bool, stream: bool, slo: float | None, request_id: str,
+                 t0: float, asked: float, stream: bool, slo: float | None, request_id: str,
                  body: dict[str, Any], headers: dict[str, str]) -> None:
         self.express = express
         self.side = side
@@ -208,7 +204,6 @@ class Exchange:
         self.key: tuple[str, int] = ("", 0)
         self.conn: _Conn | None = None  # once connected
         self.t0 = t0
-        self.chat = chat
         self.stream = stream
         self.slo = slo
         self.request_id = request_id
@@ -366,16 +361,13 @@ class Exchange:
         assert conn.transport is not None
         self.deadline = ReadDeadline(conn.loop, conn.transport, self.express.client.read_timeout_s)
         status = conn.status
-        self.content_type = _header(conn, b"content-type", "application/json")
+        # (as the answer's content type, with a charset for text/*, as Starlette writes it)
+        self.content_type = with_charset(header_value(conn.raw_headers, b"content-type", "application/json"))
         if self.stream and status < 400:
             self.relaying = True
             self.first = FirstTokenDetector()
-            ctype = self.content_type
-            if ctype.startswith("text/") and "charset=" not in ctype.lower():
-                ctype += "; charset=utf-8"
-            self.head = self._render_head(status, [(b"content-type", ctype.encode("latin-1"))], chunked=True)
-        if not self.paused:
-            self.deadline.waiting()
+            self.head = self._render_head(status, [(b"content-type", self.content_type.encode("latin-1"))],
+                                          chunked=True)
 
     def _lost(self, conn: _Conn) -> None:
         if self.done:
@@ -384,11 +376,7 @@ class Exchange:
             self._read(conn)
             return
         sel = self.sel
-        if self.head_timer is not None:
-            self.head_timer.cancel()
-            self.head_timer = None
-        if self.deadline is not None:
-            self.deadline.cancel()
+        self._close_upstream()  # (its timers: the connection is gone)
         if not conn.head_done:
             where = f"{self.key[0]}:{self.key[1]}"
             if conn.received and not conn.expired:
@@ -437,20 +425,17 @@ class Exchange:
         if self.done:
             return
         self._close_upstream()
-        rt = self.express.rt
-        if self.sel is NO_SELECTION:
-            self.done = True
-            self.cycle.on_response = _nothing
-            if self.queued is not None and not self.queued.done():
-                self.queued.cancel()  # (a done one is freed by its callback, which runs next)
-            error_answer(rt, cast(Scope, self.cycle.scope), ClientGone("client disconnected before its answer"))
-            return
         if self.relaying:  # its answer had begun: it ends as a 499
             self._ended("499")
             return
+        rt = self.express.rt
         self.done = True
         self.cycle.on_response = _nothing
-        rt.scheduler.send(RequestDone(self.sel.booking_id, first_token=self.deadline is not None))
+        if self.sel is NO_SELECTION:
+            if self.queued is not None and not self.queued.done():
+                self.queued.cancel()  # (a done one is freed by its callback, which runs next)
+        else:
+            rt.scheduler.send(RequestDone(self.sel.booking_id, first_token=self.deadline is not None))
         # (its metrics: the answer cannot be written)
         error_answer(rt, cast(Scope, self.cycle.scope), ClientGone("client disconnected before its answer"))
 
@@ -539,10 +524,7 @@ class Exchange:
         self.express.client.release(self.key, conn)
         content = b"".join(self.body)
         status = conn.status
-        ctype = self.content_type
-        if ctype.startswith("text/") and "charset=" not in ctype.lower():
-            ctype += "; charset=utf-8"
-        headers = [(b"content-length", b"%d" % len(content)), (b"content-type", ctype.encode("latin-1"))]
+        headers = [(b"content-length", b"%d" % len(content)), (b"content-type", self.content_type.encode("latin-1"))]
         self._write(self._render_head(status, headers) + content)
         answered = time.perf_counter()
         self._first_token(answered)
@@ -552,30 +534,16 @@ class Exchange:
         self._complete()
 
     def _render_head(self, status: int, headers: list[tuple[bytes, bytes]], *, chunked: bool = False) -> bytes:
-        """The answer's status line and headers, as uvicorn writes them (its default headers
-        first, then the answer's, ``connection: close`` when the connection ends with it)."""
-        cycle = self.cycle
-        out = [STATUS_LINE[status]]
-        for name, value in cycle.default_headers:
-            out += [name, b": ", value, b"\r\n"]
-        out += [b"x-request-id: ", self.request_id.encode("latin-1"), b"\r\n"]
+        """The answer's head: ``x-request-id`` (and the debug headers, if on), then ``headers``."""
+        named = [(b"x-request-id", self.request_id.encode("latin-1"))]
         if self.express.rt.settings.debug_headers:
             sel = self.sel
             debug = [(HDR_PREDICTED_CACHED, str(sel.cached_tokens)), (HDR_POLICY_REVISIONS, sel.revisions.text)]
             if sel.predicted_ttft_ms is not None:
                 debug.append((HDR_PREDICTED_TTFT, f"{sel.predicted_ttft_ms:.1f}"))
             debug += [(HDR_WORKER, str(sel.instance_id)), (HDR_DP_RANK, str(sel.dp_rank))]
-            for name_s, value_s in debug:
-                out += [name_s.lower().encode("latin-1"), b": ", value_s.encode("latin-1"), b"\r\n"]
-        for name, value in headers:
-            out += [name, b": ", value, b"\r\n"]
-        if not cycle.keep_alive:
-            out.append(b"connection: close\r\n")
-        if chunked:
-            out.append(b"transfer-encoding: chunked\r\n")
-        out.append(b"\r\n")
-        cycle.response_started = True
-        return b"".join(out)
+            named += [(name.lower().encode("latin-1"), value.encode("latin-1")) for name, value in debug]
+        return _head(self.cycle, status, named + headers, chunked=chunked)
 
     def _write(self, data: bytes) -> None:
         transport = self.side.transport
@@ -595,7 +563,7 @@ class Exchange:
 
     def _refused(self, exc: RudderError) -> None:
         self.done = True
-        refuse(self.side, self.cycle, self.express.rt, exc)
+        answer(self.side, self.cycle, error_answer(self.express.rt, cast(Scope, self.cycle.scope), exc))
 
     def _to_asgi(self, unreachable: frozenset[int]) -> None:
         self.done = True
@@ -618,26 +586,30 @@ class Exchange:
             conn.transport.abort()
 
 
-def refuse(side: ClientSide, cycle: RequestResponseCycle, rt: Runtime, exc: RudderError, *,
-           counted: bool = True) -> None:
-    """Answer ``exc`` by the router's one error mapping (its metrics with it, unless ``counted``
-    is False) on the client's connection, as uvicorn would write the response, and complete the
-    request."""
-    if counted:
-        response = error_answer(rt, cast(Scope, cycle.scope), exc)
-    else:
-        response = error_response(exc, overload_status=rt.settings.overload_status)
-    out = [STATUS_LINE[response.status_code]]
-    for name, value in [*cycle.default_headers, *response.raw_headers]:
+def answer(side: ClientSide, cycle: RequestResponseCycle, response: Response) -> None:
+    """Write ``response`` (a whole one: the router's error mapping's) on the client's connection
+    and complete the request."""
+    transport = side.transport
+    data = _head(cycle, response.status_code, response.raw_headers) + bytes(response.body)
+    if not cycle.disconnected and not transport.is_closing():
+        transport.write(data)
+    _complete(side, cycle)
+
+
+def _head(cycle: RequestResponseCycle, status: int, headers: list[tuple[bytes, bytes]], *,
+          chunked: bool = False) -> bytes:
+    """An answer's status line and headers, as uvicorn writes them: its default headers first,
+    then ``headers``, ``connection: close`` when the connection ends with the answer."""
+    out = [STATUS_LINE[status]]
+    for name, value in [*cycle.default_headers, *headers]:
         out += [name, b": ", value, b"\r\n"]
     if not cycle.keep_alive:
         out.append(b"connection: close\r\n")
-    out += [b"\r\n", bytes(response.body)]
+    if chunked:
+        out.append(b"transfer-encoding: chunked\r\n")
+    out.append(b"\r\n")
     cycle.response_started = True
-    transport = side.transport
-    if not cycle.disconnected and not transport.is_closing():
-        transport.write(b"".join(out))
-    _complete(side, cycle)
+    return b"".join(out)
 
 
 def _complete(side: ClientSide, cycle: RequestResponseCycle) -> None:
@@ -656,9 +628,3 @@ def _complete(side: ClientSide, cycle: RequestResponseCycle) -> None:
 def _nothing() -> None:
     pass
 
-
-def _header(conn: _Conn, name: bytes, default: str) -> str:
-    for raw, value in reversed(conn.raw_headers):  # the last wins
-        if raw.lower() == name:
-            return value.decode("latin-1").strip()
-    return default

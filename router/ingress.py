@@ -130,10 +130,9 @@ class GuardedHttpProtocol(HttpToolsProtocol):
         self._discard_until: float | None = None
         self._probes_only = False  # opened past max_connections: probes and scrapes only
         self._replaying = False  # a head re-read after an ignored upgrade (_ignore_upgrade)
-        # An express-path request waiting for the rest of its body (its app, whether chat), and
-        # the one in flight there.
+        # An express-path request waiting for the rest of its body (whether chat), and the one in
+        # flight there. (Its app is the protocol's: the express path takes no other.)
         self._pending: RequestResponseCycle | None = None
-        self._pending_app: ASGI3Application | None = None
         self._pending_chat = False
         self.exchange: ExpressExchange | None = None
 
@@ -158,7 +157,7 @@ class GuardedHttpProtocol(HttpToolsProtocol):
         if self._refused:
             return
         super().connection_lost(exc)
-        self._pending = self._pending_app = None
+        self._pending = None
         exchange, self.exchange = self.exchange, None
         if exchange is not None:
             exchange.client_gone()
@@ -184,7 +183,7 @@ class GuardedHttpProtocol(HttpToolsProtocol):
         elif (express := self.express) is not None and app is self.app and not cycle.waiting_for_100_continue:
             chat = express.route(cycle.scope)
             if chat is not None:  # the express path's, once its body is in
-                self._pending, self._pending_app, self._pending_chat = cycle, app, chat
+                self._pending, self._pending_chat = cycle, chat
                 if not cycle.more_body:  # (a pipelined request, started after the one before it)
                     self._serve_pending()
                 return
@@ -198,11 +197,10 @@ class GuardedHttpProtocol(HttpToolsProtocol):
 
     def to_asgi(self, cycle: RequestResponseCycle) -> None:
         """Serve an express-path request the ASGI way after all (its body is still in ``cycle``)."""
-        app, self._pending_app = self._pending_app, None
         self._pending = None
         if type(cycle) is RequestResponseCycle:
             DirectCycle.adopt(cycle)
-        super()._start_asgi_task(cycle, app or self.app)
+        super()._start_asgi_task(cycle, self.app)
 
     async def _over_the_limit(self, scope: Scope, receive: Receive, send: Send) -> None:
         response = self.limits.render(self._limit_error())

@@ -115,13 +115,12 @@ class _Conn(asyncio.Protocol):
             return
         if not self.head_done and self.received > _MAX_HEAD:
             self._fail("response head too large")
-        elif self.listener is not None:
-            if self.extra and self._ended >= 0:
-                del self.body[self._ended:]  # not this exchange's answer
+            return
+        if self.extra and self._ended >= 0:
+            del self.body[self._ended:]  # not this exchange's answer
+        if self.listener is not None:
             self.listener.upstream_read(self)
         elif self.body:
-            if self.extra and self._ended >= 0:
-                del self.body[self._ended:]  # not this exchange's answer
             if self.sink is not None and not self.complete and not self.lost:
                 # A chunk that ends the answer is left to the reader (it ends the client's answer).
                 data = self.take()
@@ -233,6 +232,15 @@ class _Conn(asyncio.Protocol):
             self.transport.close()
 
 
+def header_value(raw: list[tuple[bytes, bytes]], name: bytes, default: str) -> str:
+    """One field of a head as it came (``name`` in lower case; the last wins, as in
+    :func:`_decoded`), without decoding the others."""
+    for field_name, value in reversed(raw):
+        if field_name.lower() == name:
+            return value.decode("latin-1").strip()
+    return default
+
+
 def _decoded(raw: list[tuple[bytes, bytes]]) -> dict[str, str]:
     return {name.decode("latin-1").strip().lower(): value.decode("latin-1").strip() for name, value in raw}
 
@@ -320,8 +328,12 @@ class UpstreamClient:
         no head comes within the read timeout; the caller cancels it at the head). The caller
         gives the connection back with :meth:`release` once its answer ended, or closes it."""
         _, request = self._request(url, path, body, headers)
-        conn.begin()
         conn.listener = listener
+        return self._send(conn, request)
+
+    def _send(self, conn: _Conn, request: bytes) -> asyncio.TimerHandle:
+        """A new exchange on ``conn``: ``request`` written, the head's timer armed (returned)."""
+        conn.begin()
         timer = conn.loop.call_later(self.read_timeout_s, conn.expire)
         assert conn.transport is not None
         conn.transport.write(request)
@@ -351,12 +363,8 @@ class UpstreamClient:
     async def _exchange(self, key: tuple[str, int], conn: _Conn, request: bytes) -> UpstreamResponse:
         # A head that never started is "unreachable" (retry elsewhere), one cut or malformed is
         # "broken". One timer for the head, cancelled when it is in.
-        conn.begin()
-        transport = conn.transport
-        assert transport is not None
-        timer = conn.loop.call_later(self.read_timeout_s, conn.expire)
+        timer = self._send(conn, request)
         try:
-            transport.write(request)
             while not conn.head_done and not conn.lost:
                 await conn.wait()
         except BaseException:  # cancelled mid-exchange: the connection is in an unknown state
@@ -455,10 +463,7 @@ class UpstreamResponse:
 
     def header(self, name: bytes, default: str) -> str:
         """One field of the head (``name`` in lower case), without decoding the others."""
-        for raw, value in reversed(self._raw_headers):  # the last wins, as in headers
-            if raw.lower() == name:
-                return value.decode("latin-1").strip()
-        return default
+        return header_value(self._raw_headers, name, default)
 
     async def next_chunk(self) -> bytes | None:
         """The body's next part as it arrives (framing removed): whatever arrived since the last
