@@ -80,25 +80,28 @@ async def test_a_stale_replica_never_turns_the_true_head_into_a_conflict(
             planes = [await stack.enter_async_context(controlplane(node_urls[n], database_url, stream_replicas=3))
                       for n in (leader, follower)]
             https = [await stack.enter_async_context(client(p, tokens.operator)) for p in planes]
-            revision, answers = 0, []
+            written: dict[str, list[int]] = {}  # model → the status of each write to its document
 
             def behind_reads() -> int:
                 return sum(p.controlplane.log.bus.behind_reads for p in planes)
 
-            # At least 60 writes, and more (within a bound) until a direct read was found behind:
-            # how soon the follower's stalls line up with a read depends on the machine.
-            i = 0
+            # 60 writes to one document; and, until a direct read was found behind (how soon the
+            # follower's stalls line up with a read depends on the machine), rounds of 60 more,
+            # each on a document of its own (the stream keeps 64 events of each), for at most 60 s.
             deadline = asyncio.get_running_loop().time() + 60
-            while i < 60 or (behind_reads() == 0 and i < 2000 and asyncio.get_running_loop().time() < deadline):
-                r = await https[i % 2].patch("/router_policy", json={
-                    "model": model, "expected_revision": revision,
-                    "parameters": {"router_temperature": (i % 100) / 100}})
-                answers.append(r.status_code)
-                if r.status_code == 200:
-                    revision = r.json()["revision"]
-                elif r.status_code == 409:
-                    revision = r.json()["error"]["head_revision"]
-                i += 1
+            while not written or (behind_reads() == 0 and len(written) < 30
+                                  and asyncio.get_running_loop().time() < deadline):
+                doc = model if not written else f"{model}-{len(written)}"
+                revision, answers = 0, written.setdefault(doc, [])
+                for i in range(60):
+                    r = await https[i % 2].patch("/router_policy", json={
+                        "model": doc, "expected_revision": revision,
+                        "parameters": {"router_temperature": (i % 100) / 100}})
+                    answers.append(r.status_code)
+                    if r.status_code == 200:
+                        revision = r.json()["revision"]
+                    elif r.status_code == 409:
+                        revision = r.json()["error"]["head_revision"]
             # How often a control plane's direct read was behind and it asked the leader: the
             # case was exercised (before the fix, this run gave 2-12 false conflicts in 60).
             behind = behind_reads()
@@ -110,11 +113,13 @@ async def test_a_stale_replica_never_turns_the_true_head_into_a_conflict(
             await asyncio.gather(*loaders)
             cluster.procs[follower].send_signal(signal.SIGCONT)
         log = session_keys().policy_log(nodes[leader])
-        history = [s.revision async for s in log.history(model, PolicyKind.SELECTION)]
+        histories = {doc: [s.revision async for s in log.history(doc, PolicyKind.SELECTION)] for doc in written}
         for nc in nodes.values():
             await nc.close()
-        assert answers == [200] * len(answers), f"{answers.count(409)} of {len(answers)} writes refused as conflicts"
-        assert len(history) == len(answers)
+        for doc, answers in written.items():
+            assert answers == [200] * len(answers), \
+                f"{answers.count(409)} of {len(answers)} writes to {doc} refused as conflicts"
+            assert len(histories[doc]) == len(answers)
         assert behind > 0, "the follower's control plane never read a stale head: the case was not exercised"
     finally:
         await asyncio.to_thread(cluster.stop)
