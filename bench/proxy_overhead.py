@@ -284,6 +284,13 @@ def summarize(phases: list[dict[str, Any]], lat: dict[str, Any], names: list[str
     def best(name: str, c: int) -> dict[str, Any]:
         return max((p for p in phases if p["target"] == name and p["concurrency"] == c), key=lambda p: p["rps"])
 
+    def paired(name: str, c: int) -> float:
+        """The median over rounds of the target's req/s over direct's in the same round: the
+        best phases may come from different rounds, a round's pair shares its machine's state."""
+        direct = {p["round"]: p["rps"] for p in phases if p["target"] == "direct" and p["concurrency"] == c}
+        return statistics.median(p["rps"] / direct[p["round"]] for p in phases
+                                 if p["target"] == name and p["concurrency"] == c and direct.get(p["round"]))
+
     out = []
     for name in names:
         row: dict[str, Any] = {"target": name, "by_concurrency": []}
@@ -291,6 +298,7 @@ def summarize(phases: list[dict[str, Any]], lat: dict[str, Any], names: list[str
             b, d = best(name, c), best("direct", c)
             row["by_concurrency"].append({
                 "concurrency": c, "rps": b["rps"], "share_of_direct": b["rps"] / d["rps"],
+                "paired_share_of_direct": paired(name, c),
                 "ttft_p50_ms": b["ttft_p50_ms"], "ttft_p99_ms": b["ttft_p99_ms"],
                 "added_ttft_p50_ms": b["ttft_p50_ms"] - d["ttft_p50_ms"],
                 "cpu_ms_per_request": cpu_ms_per_request(phases, name, c) if name != "direct" else None,
@@ -317,6 +325,11 @@ def print_summary(rows: list[dict[str, Any]], concurrencies: list[int]) -> None:
         added = (f"{r['added_ttft_p50_ms']:.2f}/{r['added_ttft_p99_ms']:.2f} ms" if "added_ttft_p50_ms" in r
                  else "-")
         print(f"{r['target']:<30}{rps:>22}{share:>18}{cpu:>20}{added:>31}{by[-1]['ttft_p50_ms']:>14.2f} ms")
+    print("\n% of direct paired by round (median over rounds of the target's phase over the same round's"
+          " direct phase):")
+    for r in rows:
+        paired = "/".join(f"{x['paired_share_of_direct'] * 100:.0f}" for x in r["by_concurrency"])
+        print(f"  {r['target']:<28}{paired:>18}")
 
 
 def print_gc(phases: list[dict[str, Any]], names: list[str], concurrencies: list[int]) -> None:
