@@ -265,8 +265,8 @@ def answer_ended(rt: Runtime, sel: Selection, status: str, tail: bytes, ttft_ms:
     cached = int(found.group(1)) if found is not None else None
     if cached is not None:
         series = rt.metrics.model(sel.model)
-        series.predicted_cached.inc(sel.cached_tokens)
-        series.reported_cached.inc(cached)
+        series.predicted_cached.value += sel.cached_tokens  # (Count.inc: both are counts, never negative)
+        series.reported_cached.value += cached
     rt.scheduler.send(RequestDone(sel.booking_id, itl_ms=itl_ms, decode_tokens=decode_tokens,
                                   instance_id=sel.instance_id, predicted_cached=sel.cached_tokens,
                                   reported_cached=cached, first_token=first_token, ttft_ms=first_ttft_ms))

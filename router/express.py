@@ -115,7 +115,7 @@ class Express:
             model, stream, targets, slo = request_fields(rt, scope, hdrs, body)
             view = sched.view
             tok = rt.tokenizers.ready(view.tokenizers.get(model, frozenset()))
-            if tok is None or sched.disaggregated(model):
+            if tok is None or sched.chooser.disaggregated(model):  # (Scheduler.disaggregated's, a call fewer)
                 return False
             _, n_prompt, hashes = tokenize_request(tok, body, chat, tuple(view.block_sizes.get(model, ())))
             request_id, headers, routing = routing_request(rt, hdrs, model, n_prompt, hashes, targets, slo)
@@ -137,7 +137,7 @@ class Express:
         ex = Exchange(self, side, cycle, model, t0=t0, asked=asked, stream=stream, slo=slo,
                       request_id=request_id, body=body, headers=headers)
         side.exchange = ex
-        self.served.inc()
+        self.served.value += 1  # (Count.inc, without its check of the amount)
         if queued is None:
             assert sel is not None
             ex.selected(sel)
@@ -298,12 +298,6 @@ class Exchange:
         self.sent_at = time.perf_counter()
         self.head_timer = self.express.client.start(self.conn, self, self.sel.url, self.path, body, headers)
 
-    def upstream_read(self, conn: _Conn) -> None:
-        try:
-            self._read(conn)
-        except Exception:
-            self._bug()
-
     def upstream_lost(self, conn: _Conn) -> None:
         try:
             self._lost(conn)
@@ -325,33 +319,37 @@ class Exchange:
         self.cycle.on_response = _nothing
         self.side.transport.close()
 
-    def _read(self, conn: _Conn) -> None:
-        if self.done or not conn.head_done:
-            return
-        if self.deadline is None:
-            self._heard(conn)
-        complete = conn.complete
-        if conn.body:
-            data = conn.take()
-            if self.relaying:
-                self._relay(data, complete)
-            else:
-                self.size += len(data)
-                limit = self.express.rt.settings.max_answer_bytes
-                if self.size > limit:
-                    self._failed(ServiceUnavailable(
-                        f"worker {self.sel.instance_id} failed: answer exceeds {limit} bytes (the router's "
-                        "max_answer_bytes)"))
-                    return
-                self.body.append(data)
-        elif complete and self.relaying:
-            self._relay(b"", True)
-        if complete:
-            if not self.relaying:
-                self._answer_whole()
-            return
-        if self.deadline is not None and not self.paused:
-            self.deadline.waiting()
+    def upstream_read(self, conn: _Conn) -> None:
+        """A read of the worker's answer was parsed (its head in, body parts held, its end)."""
+        try:
+            if self.done or not conn.head_done:
+                return
+            if self.deadline is None:
+                self._heard(conn)
+            complete = conn.complete
+            if conn.body:
+                data = conn.take()
+                if self.relaying:
+                    self._relay(data, complete)
+                else:
+                    self.size += len(data)
+                    limit = self.express.rt.settings.max_answer_bytes
+                    if self.size > limit:
+                        self._failed(ServiceUnavailable(
+                            f"worker {self.sel.instance_id} failed: answer exceeds {limit} bytes (the router's "
+                            "max_answer_bytes)"))
+                        return
+                    self.body.append(data)
+            elif complete and self.relaying:
+                self._relay(b"", True)
+            if complete:
+                if not self.relaying:
+                    self._answer_whole()
+                return
+            if self.deadline is not None and not self.paused:
+                self.deadline.waiting()
+        except Exception:
+            self._bug()
 
     def _heard(self, conn: _Conn) -> None:
         """The worker's head is in."""
@@ -373,7 +371,7 @@ class Exchange:
         if self.done:
             return
         if conn.head_done and conn.complete:  # an answer framed by the connection's close
-            self._read(conn)
+            self.upstream_read(conn)
             return
         sel = self.sel
         self._close_upstream()  # (its timers: the connection is gone)
@@ -453,39 +451,39 @@ class Exchange:
 
     def _relay(self, chunk: bytes, complete: bool, *, status: str = "200", seen: bool = True) -> None:
         """A streamed answer's next part to the client (its head with the first), the end with it;
-        written first, then looked at (first token, inter-token time: off the client's wait)."""
+        written first (as :meth:`_write` writes, inline: this runs for every read), then looked at
+        (first token, inter-token time, usage's place: the ASGI path's ``seen``), off the
+        client's wait."""
         out = b"%x\r\n%b\r\n" % (len(chunk), chunk) if chunk else b""
         if complete:
             out += b"0\r\n\r\n"
         if self.head:
             out = self.head + out
             self.head = b""
-        self._write(out)
+        transport = self.side.transport
+        if not self.cycle.disconnected and not transport.is_closing():
+            transport.write(out)
         if chunk and seen:
-            self._seen(chunk, complete)
+            now = time.perf_counter()
+            if not self.chunks:
+                first = self.first
+                if first is not None and first.feed(chunk):
+                    self.first = None
+                    if complete:  # nothing follows: the end's command carries it
+                        self.first_with_end = True
+                    else:
+                        self.express.rt.scheduler.send(RequestFirstToken(self.sel.booking_id,
+                                                                         ttft_ms=(now - self.sent_at) * 1e3))
+                    self._first_token(now)
+                    self.first_at = self.last = now
+                    self.chunks = 1
+            else:
+                self.series.itl.observe(now - self.last)
+                self.last = now
+                self.chunks += 1
+            self.previous, self.tail = self.tail, chunk
         if complete:
             self._ended(status)
-
-    def _seen(self, chunk: bytes, complete: bool) -> None:
-        """First token, inter-token time, usage's place (the ASGI path's ``seen``)."""
-        now = time.perf_counter()
-        if not self.chunks:
-            first = self.first
-            if first is not None and first.feed(chunk):
-                self.first = None
-                if complete:  # nothing follows: the end's command carries it
-                    self.first_with_end = True
-                else:
-                    self.express.rt.scheduler.send(RequestFirstToken(self.sel.booking_id,
-                                                                     ttft_ms=(now - self.sent_at) * 1e3))
-                self._first_token(now)
-                self.first_at = self.last = now
-                self.chunks = 1
-        else:
-            self.series.itl.observe(now - self.last)
-            self.last = now
-            self.chunks += 1
-        self.previous, self.tail = self.tail, chunk
 
     def _first_token(self, now: float) -> None:
         self.series.ttft.observe(now - self.t0)
@@ -510,7 +508,7 @@ class Exchange:
         answer_ended(rt, self.sel, status, self.previous + self.tail, ttft_ms, itl_ms=itl_ms,
                       decode_tokens=chunks or None, first_token=self.first_with_end, first_ttft_ms=ttft_ms)
         if status != "499":
-            self._complete()
+            _complete(self.side, self.cycle)  # the connection serves the next request (or closes)
         else:
             self.cycle.on_response = _nothing
 
@@ -531,7 +529,7 @@ class Exchange:
         rt = self.express.rt
         rt.metrics.answered(self.model, self.path, str(status))
         answer_ended(rt, self.sel, str(status), content, (answered - self.sent_at) * 1e3, first_token=True)
-        self._complete()
+        _complete(self.side, self.cycle)  # the connection serves the next request (or closes)
 
     def _render_head(self, status: int, headers: list[tuple[bytes, bytes]], *, chunked: bool = False) -> bytes:
         """The answer's head: ``x-request-id`` (and the debug headers, if on), then ``headers``."""
@@ -549,10 +547,6 @@ class Exchange:
         transport = self.side.transport
         if not self.cycle.disconnected and not transport.is_closing():
             transport.write(data)
-
-    def _complete(self) -> None:
-        """The client's answer is out: the connection serves the next request (or closes)."""
-        _complete(self.side, self.cycle)
 
     def _failed(self, exc: RudderError, *, first_token: bool = True) -> None:
         """The exchange failed before the client's answer began: its booking freed, the worker

@@ -290,11 +290,11 @@ class RouterMetrics:
 
     def answered(self, model: str, endpoint: str, status: str) -> None:
         """Count a request answered."""
-        self.requests.labels(model, endpoint, status).inc()
+        self.requests.labels(model, endpoint, status).value += 1  # (Count.inc's check: for amounts)
 
     def worker_answered(self, model: str, instance_id: int, status: str) -> None:
         """Count a worker's answer by worker and status (``rudder_router_worker_requests``)."""
-        self.worker_requests.labels(model, str(instance_id), status).inc()
+        self.worker_requests.labels(model, str(instance_id), status).value += 1
 
     def set_quarantined(self, workers: Iterable[tuple[str, int]],
                         timing: Iterable[tuple[str, int]] = ()) -> None:

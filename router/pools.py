@@ -71,7 +71,9 @@ class Pools:
         # were last re-read ((model, key) → whether their returns' rate changed too), re-read
         # once by :meth:`settle`: a request's commands change its slot's bookings two or three
         # times between two selections, and each re-read cost as much as the change itself.
-        self.defer = False
+        # ``defer`` is called when the first of them is noted (none was pending): the actor
+        # then settles them at the end of its turn of the event loop.
+        self.defer: Callable[[], None] | None = None
         self._unsettled: dict[tuple[str, WorkerKey], bool] = {}
 
     def table(self, model: str, role: WorkerRole) -> LoadTable[Slot]:
@@ -127,18 +129,20 @@ class Pools:
             for rank in range(state.record.dp_size):
                 self.refresh_slot(state.record.model, (wid, rank), state)
 
-    def booked(self, model: str, key: WorkerKey, *, rate: bool = True) -> bool:
+    def booked(self, model: str, key: WorkerKey, *, rate: bool = True) -> None:
         """The slot's bookings changed (and with ``rate``, its expected returns): it is re-read
         (:meth:`refresh_slot`, its health aside) at once, or with ``defer`` at the next
-        :meth:`settle` (True: noted for it)."""
-        if not self.defer:
+        :meth:`settle` (``defer`` called if it is the first slot noted since the last)."""
+        defer = self.defer
+        if defer is None:
             self.refresh_slot(model, key, health=False, rate=rate)
-            return False
+            return
         k = (model, key)
         unsettled = self._unsettled
+        if not unsettled:
+            defer()
         if rate or k not in unsettled:
             unsettled[k] = rate or unsettled.get(k, False)
-        return True
 
     def settle(self) -> None:
         """Re-read every slot whose bookings changed since :meth:`booked` noted it: before a

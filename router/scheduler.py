@@ -211,7 +211,7 @@ class Scheduler:
     def start(self) -> asyncio.Task[None]:
         if self._task is None:
             self._loop = asyncio.get_running_loop()
-            self.tables.defer = True  # the slots' re-reads after a request's commands: once a turn
+            self.tables.defer = self._settle_soon  # the slots' re-reads after a request's commands: once a turn
             self._task = asyncio.create_task(self._run(), name=f"scheduler-{self.router_id}")
         return self._task
 
@@ -229,7 +229,7 @@ class Scheduler:
             self._drain()
 
     def _drain(self) -> None:
-        self.tables.defer = False  # the actor has stopped: re-read at once again, from now on
+        self.tables.defer = None  # the actor has stopped: re-read at once again, from now on
         self.tables.settle()
         while True:
             try:
@@ -331,7 +331,13 @@ class Scheduler:
         """The selection made at once, by the caller, when the actor is idle (nothing queued, not
         inside a handler: where the queue would have put it, first) as :meth:`send` does; else
         None, and the caller submits it. Raises what a selection raises."""
-        if self._stopping or not self._idle():
+        # Idle: the actor runs, waits for a command (nothing queued: the queue's own list read,
+        # Queue.empty is a Python call) and is not inside a handler; a command handled now by
+        # its sender lands where the queue would have put it. (Tested inline here and in send:
+        # they run for every request.)
+        task = self._task
+        if (self._stopping or self._handling or task is None or task.done()
+                or self._queue._queue):  # type: ignore[attr-defined]
             return None
         if self.handling_clock is not None:  # timed, as a queued command is
             cmd = SelectWorker(request)
@@ -359,7 +365,8 @@ class Scheduler:
         if self._stopping:
             return
         cmd.seq = next(self._seq)
-        if not self._idle():
+        task = self._task  # idle, as select_now tests it
+        if self._handling or task is None or task.done() or self._queue._queue:  # type: ignore[attr-defined]
             self._enqueue(cmd)
         elif self.handling_clock is not None:
             self._handle_timed(cmd)
@@ -375,11 +382,12 @@ class Scheduler:
                 self._handling = False
 
     def _settle_soon(self) -> None:
-        """A request's command noted changed bookings (Pools.booked, once the actor runs): the
-        slots are re-read at the end of this turn of the event loop, once for every command of
-        the turn and off the path of the request that sent it (its bytes go first), unless a
-        selection or another command reads them sooner (they settle first). The pure core driven
-        directly (tests, the simulator, bench/selection.py) re-reads at once, as it always did."""
+        """A request's command noted changed bookings, the first since the slots were last
+        re-read (``Pools.defer``, called by ``Pools.booked`` once the actor runs): the slots are
+        re-read at the end of this turn of the event loop, once for every command of the turn and
+        off the path of the request that sent it (its bytes go first), unless a selection or
+        another command reads them sooner (they settle first). The pure core driven directly
+        (tests, the simulator, bench/selection.py) re-reads at once, as it always did."""
         if self._settling is None and self._loop is not None:
             self._settling = self._loop.call_soon(self._settle_due)
 
@@ -391,14 +399,6 @@ class Scheduler:
         """Whether the model's requests run in two phases (prefill, then decode): read by the HTTP
         side on the actor's thread while the actor is idle, as :meth:`select_now` does."""
         return self.chooser.disaggregated(model)
-
-    def _idle(self) -> bool:
-        """The actor runs, waits for a command (nothing queued) and is not inside a handler: a
-        command handled now by its sender lands where the queue would have put it."""
-        task = self._task
-        # (The queue's own list read: Queue.empty is a Python call, and this runs for every
-        # command a request sends.)
-        return not self._handling and task is not None and not task.done() and not self._queue._queue  # type: ignore[attr-defined]
 
     def _enqueue(self, cmd: Command[Any]) -> None:
         """Into its lane: liveness (0) ahead of the rest (1), each in the order sent."""
@@ -442,8 +442,7 @@ class Scheduler:
                     self.tables.returns.finished(booking.key, booking.hashes, now)
                     if self.peer_sync and booking.hashes:
                         self.outbox.finish(booking.key, booking.hashes[-1], now)
-                    if self.tables.booked(booking.model, booking.key):
-                        self._settle_soon()
+                    self.tables.booked(booking.model, booking.key)
                 for wid in self.timings.done(cmd.request_id, cmd.itl_ms, cmd.decode_tokens):
                     self._retime(wid)
                 if cmd.reported_cached is not None:
@@ -810,19 +809,21 @@ class Scheduler:
             raise InvalidRequest(f"model {model!r} is not served by this router", field="model")
         revisions = self.revisions(model)
         pool, pin, then_decode = self.chooser.plan(req)
+        decode_tokens = self.timings.decode_tokens[model].value
         if pin is not None:
             choice = self.chooser.pinned(req, pool, pin, self.clock())
         else:
             choice = self.chooser.choose(req, self.tables.table(model, pool), pool, self._params[model],
-                                         self.timings.decode_tokens[model].value)
+                                         decode_tokens)
         if choice.record is not None:  # a sampled decision (router.decisions)
             choice.record.revisions = dict(revisions)
             choice.record.router_id = self.router_id
-        return self._book(req, seq, revisions, choice, pinned=pin is not None, disaggregated=then_decode)
+        return self._book(req, seq, revisions, choice, pinned=pin is not None, disaggregated=then_decode,
+                          decode_tokens=decode_tokens)
 
     def _book(
         self, req: RoutingRequest, seq: int, revisions: Revisions, choice: Choice, *, pinned: bool,
-        disaggregated: bool,
+        disaggregated: bool, decode_tokens: float,
     ) -> Selection:
         slot, overlap, cost = choice.slot, choice.overlap, choice.cost
         p = req.prompt_tokens
@@ -840,8 +841,7 @@ class Scheduler:
         table = self.tables.tables.get((req.model, slot.role))
         row = table.current_time_row(slot) if table is not None else time_row(slot)
         pred = predict_row(row, params, p, overlap, least_prefill=slot.active_prefill_tokens,
-                           decode_tokens=self.timings.decode_tokens[req.model].value,
-                           uncached_tokens=float(p - cached))
+                           decode_tokens=decode_tokens, uncached_tokens=float(p - cached))
         self.timings.expect(booking_id, Pending(slot.instance_id, req.model, pred, slot.batch_tokens or 8192))
         now = self.clock()
         self.bookings.book(
@@ -849,8 +849,7 @@ class Scheduler:
         )
         if self.approximate and hashes:
             self.index.record(slot.key, hashes, now=now, ttl=self.approx_ttl_s)
-        if self.tables.booked(req.model, slot.key, rate=False):
-            self._settle_soon()
+        self.tables.booked(req.model, slot.key, rate=False)
         self.stats["selections"] += 1
         if log.isEnabledFor(logging.DEBUG):
             log.debug(
@@ -886,8 +885,7 @@ class Scheduler:
             return
         back = self._returned(booking)
         if refresh:
-            if self.tables.booked(booking.model, booking.key, rate=back == booking.key):
-                self._settle_soon()
+            self.tables.booked(booking.model, booking.key, rate=back == booking.key)
         if ttft_ms is not None:
             found = self.timings.observation(request_id, ttft_ms)
             if found is not None:
@@ -908,8 +906,7 @@ class Scheduler:
         if self.peer_sync:
             self.outbox.close(h)
         if back != booking.key:
-            if self.tables.booked(booking.model, back):
-                self._settle_soon()
+            self.tables.booked(booking.model, back)
         return back
 
     # -- the view the HTTP side reads -----------------------------------------------------------

@@ -9,18 +9,36 @@ content, so it parses events only until that point and not after.
 from __future__ import annotations
 
 import json
+import re
+from collections.abc import Callable
 from typing import Any
 
 _CONTENT_KEYS = ("content", "reasoning_content", "text", "tool_calls")
 
 
+# json.loads's own parts, for json_bytes: a default decoder's C scanner, and the whitespace
+# pattern JSONDecoder.decode skips around the document with (json.decoder.WHITESPACE's; it
+# matches anywhere, so its match is never None).
+_scan: Callable[[str, int], tuple[Any, int]] = json.JSONDecoder().scan_once  # type: ignore[attr-defined]
+_space = re.compile(r"[ \t\n\r]*", re.VERBOSE | re.MULTILINE | re.DOTALL).match
+
+
 def json_bytes(raw: bytes | bytearray) -> Any:
     """``json.loads(raw)``, without its encoding sniffing when ``raw`` opens with an ASCII byte
-    other than NUL followed by no NUL (UTF-8, which is all RFC 8259 allows between systems): the
-    same answer and errors, a few calls fewer on every request and stream. Anything else (UTF-16
-    or 32, a BOM) goes through ``json.loads`` as it is."""
+    other than NUL followed by no NUL (UTF-8, which is all RFC 8259 allows between systems), and
+    with the C scanner called as ``JSONDecoder.decode`` calls it: the same answer and errors,
+    three Python calls fewer on every request body and stream's first event. Anything else
+    (UTF-16 or 32, a BOM) goes through ``json.loads`` as it is."""
     if raw and 0 < raw[0] < 128 and raw[1:2] != b"\x00":
-        return json.loads(raw.decode("utf-8", "surrogatepass"))
+        s = raw.decode("utf-8", "surrogatepass")
+        try:
+            obj, end = _scan(s, _space(s, 0).end())  # type: ignore[union-attr]
+        except StopIteration as err:
+            raise json.JSONDecodeError("Expecting value", s, err.value) from None
+        end = _space(s, end).end()  # type: ignore[union-attr]
+        if end != len(s):
+            raise json.JSONDecodeError("Extra data", s, end)
+        return obj
     return json.loads(raw)
 
 

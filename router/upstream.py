@@ -177,7 +177,8 @@ class _Conn(asyncio.Protocol):
         self.status = status
         self.reusable = self.parser.should_keep_alive()  # what the head says (HTTP/1.1, Connection)
         self.head_done = True
-        self._wake()
+        if self._waiter is not None:  # (an express exchange has no reader: no call a read)
+            self._wake()
 
     def _pause(self) -> None:
         if not self._paused and self.transport is not None:
@@ -189,7 +190,8 @@ class _Conn(asyncio.Protocol):
             return  # an informational answer's end, or one after the answer
         self._ended = len(self.body)
         self.complete = True
-        self._wake()
+        if self._waiter is not None:
+            self._wake()
 
     # -- the exchange's side ---------------------------------------------------------------------
 
@@ -223,9 +225,6 @@ class _Conn(asyncio.Protocol):
         if not self.head_done:
             self.expired = True
             self._fail("TimeoutError")
-
-    def keep_alive(self) -> bool:
-        return not self.lost and self.complete and self.reusable
 
     def close(self) -> None:
         if self.transport is not None:
@@ -290,14 +289,6 @@ class UpstreamClient:
                 return conn
         return None
 
-    def _release(self, key: tuple[str, int], conn: _Conn) -> None:
-        conn.active = False
-        pool = self._pools.setdefault(key, _Pool())
-        if self._closed or len(pool.idle) >= self.max_idle or not conn.keep_alive():
-            conn.close()
-            return
-        conn.reused = True
-        pool.idle.append(conn)
 
     def _request(self, url: str, path: str, body: bytes, headers: Mapping[str, str]) -> tuple[tuple[str, int], bytes]:
         """(the worker's address, the bytes of a POST of ``body`` to ``url + path``)."""
@@ -340,10 +331,16 @@ class UpstreamClient:
         return timer
 
     def release(self, key: tuple[str, int], conn: _Conn) -> None:
-        """A connection whose answer was read to its end back to its pool (closed if it cannot
-        serve another)."""
+        """A connection whose answer was read to its end back to its pool; closed if it cannot
+        serve another (gone, its answer not complete, or its head said it does not keep alive)."""
         conn.listener = None
-        self._release(key, conn)
+        conn.active = False
+        pool = self._pools.setdefault(key, _Pool())
+        if self._closed or len(pool.idle) >= self.max_idle or conn.lost or not conn.complete or not conn.reusable:
+            conn.close()
+            return
+        conn.reused = True
+        pool.idle.append(conn)
 
     async def open(self, url: str, path: str, body: bytes, headers: Mapping[str, str]) -> UpstreamResponse:
         """POST ``body`` to ``url + path``; return once the status line and headers are in.
@@ -532,7 +529,7 @@ class UpstreamResponse:
         self._end()
         conn, self._conn = self._conn, None
         if conn is not None:
-            self._client._release(self._key, conn)
+            self._client.release(self._key, conn)
 
     def _abandon(self) -> None:
         self._end()

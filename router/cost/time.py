@@ -260,7 +260,7 @@ def row_costs(
     if argmin_only:
         # Rows in ascending floor (``order``, if the caller keeps it): past the first floor above
         # the least cost so far, no row can be the least or tie with it.
-        bound = min(c for c, _ in exact) + TIE_EPS if exact else math.inf
+        bound = min(exact)[0] + TIE_EPS if exact else math.inf  # (the least cost: tuples order by it first)
         costs = [math.inf] * len(rows)
         pw = p * inter_w
         for i in (range(len(rows)) if order is None else order):

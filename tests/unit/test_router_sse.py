@@ -69,9 +69,10 @@ _TEXTS = st.recursive(st.none() | st.booleans() | st.integers() | st.text(), lam
 
 @given(st.binary(max_size=16) | _TEXTS.flatmap(lambda t: st.sampled_from(
     [t.encode(), t.encode("utf-16"), t.encode("utf-16-le"), t.encode("utf-32-le"), t.encode("utf-8-sig"),
-     (" " + t).encode()])))
+     (" " + t).encode(), f"\t{t} \r\n".encode(), f"{t} x".encode(), f"{t}{t}".encode(), t.encode()[:-1]])))
 def test_json_bytes_answers_as_json_loads_does(raw: bytes) -> None:
-    """The request path's parse skips json.loads' encoding sniffing for UTF-8: the same values
-    and the same errors, whatever the bytes."""
+    """The request path's parse skips json.loads' encoding sniffing for UTF-8 and calls its
+    scanner as JSONDecoder.decode does: the same values and the same errors (their messages and
+    positions: whitespace around, extra data after, a document cut short), whatever the bytes."""
     assert _outcome(json_bytes, raw) == _outcome(json.loads, raw)
     assert _outcome(json_bytes, bytearray(raw)) == _outcome(json.loads, raw)  # a body read in parts
