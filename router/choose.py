@@ -264,8 +264,10 @@ class Chooser:
             if (len(table) if rows is None else len(rows)) == 0:
                 self.pools.none_eligible(req.model, table, pool, req.exclude)
             slots = table.row(0 if rows is None else int(rows[0])),  # only its block size is read
-        else:
-            chosen_from = self.pools.eligible(req.model, table, pool, req.exclude)
+        else:  # (Pools.eligible, inline: this runs for every request)
+            chosen_from = table.selectable(req.exclude)
+            if not chosen_from.candidates:
+                self.pools.none_eligible(req.model, table, pool, req.exclude)
             slots = chosen_from.candidates
         overlaps: dict[WorkerKey, Overlap] = {}
         if self.index is not None:

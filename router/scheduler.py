@@ -805,16 +805,17 @@ class Scheduler:
 
     def _select(self, req: RoutingRequest, seq: int) -> Selection:
         model = req.model
-        if model not in self._slots:  # (settles the slots)
+        tables = self.tables
+        tables.settle()  # (what the _slots property does, inline: this runs for every request)
+        if model not in tables.slots:
             raise InvalidRequest(f"model {model!r} is not served by this router", field="model")
-        revisions = self.revisions(model)
+        revisions = self._revisions.get(model) or self.revisions(model)
         pool, pin, then_decode = self.chooser.plan(req)
         decode_tokens = self.timings.decode_tokens[model].value
         if pin is not None:
             choice = self.chooser.pinned(req, pool, pin, self.clock())
         else:
-            choice = self.chooser.choose(req, self.tables.table(model, pool), pool, self._params[model],
-                                         decode_tokens)
+            choice = self.chooser.choose(req, tables.tables[(model, pool)], pool, self._params[model], decode_tokens)
         if choice.record is not None:  # a sampled decision (router.decisions)
             choice.record.revisions = dict(revisions)
             choice.record.router_id = self.router_id

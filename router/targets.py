@@ -234,7 +234,8 @@ def parse_ttft_slo(nvext: Any, headers: Mapping[str, str]) -> float | None:
             raise InvalidRequest(f"{field} must be a number of milliseconds, got {raw!r}", field=field) from None
     else:
         field = "nvext.ttft_slo_ms"
-        value = nvext.get("ttft_slo_ms") if isinstance(nvext, Mapping) else None
+        # (None first: an isinstance check against the Mapping ABC is a Python call)
+        value = nvext.get("ttft_slo_ms") if nvext is not None and isinstance(nvext, Mapping) else None
         if value is None:
             return None
         if isinstance(value, bool) or not isinstance(value, int | float):

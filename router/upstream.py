@@ -244,6 +244,9 @@ def _decoded(raw: list[tuple[bytes, bytes]]) -> dict[str, str]:
     return {name.decode("latin-1").strip().lower(): value.decode("latin-1").strip() for name, value in raw}
 
 
+_MAX_STARTS = 4096  # (url, path) pairs whose request start is kept (UpstreamClient._request)
+
+
 @dataclass(slots=True)
 class _Pool:
     idle: list[_Conn] = field(default_factory=list)
@@ -259,6 +262,8 @@ class UpstreamClient:
         self.max_idle = max_idle_per_host
         self._pools: dict[tuple[str, int], _Pool] = {}
         self._addr: dict[str, tuple[str, int, str]] = {}
+        # (url, path) → (the pool's key, the request line and Host field)
+        self._starts: dict[tuple[str, str], tuple[tuple[str, int], str]] = {}
         self._closed = False
 
     def _address(self, url: str) -> tuple[str, int, str]:
@@ -292,10 +297,16 @@ class UpstreamClient:
 
     def _request(self, url: str, path: str, body: bytes, headers: Mapping[str, str]) -> tuple[tuple[str, int], bytes]:
         """(the worker's address, the bytes of a POST of ``body`` to ``url + path``)."""
-        host, port, prefix = self._address(url)
-        lines = [f"POST {prefix}{path} HTTP/1.1", f"Host: {host}:{port}", f"Content-Length: {len(body)}"]
-        lines += [f"{k}: {v}" for k, v in headers.items()]
-        return (host, port), ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1") + body
+        start = self._starts.get((url, path))
+        if start is None:  # the request line and Host of each worker's route, made once
+            host, port, prefix = self._address(url)
+            if len(self._starts) >= _MAX_STARTS:  # (workers come and go: a bound, not a leak)
+                self._starts.clear()
+            line = f"POST {prefix}{path} HTTP/1.1\r\nHost: {host}:{port}\r\n"
+            start = self._starts[(url, path)] = ((host, port), line)
+        key, head = start
+        fields = "".join([f"{k}: {v}\r\n" for k, v in headers.items()])
+        return key, f"{head}Content-Length: {len(body)}\r\n{fields}\r\n".encode("latin-1") + body
 
     def idle(self, url: str) -> tuple[tuple[str, int], _Conn] | None:
         """An idle keep-alive connection to ``url``'s worker (taken from the pool), with the pool's
