@@ -809,7 +809,7 @@ class Scheduler:
         tables.settle()  # (what the _slots property does, inline: this runs for every request)
         if model not in tables.slots:
             raise InvalidRequest(f"model {model!r} is not served by this router", field="model")
-        revisions = self._revisions.get(model) or self.revisions(model)
+        revisions = self.revisions(model)
         pool, pin, then_decode = self.chooser.plan(req)
         decode_tokens = self.timings.decode_tokens[model].value
         if pin is not None:

@@ -244,9 +244,6 @@ def _decoded(raw: list[tuple[bytes, bytes]]) -> dict[str, str]:
     return {name.decode("latin-1").strip().lower(): value.decode("latin-1").strip() for name, value in raw}
 
 
-_MAX_STARTS = 4096  # (url, path) pairs whose request start is kept (UpstreamClient._request)
-
-
 @dataclass(slots=True)
 class _Pool:
     idle: list[_Conn] = field(default_factory=list)
@@ -294,14 +291,11 @@ class UpstreamClient:
                 return conn
         return None
 
-
     def _request(self, url: str, path: str, body: bytes, headers: Mapping[str, str]) -> tuple[tuple[str, int], bytes]:
         """(the worker's address, the bytes of a POST of ``body`` to ``url + path``)."""
         start = self._starts.get((url, path))
-        if start is None:  # the request line and Host of each worker's route, made once
+        if start is None:  # the request line and Host of each worker's route, made once (as _address)
             host, port, prefix = self._address(url)
-            if len(self._starts) >= _MAX_STARTS:  # (workers come and go: a bound, not a leak)
-                self._starts.clear()
             line = f"POST {prefix}{path} HTTP/1.1\r\nHost: {host}:{port}\r\n"
             start = self._starts[(url, path)] = ((host, port), line)
         key, head = start

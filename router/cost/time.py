@@ -345,7 +345,7 @@ def predict_row(
     if p <= 0:
         return Prediction(0.0, 0.0, q, 0.0 if uncached_tokens is None else uncached_tokens, 0, u, n_req)
     n: float = p
-    if ov is not None and (ov.device or ov.host or ov.disk or ov.shared):  # (Overlap.total, without its call)
+    if ov is not None and ov.total:
         n = _uncached(row, params, p, ov, least_prefill, request_blocks)
     cost, ttft = _plain_cost(row, n, params.prefill_interference_weight, params.arrival_wait_weight)
     if n_req and params.decode_slowdown_weight:
