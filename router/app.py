@@ -34,6 +34,7 @@ from controlplane.protocol.policy import Number, PolicyKind, startup_values
 from controlplane.protocol.subjects import BUCKET_ROUTERS, STREAM_POLICY, decisions_subject, policy_subject
 from controlplane.telemetry import logs, traces
 from controlplane.telemetry.logs import configure_logging
+from router import build
 from router.api import RouterApp, build_api, error_response
 from router.claims import RateLimits
 from router.commands import UseVerifyKeys
@@ -175,10 +176,13 @@ class RouterRuntime:
         # /health answers 503 until the membership replay is applied; the API serves meanwhile.
         self.tasks.spawn(self.membership.wait_complete(), name="first-discovery")
         log.info(
-            "router %s serving %s on %s (mode %s, role %s, cache inputs %s, policy keys %s)",
+            "router %s serving %s on %s (mode %s, role %s, cache inputs %s, policy keys %s, request path %s)",
             s.router_id, ", ".join(s.models), s.url(), s.mode.value, s.role.value,
             ", ".join(sorted(self.cache_inputs)) or "none", ", ".join(self.verify_keys.keyring.key_ids),
+            "compiled" if build.running_compiled() else "pure Python",
         )
+        if stale := build.stale_modules():
+            log.warning("router %s: %s", s.router_id, build.advice(stale))
 
     async def _answer_decisions(self, msg: Message) -> None:
         """``rudder.decisions.<router_id>``: this router's records of one request (router.decisions)."""

@@ -41,6 +41,9 @@ class Selectable(NamedTuple, Generic[C]):
     order: list[int] | None  # positions by ascending floor_ms (router.cost.time.row_costs), if kept
 
 
+_MISSING: Any = object()  # pop's default: none given
+
+
 class LoadTable(dict[WorkerKey, C]):
     """A scheduler's slot map (key → candidate) that also keeps its candidates as columns: block
     size, active prefill tokens, decode blocks, active requests, eligibility. Reads are a plain
@@ -130,14 +133,12 @@ class LoadTable(dict[WorkerKey, C]):
         for i in range(row, n):
             self._row_of[self._rows[i].key] = i
 
-    _MISSING: Any = object()
-
     def pop(self, key: WorkerKey, default: Any = _MISSING) -> Any:
         if key in self:
             cand = self[key]
             del self[key]
             return cand
-        if default is self._MISSING:
+        if default is _MISSING:
             raise KeyError(key)
         return default
 

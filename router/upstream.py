@@ -56,6 +56,14 @@ class Listener(Protocol):
         """The connection is gone (``conn.complete`` if an answer framed by the close ended)."""
 
 
+class _Lost:
+    """The parser callbacks of a connection that is gone (nothing is fed to its parser then)."""
+
+
+# The parser of every lost connection (its own is let go of: connection_lost).
+_LOST = httptools.HttpResponseParser(_Lost())
+
+
 class _Conn(asyncio.Protocol):
     """One connection to a worker and the state of the exchange on it (one at a time)."""
 
@@ -136,7 +144,7 @@ class _Conn(asyncio.Protocol):
         self.lost = True
         # Nothing is parsed after this; the parser's callbacks are this connection's methods (a
         # reference cycle): without it the two are freed by reference counting.
-        del self.parser
+        self.parser = _LOST
         closed_framing = False
         if self.head_done and not self.complete:
             headers = _decoded(self.raw_headers)
@@ -511,10 +519,9 @@ class UpstreamResponse:
             self._deadline.waiting()  # served: the wait for the worker starts again from now
         return True
 
-    async def aiter_raw(self) -> AsyncIterator[bytes]:
+    def aiter_raw(self) -> AsyncIterator[bytes]:
         """The body's parts, as :meth:`next_chunk` hands them out."""
-        while (data := await self.next_chunk()) is not None:
-            yield data
+        return _Parts(self)
 
     async def aread(self, limit: int | None = None) -> bytes:
         """The whole body. Past ``limit`` bytes the connection is closed and UpstreamBroken
@@ -558,3 +565,20 @@ class UpstreamResponse:
         conn = self._conn
         if conn is not None and not self._done and conn.transport is not None:
             conn.transport.abort()
+
+
+class _Parts:
+    """:meth:`UpstreamResponse.aiter_raw`'s iterator (a class: the router's compiled modules
+    cannot hold an async generator, docs/decisions.md 131)."""
+
+    def __init__(self, response: UpstreamResponse) -> None:
+        self._response = response
+
+    def __aiter__(self) -> _Parts:
+        return self
+
+    async def __anext__(self) -> bytes:
+        data = await self._response.next_chunk()
+        if data is None:
+            raise StopAsyncIteration
+        return data

@@ -41,6 +41,15 @@ hypothesis_settings.register_profile("rudder", deadline=None)
 hypothesis_settings.load_profile("rudder")
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    """The suite runs what the checkout holds: not a compiled module older than its source
+    (router.build; setup.py compiles the router's request path)."""
+    from router import build
+
+    if stale := build.stale_modules():
+        raise pytest.UsageError(build.advice(stale))
+
+
 def pytest_collection_finish(session: pytest.Session) -> None:
     """What imports and collection made lives to the session's end: frozen out of the cyclic
     collector's way, as ``router.app.run`` does after start-up. The routers and workers that tests

@@ -312,7 +312,7 @@ def _plain_cost(row: TimeRow, p: float, inter_w: float, wait_w: float) -> tuple[
     if x <= m:
         part = p0 + x * (p1 + p2 * x)
         prefill = part if part > 0.0 else 0.0
-        steps = 1
+        steps = 1.0
     else:
         steps = x // m
         rem = x - steps * m
@@ -344,7 +344,7 @@ def predict_row(
     u = rest.decode_blocks / rest.kv_blocks
     if p <= 0:
         return Prediction(0.0, 0.0, q, 0.0 if uncached_tokens is None else uncached_tokens, 0, u, n_req)
-    n: float = p
+    n: float = float(p)
     if ov is not None and ov.total:
         n = _uncached(row, params, p, ov, least_prefill, request_blocks)
     cost, ttft = _plain_cost(row, n, params.prefill_interference_weight, params.arrival_wait_weight)

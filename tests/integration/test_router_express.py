@@ -348,14 +348,14 @@ async def test_a_bug_on_the_express_path_is_a_500_or_a_closed_stream_and_frees_t
         assert r.status_code == 500, r.text
         assert r.json()["error"]["type"] == "server_error"
 
-        class BrokenDetector:
-            def feed(self, chunk: bytes) -> bool:
-                raise RuntimeError("a bug in the relay")
+        def broken_slo(model: str, outcome: str) -> None:  # (called at the first token)
+            raise RuntimeError("a bug in the relay")
 
         with monkeypatch.context() as m:
-            m.setattr(express_module, "FirstTokenDetector", BrokenDetector)
+            m.setattr(express.runtime.metrics, "observe_slo", broken_slo)
             with pytest.raises(httpx.HTTPError):
-                async with http.stream("POST", "/v1/completions", json={**body, "stream": True}) as resp:
+                async with http.stream("POST", "/v1/completions", json={**body, "stream": True},
+                                       headers={"x-rudder-ttft-slo-ms": "60000"}) as resp:
                     await resp.aread()
         assert (await http.post("/v1/completions", json=body)).status_code == 200
     assert bugs._value.get() == before + 2
