@@ -3,10 +3,12 @@ compiled to C extensions by mypyc (docs/decisions.md 131).
 
 The modules below are the router's request path: the scheduler actor and its selection, bookings,
 calibration and returns, the express path and its worker client, the SSE reader, the tokenizer's
-cache and the prefix index. They are type-checked with ``mypy --strict`` anyway; compiled, a
-proxied request costs the router about a fifth less CPU (bench/proxy_overhead.py). Nothing else
-changes: the same source is the pure-Python module where no C compiler is found (each extension
-is optional: a failed one is left out and its ``.py`` imported), or with ``RUDDER_PURE_PYTHON=1``.
+cache and the prefix index. They are type-checked with ``mypy --strict`` anyway; compiled, the
+actor's work a request and a selection over a model's pool take about half the time
+(bench/request_commands.py, bench/selection.py), while the router's CPU a request end to end moved
+within the bench's noise (bench/proxy_overhead.py). Nothing else changes: the same source is the
+pure-Python module where no C compiler is found (each extension is optional: a failed one is left
+out and its ``.py`` imported), or with ``RUDDER_PURE_PYTHON=1``.
 
 An editable install (``pip install -e .``) builds them next to their sources; after editing one of
 these modules, run ``pip install -e .`` again (``router.build.stale_modules`` names the stale ones,

@@ -16,13 +16,24 @@ ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ("router", "controlplane")
 
 
+def _built(root: Path) -> list[tuple[Path, Path]]:
+    """(extension, its source) of every module of ``root``'s packages built next to its ``.py``,
+    in path order (an extension's suffix is the most specific of the interpreter's that it ends
+    with: ``.cpython-311-x86_64-linux-gnu.so`` before ``.so``)."""
+    pairs = []
+    for package in PACKAGES:
+        for path in (root / package).rglob("*"):
+            suffix = next((s for s in importlib.machinery.EXTENSION_SUFFIXES if path.name.endswith(s)), None)
+            if suffix is not None:
+                source = path.with_name(path.name[: -len(suffix)] + ".py")
+                if source.exists():
+                    pairs.append((path, source))
+    return sorted(pairs)
+
+
 def compiled_modules(root: Path = ROOT) -> list[Path]:
     """The C extensions built from this checkout's modules (each next to its ``.py``)."""
-    found: list[Path] = []
-    for package in PACKAGES:
-        for suffix in importlib.machinery.EXTENSION_SUFFIXES:
-            found += [p for p in (root / package).rglob(f"*{suffix}") if p.with_name(_source(p, suffix)).exists()]
-    return sorted(set(found))
+    return [ext for ext, _ in _built(root)]
 
 
 def stale_modules(root: Path = ROOT) -> list[str]:
@@ -30,13 +41,8 @@ def stale_modules(root: Path = ROOT) -> list[str]:
     paths relative to the checkout (empty outside one)."""
     if not (root / "pyproject.toml").exists():
         return []
-    stale = []
-    for ext in compiled_modules(root):
-        suffix = next(s for s in importlib.machinery.EXTENSION_SUFFIXES if ext.name.endswith(s))
-        source = ext.with_name(_source(ext, suffix))
-        if source.stat().st_mtime > ext.stat().st_mtime:
-            stale.append(str(source.relative_to(root)))
-    return stale
+    return [str(source.relative_to(root)) for ext, source in _built(root)
+            if source.stat().st_mtime > ext.stat().st_mtime]
 
 
 def running_compiled() -> bool:
@@ -51,6 +57,3 @@ def advice(stale: list[str]) -> str:
     return (f"compiled from older sources: {', '.join(stale)}; run `pip install -e .` again "
             "(or delete the modules' .so files to run their .py)")
 
-
-def _source(ext: Path, suffix: str) -> str:
-    return ext.name[: -len(suffix)] + ".py"
