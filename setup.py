@@ -33,6 +33,7 @@ COMPILED = [
     "router/calibration.py",
     "router/returns.py",
     "router/express.py",
+    "router/requestwork.py",
     "router/upstream.py",
     "router/sse.py",
     "router/tokenize.py",

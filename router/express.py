@@ -44,22 +44,18 @@ from uvicorn.protocols.http.httptools_impl import STATUS_LINE, RequestResponseCy
 
 from controlplane.protocol.errors import ClientGone, Overloaded, RudderError, ServiceUnavailable
 from controlplane.telemetry import logs, traces
-from router.api import (
-    INFERENCE_ROUTES,
-    UNREACHABLE,
+from router.api import INFERENCE_ROUTES, UNREACHABLE, bug_answer, error_answer, with_charset
+from router.commands import MarkUnavailable, RequestDone, RequestFirstToken, Revisions, Selection, SelectWorker
+from router.requestwork import (
     Runtime,
     answer_ended,
-    bug_answer,
-    error_answer,
     parse_body,
     request_fields,
     request_headers,
     routing_request,
     target_body,
     tokenize_request,
-    with_charset,
 )
-from router.commands import MarkUnavailable, RequestDone, RequestFirstToken, Revisions, Selection, SelectWorker
 from router.sse import FirstTokenDetector
 from router.targets import HDR_DP_RANK, HDR_POLICY_REVISIONS, HDR_PREDICTED_CACHED, HDR_PREDICTED_TTFT, HDR_WORKER
 from router.upstream import ReadDeadline, _Conn, header_value

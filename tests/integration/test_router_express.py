@@ -331,7 +331,7 @@ async def test_a_bug_on_the_express_path_is_a_500_or_a_closed_stream_and_frees_t
     in the OpenAI shape, as the ASGI path answers one; one while its answer streams closes the
     client's connection (as uvicorn does when an app raises once its answer began). Either way it
     is counted as an internal error and nothing stays booked; the router serves the next request."""
-    import router.express as express_module
+    import controlplane.protocol.tokenizer as byte_tokenizer
 
     express, _, _ = routers
     bugs = express.runtime.metrics.rejections.labels("internal_error")
@@ -343,7 +343,8 @@ async def test_a_bug_on_the_express_path_is_a_500_or_a_closed_stream_and_frees_t
 
     async with httpx.AsyncClient(base_url=express.url, timeout=30) as http:
         with monkeypatch.context() as m:
-            m.setattr(express_module, "tokenize_request", broken_tokenize)
+            # (the compiled request path calls the byte tokenizer's encoding through its module)
+            m.setattr(byte_tokenizer, "encode", broken_tokenize)
             r = await http.post("/v1/completions", json=body)
         assert r.status_code == 500, r.text
         assert r.json()["error"]["type"] == "server_error"

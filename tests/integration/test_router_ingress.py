@@ -413,31 +413,33 @@ async def test_a_large_prompt_is_tokenized_and_hashed_off_the_event_loop(
     the other client, and the work would run on the loop's thread. A small body is parsed and
     tokenized inline (a thread hop costs more than the work). The requests pin an unknown worker,
     so the router refuses them after that work, without a worker (the small one on the express
-    path, router.express, which calls the same two functions)."""
+    path, router.express). The spies are where plain Python is called: the ASGI path's
+    ``parse_body`` (router.api's global) and the byte tokenizer's encoding
+    (controlplane.protocol.tokenizer), which the compiled request path calls through its module;
+    the express path parses a body in the same callback as it tokenizes it."""
+    import controlplane.protocol.tokenizer as byte_tokenizer
     import router.api as api
-    import router.express as express
 
     router = fleet
     assert router.settings.offload_min_bytes < 3_000_000
     loop_thread = threading.get_ident()
     other_served = threading.Event()
-    parsed: list[tuple[int, int]] = []  # (thread, body bytes)
+    parsed: list[tuple[int, int]] = []  # (thread, body bytes), on the ASGI path
     tokenized: list[tuple[int, int, bool]] = []  # (thread, prompt characters, the other client served)
-    parse, tokenize = api.parse_body, api.tokenize_request
+    parse, encode_chat = api.parse_body, byte_tokenizer.encode_chat
 
     def parse_spy(raw: bytes) -> dict[str, Any]:
         parsed.append((threading.get_ident(), len(raw)))
         return parse(raw)
 
-    def tokenize_spy(tok: Any, body: dict[str, Any], chat: bool, block_sizes: tuple[int, ...]) -> Any:
-        size = len(body["messages"][0]["content"])
+    def encode_spy(messages: Any) -> list[int]:
+        size = len(messages[0]["content"])
         served = other_served.wait(30) if threading.get_ident() != loop_thread else False
         tokenized.append((threading.get_ident(), size, served))
-        return tokenize(tok, body, chat, block_sizes)
+        return encode_chat(messages)
 
-    for module in (api, express):
-        monkeypatch.setattr(module, "parse_body", parse_spy)
-        monkeypatch.setattr(module, "tokenize_request", tokenize_spy)
+    monkeypatch.setattr(api, "parse_body", parse_spy)
+    monkeypatch.setattr(byte_tokenizer, "encode_chat", encode_spy)
 
     def body(chars: int) -> dict[str, Any]:
         return {"model": MODEL, "messages": [{"role": "user", "content": "y" * chars}]}
@@ -451,10 +453,8 @@ async def test_a_large_prompt_is_tokenized_and_hashed_off_the_event_loop(
         r = await large
     assert small.status_code == 400 and r.status_code == 400 and "999" in r.json()["error"]["message"]
     big = [t for t in parsed if t[1] > 3_000_000]
-    little = [t for t in parsed if t[1] < router.settings.offload_min_bytes]
-    assert len(big) == 1 and len(little) == 1, parsed
+    assert len(big) == 1 and len(parsed) == 1, parsed  # the small one on the express path
     assert big[0][0] != loop_thread, "the 3 MB body was parsed on the event loop's thread"
-    assert little[0][0] == loop_thread, "a small body went to a thread"
     by_size = {size: (thread, served) for thread, size, served in tokenized}
     assert set(by_size) == {3_000_000, 100}, tokenized
     assert by_size[3_000_000][0] != loop_thread, "the 3 MB prompt was tokenized on the event loop's thread"

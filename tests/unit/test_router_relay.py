@@ -10,8 +10,9 @@ from typing import Any
 
 import pytest
 
-from router.api import RelayResponse, target_body
+from router.api import RelayResponse
 from router.commands import NO_REVISIONS, Selection
+from router.requestwork import target_body
 from router.upstream import UpstreamBroken, UpstreamClient
 
 pytestmark = pytest.mark.timeout(30)

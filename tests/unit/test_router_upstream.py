@@ -9,7 +9,7 @@ import pytest
 
 from cli.embedded import free_port
 from router.app import RouterRuntime
-from router.proxy import forward_headers
+from router.requestwork import forward_headers
 from router.upstream import UpstreamBroken, UpstreamClient, UpstreamUnreachable
 from tests.support_router.workers import router_settings
 
