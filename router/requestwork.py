@@ -30,17 +30,6 @@ from router.sse import json_bytes
 from router.targets import Targets, parse_targets, parse_ttft_slo
 from router.tokenize import Tokenizer, TokenizerRegistry
 
-# Hop-by-hop and framing headers we never forward; and ``expect``: the router has read the whole
-# body already, and a worker asked for 100-continue answers a 100 before its answer.
-_DROP = frozenset({
-    "host", "content-length", "connection", "keep-alive", "transfer-encoding", "te", "upgrade",
-    "proxy-authorization", "proxy-connection", "accept-encoding", "expect",
-})
-# A client's credentials are for the router's edge, not for workers (a stolen worker credential
-# must not harvest them): dropped unless RUDDER_FORWARD_CREDENTIAL_HEADERS names them.
-CREDENTIAL_HEADERS = frozenset({"authorization", "cookie", "x-api-key", "api-key"})
-
-
 
 class Runtime(Protocol):
     """What the API needs from the process wiring (router.app.RouterRuntime)."""
@@ -70,6 +59,17 @@ _CACHED = re.compile(rb'"cached_tokens"\s*:\s*(\d+)')
 # Where a request's scope keeps its model label once the router serves that model, for the
 # error mapping (router.api; a scope key: Starlette's ``request.state`` makes an object per request).
 MODEL_KEY = "rudder.model"
+
+
+# Hop-by-hop and framing headers we never forward; and ``expect``: the router has read the whole
+# body already, and a worker asked for 100-continue answers a 100 before its answer.
+_DROP = frozenset({
+    "host", "content-length", "connection", "keep-alive", "transfer-encoding", "te", "upgrade",
+    "proxy-authorization", "proxy-connection", "accept-encoding", "expect",
+})
+# A client's credentials are for the router's edge, not for workers (a stolen worker credential
+# must not harvest them): dropped unless RUDDER_FORWARD_CREDENTIAL_HEADERS names them.
+CREDENTIAL_HEADERS = frozenset({"authorization", "cookie", "x-api-key", "api-key"})
 
 
 def forward_headers(headers: Mapping[str, str], *, allow: frozenset[str] = frozenset()) -> dict[str, str]:
