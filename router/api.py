@@ -222,6 +222,7 @@ _TRACE = "rudder.trace"
 UNREACHABLE = "rudder.unreachable"
 
 
+# What vLLM's disaggregated proxy sends a prefill worker: compute the prompt, keep its KV for a
 # remote decode. An engine without a KV connector ignores it (the mock does too).
 _PREFILL_KV_PARAMS = {
     "do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
